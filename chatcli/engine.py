@@ -1,0 +1,515 @@
+"""The one llama.cpp context of a chatcli process.
+
+Everything that touches the model's KV memory lives here: evaluating tokens, sampling, truncating,
+shifting, and saving/restoring ranges of cells. No other module imports ``llama_cpp``.
+
+The engine's token list is the truth about what the context holds: ``tokens[i]`` is the token whose KV
+cells sit at position ``i`` of sequence 0. Generated tokens are appended as the sampled ids, never
+re-tokenized. Sequence 1 is a scratch sequence used to cut a position range out of sequence 0 for saving
+(``llama_memory_seq_cp`` in a unified KV cache only tags cells, it copies nothing) and to stage cells
+being restored.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+os.environ.setdefault("GGML_BACKEND_DEVICE", "")  # keep ggml from probing GPUs it was not built for
+
+import llama_cpp  # noqa: E402  (the only import of llama_cpp in chatcli)
+
+SEQ = 0  # the conversation
+SCRATCH = 1  # staging area for saving/restoring cell ranges
+
+ProgressFn = Callable[[int, int], None]
+
+
+class EngineError(RuntimeError):
+    """llama.cpp refused an operation (model load, decode, state restore)."""
+
+
+class ContextFullError(EngineError):
+    """The tokens to evaluate do not fit in the remaining context."""
+
+
+# llama.cpp logs a lot to stderr; keep the recent lines to explain failures instead of printing them.
+_LOG: collections.deque[str] = collections.deque(maxlen=50)
+
+
+@llama_cpp.llama_log_callback
+def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    try:
+        _LOG.append(text.decode("utf-8", errors="replace"))
+    except Exception:  # never raise into C
+        pass
+
+
+llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+_BACKEND_READY = False
+
+
+def _last_error() -> str:
+    for line in reversed(_LOG):
+        line = line.strip()
+        if line:
+            return line
+    return ""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters of one reply. ``temperature <= 0`` means greedy."""
+
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 40
+    repeat_penalty: float = 1.1
+    repeat_last_n: int = 64
+
+
+@dataclass
+class EvalStats:
+    """What one evaluation cost."""
+
+    n_eval: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class TokenEvent:
+    """One sampled token, as it streams out of ``Engine.generate``."""
+
+    token: int
+    piece: bytes
+    is_eog: bool
+    t_since_start: float
+
+
+@dataclass
+class GenerationResult:
+    """How a generation ended; filled in by ``Engine.generate`` as it goes."""
+
+    tokens: list[int] = field(default_factory=list)
+    stop_reason: str = ""  # "eog" | "length" | "cancelled" | "stop" | "context"
+    ttft: float = 0.0
+    seconds: float = 0.0
+    n_decoded: int = 0
+
+
+@dataclass
+class Chunk:
+    """Saved KV cells of positions [p0, p1) of the conversation sequence."""
+
+    p0: int
+    p1: int
+    data: bytes
+
+
+class Engine:
+    """Owns one model and one context for the life of a chatcli process."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        n_ctx: int = 4096,
+        n_threads: int | None = None,
+        n_batch: int = 512,
+        progress: Callable[[float], None] | None = None,
+    ) -> None:
+        global _BACKEND_READY
+        if not _BACKEND_READY:
+            llama_cpp.llama_backend_init()
+            _BACKEND_READY = True
+        self.model_path = str(model_path)
+        mparams = llama_cpp.llama_model_default_params()
+        if progress is not None:
+            def _cb(value: float, _data: ctypes.c_void_p) -> bool:
+                progress(value)
+                return True
+
+            self._progress_cb = llama_cpp.llama_progress_callback(_cb)
+            mparams.progress_callback = self._progress_cb
+        model = llama_cpp.llama_model_load_from_file(self.model_path.encode(), mparams)
+        if not model:
+            raise EngineError(f"llama.cpp could not load the model {self.model_path}: {_last_error() or 'unknown error'}")
+        self._model = model
+        self._vocab = llama_cpp.llama_model_get_vocab(model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+        self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(model)
+
+        threads = n_threads or max(1, os.cpu_count() or 1)
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = n_batch
+        # Two sequences in one unified cache: 0 is the conversation, 1 the scratch for partial saves.
+        cparams.n_seq_max = 2
+        cparams.kv_unified = True
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        # Pinned so the saved V layout (transposed or not) is the same in every process.
+        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cparams.type_k = llama_cpp.GGML_TYPE_F16
+        cparams.type_v = llama_cpp.GGML_TYPE_F16
+        cparams.no_perf = True
+        self._cancel_flag = threading.Event()
+
+        def _abort(_data: ctypes.c_void_p) -> bool:
+            return self._cancel_flag.is_set() and self._abortable
+
+        self._abortable = False
+        self._abort_cb = llama_cpp.ggml_abort_callback(_abort)
+        ctx = llama_cpp.llama_init_from_model(model, cparams)
+        if not ctx:
+            llama_cpp.llama_model_free(model)
+            raise EngineError(f"llama.cpp could not create a context of {n_ctx} tokens: {_last_error() or 'unknown error'}")
+        self._ctx = ctx
+        self._mem = llama_cpp.llama_get_memory(ctx)
+        self.n_ctx = llama_cpp.llama_n_ctx(ctx)
+        self.n_threads = threads
+        self.n_batch = n_batch
+        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 2)
+        self.tokens: list[int] = []
+        self._logits: np.ndarray | None = None  # logits after the last token of self.tokens
+        self.can_shift = bool(llama_cpp.llama_memory_can_shift(self._mem))
+        self.n_evaluated_total = 0
+        self._ids = np.arange(self.n_vocab, dtype=np.int32)
+        self._candidates = np.zeros(
+            self.n_vocab, dtype=np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+        )
+        self.kv_params = {"type_k": "f16", "type_v": "f16", "flash_attn": False, "kv_unified": True}
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        llama_cpp.llama_batch_free(self._batch)
+        llama_cpp.llama_free(self._ctx)
+        llama_cpp.llama_model_free(self._model)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- vocabulary ----------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8", errors="replace")
+        cap = len(data) + 16
+        buf = (llama_cpp.llama_token * cap)()
+        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            raise EngineError("tokenization failed")
+        return list(buf[:n])
+
+    def piece(self, token: int, *, special: bool = True) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: Sequence[int], *, special: bool = True) -> str:
+        return b"".join(self.piece(t, special=special) for t in tokens).decode("utf-8", errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    @property
+    def bos_token(self) -> int:
+        return int(llama_cpp.llama_vocab_bos(self._vocab))
+
+    @property
+    def eos_token(self) -> int:
+        return int(llama_cpp.llama_vocab_eos(self._vocab))
+
+    @property
+    def add_bos(self) -> bool:
+        return bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
+
+    # -- evaluation ----------------------------------------------------------------------------------
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    def eval(self, tokens: Sequence[int], progress: ProgressFn | None = None) -> EvalStats:
+        """Evaluate ``tokens`` after the current ones; only they are computed."""
+        tokens = list(tokens)
+        if not tokens:
+            return EvalStats()
+        if self.n_past + len(tokens) > self.n_ctx:
+            raise ContextFullError(f"{len(tokens)} tokens do not fit: {self.n_past}/{self.n_ctx} in use")
+        t0 = time.perf_counter()
+        done = 0
+        while done < len(tokens):
+            part = tokens[done:done + self.n_batch]
+            self._decode(part, last_logits=done + len(part) == len(tokens))
+            done += len(part)
+            if progress is not None:
+                progress(done, len(tokens))
+        return EvalStats(n_eval=len(tokens), seconds=time.perf_counter() - t0)
+
+    def _decode(self, part: list[int], *, last_logits: bool) -> None:
+        b = self._batch
+        n0 = self.n_past
+        b.n_tokens = len(part)
+        for i, tok in enumerate(part):
+            b.token[i] = tok
+            b.pos[i] = n0 + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = SEQ
+            b.logits[i] = False
+        if last_logits:
+            b.logits[len(part) - 1] = True
+        rc = llama_cpp.llama_decode(self._ctx, b)
+        if rc != 0:
+            # A failed decode leaves no cells for this batch; the token list stays as it was.
+            llama_cpp.llama_memory_seq_rm(self._mem, SEQ, n0, -1)
+            raise EngineError(f"llama_decode failed ({rc}): {_last_error() or 'no detail'}")
+        self.tokens.extend(part)
+        self.n_evaluated_total += len(part)
+        if last_logits:
+            ptr = llama_cpp.llama_get_logits_ith(self._ctx, -1)
+            self._logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+        else:
+            self._logits = None
+
+    def logits(self) -> np.ndarray:
+        """The logits for the token after ``tokens`` (a copy)."""
+        if self._logits is None:
+            raise EngineError("no logits for the current position")
+        return self._logits.copy()
+
+    @property
+    def has_logits(self) -> bool:
+        return self._logits is not None
+
+    def set_logits(self, logits: np.ndarray) -> None:
+        """Install logits saved earlier for the current position (so rollback needs no re-evaluation)."""
+        arr = np.asarray(logits, dtype=np.float32)
+        if arr.shape != (self.n_vocab,):
+            raise EngineError("saved logits do not match the vocabulary")
+        self._logits = arr.copy()
+
+    def ensure_logits(self) -> int:
+        """Make logits available for the current position; returns tokens re-evaluated (0 or 1)."""
+        if self._logits is not None:
+            return 0
+        if not self.tokens:
+            raise EngineError("empty context has no logits")
+        last = self.tokens[-1]
+        self.truncate(self.n_past - 1)
+        self.eval([last])
+        return 1
+
+    # -- generation ----------------------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        """Ask a running generation to stop after the current token (safe from a signal handler)."""
+        self._cancel_flag.set()
+
+    def generate(
+        self,
+        sampling: Sampling,
+        *,
+        seed: int,
+        max_tokens: int,
+        result: GenerationResult | None = None,
+        stop_strings: Sequence[str] = (),
+        reserve: int = 0,
+    ) -> Iterator[TokenEvent]:
+        """Sample a reply token by token from the current logits.
+
+        Each sampled token is decoded into the context before the next is sampled, so ``tokens`` always
+        equals what the KV holds; the end-of-turn token is decoded too, so the next turn starts right after
+        it. Closing the generator early (or ``cancel()``) keeps what was produced and stays consistent.
+        """
+        res = result if result is not None else GenerationResult()
+        self._cancel_flag.clear()
+        if self._logits is None:
+            self.ensure_logits()
+        chain = self._make_sampler(sampling, seed)
+        t0 = time.perf_counter()
+        text = b""
+        pending: int | None = None
+        try:
+            while True:
+                if self._cancel_flag.is_set():
+                    res.stop_reason = "cancelled"
+                    break
+                if len(res.tokens) >= max_tokens:
+                    res.stop_reason = "length"
+                    break
+                if self.n_past + 1 + reserve > self.n_ctx:
+                    res.stop_reason = "context"
+                    break
+                tok = self._sample(chain)
+                if not res.tokens:
+                    res.ttft = time.perf_counter() - t0
+                res.tokens.append(tok)
+                pending = tok
+                eog = self.is_eog(tok)
+                piece = self.piece(tok, special=False) if not eog else b""
+                text += piece
+                yield TokenEvent(tok, piece, eog, time.perf_counter() - t0)
+                self._decode([tok], last_logits=not eog)
+                pending = None
+                if eog:
+                    res.stop_reason = "eog"
+                    break
+                if stop_strings:
+                    decoded = text.decode("utf-8", errors="ignore")
+                    if any(s in decoded for s in stop_strings):
+                        res.stop_reason = "stop"
+                        break
+        finally:
+            if pending is not None:
+                # Closed between yield and decode: the consumer saw this token, so it joins the context.
+                self._decode([pending], last_logits=True)
+                res.stop_reason = res.stop_reason or "cancelled"
+            res.seconds = time.perf_counter() - t0
+            res.n_decoded = len(res.tokens)
+            llama_cpp.llama_sampler_free(chain)
+
+    def _sample(self, chain: ctypes.c_void_p) -> int:
+        # Sample from the engine's own logits rather than the context's output buffer
+        # (llama_sampler_sample): after a rollback or a restore from disk the right logits are the ones we
+        # kept, which the context's buffer knows nothing about.
+        assert self._logits is not None
+        cand = self._candidates
+        cand["id"] = self._ids
+        cand["logit"] = self._logits
+        cand["p"] = 0.0
+        arr = llama_cpp.llama_token_data_array(
+            data=cand.ctypes.data_as(llama_cpp.llama_token_data_p),
+            size=self.n_vocab, selected=-1, sorted=False,
+        )
+        llama_cpp.llama_sampler_apply(chain, ctypes.byref(arr))
+        if arr.selected < 0 or arr.selected >= arr.size:
+            raise EngineError("sampler selected no token")
+        tok = int(arr.data[arr.selected].id)
+        llama_cpp.llama_sampler_accept(chain, tok)
+        return tok
+
+    def _make_sampler(self, s: Sampling, seed: int) -> ctypes.c_void_p:
+        sparams = llama_cpp.llama_sampler_chain_default_params()
+        chain = llama_cpp.llama_sampler_chain_init(sparams)
+        if s.repeat_penalty and s.repeat_penalty != 1.0:
+            pen = llama_cpp.llama_sampler_init_penalties(s.repeat_last_n, s.repeat_penalty, 0.0, 0.0)
+            llama_cpp.llama_sampler_chain_add(chain, pen)
+            # The penalty window is rebuilt from the token list, so it is the same in every process.
+            for tok in self.tokens[-s.repeat_last_n:]:
+                llama_cpp.llama_sampler_accept(pen, tok)
+        if s.temperature <= 0:
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+        else:
+            if s.top_k > 0:
+                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(s.top_k))
+            if 0 < s.top_p < 1:
+                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(s.top_p, 1))
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(s.temperature))
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+        return chain
+
+    # -- memory ------------------------------------------------------------------------------------
+
+    def truncate(self, n: int) -> int:
+        """Forget positions >= n (their cells are freed). Returns the number of tokens dropped."""
+        if n < 0 or n > self.n_past:
+            raise EngineError(f"cannot truncate to {n}: context holds {self.n_past}")
+        dropped = self.n_past - n
+        if dropped:
+            if not llama_cpp.llama_memory_seq_rm(self._mem, SEQ, n, -1):
+                raise EngineError("llama.cpp could not remove the cells")
+            del self.tokens[n:]
+            self._logits = None
+        return dropped
+
+    def shift(self, keep: int, drop: int) -> None:
+        """Drop positions [keep, keep+drop) and move the later cells down by ``drop``.
+
+        llama.cpp applies the RoPE rotation to the moved K cells lazily, at the next decode: the state
+        must not be saved before that decode.
+        """
+        if not self.can_shift:
+            raise EngineError("this model's memory cannot be shifted")
+        if drop <= 0:
+            return
+        if keep + drop > self.n_past:
+            raise EngineError("shift beyond the end of the context")
+        llama_cpp.llama_memory_seq_rm(self._mem, SEQ, keep, keep + drop)
+        llama_cpp.llama_memory_seq_add(self._mem, SEQ, keep + drop, -1, -drop)
+        del self.tokens[keep:keep + drop]
+        # Logits of the last position do not change by moving cells (relative positions are the same).
+
+    def clear(self) -> None:
+        llama_cpp.llama_memory_clear(self._mem, True)
+        self.tokens = []
+        self._logits = None
+
+    def save_cells(self, p0: int, p1: int) -> bytes:
+        """The KV cells of positions [p0, p1) of the conversation, in llama.cpp's sequence-state format."""
+        if not 0 <= p0 <= p1 <= self.n_past:
+            raise EngineError(f"bad cell range {p0}..{p1} (context holds {self.n_past})")
+        if p0 == p1:
+            return b""
+        llama_cpp.llama_memory_seq_rm(self._mem, SCRATCH, -1, -1)
+        llama_cpp.llama_memory_seq_cp(self._mem, SEQ, SCRATCH, p0, p1)
+        try:
+            size = llama_cpp.llama_state_seq_get_size(self._ctx, SCRATCH)
+            buf = (ctypes.c_uint8 * size)()
+            n = llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, SCRATCH)
+            if n == 0:
+                raise EngineError("llama.cpp could not save the cells")
+            return bytes(buf)[:n]
+        finally:
+            llama_cpp.llama_memory_seq_rm(self._mem, SCRATCH, -1, -1)
+
+    def load_cells(self, p0: int, p1: int, data: bytes, tokens: Sequence[int]) -> None:
+        """Append saved cells of positions [p0, p1) (p0 must equal n_past) with their token ids."""
+        if p0 != self.n_past:
+            raise EngineError(f"cells start at {p0} but the context holds {self.n_past}")
+        if len(tokens) != p1 - p0:
+            raise EngineError("token ids do not match the cell range")
+        if p1 > self.n_ctx:
+            raise ContextFullError(f"saved state of {p1} tokens does not fit in n_ctx={self.n_ctx}")
+        if p0 == p1:
+            return
+        src = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        n = llama_cpp.llama_state_seq_set_data(self._ctx, src, len(data), SCRATCH)
+        if n == 0:
+            llama_cpp.llama_memory_seq_rm(self._mem, SCRATCH, -1, -1)
+            raise EngineError(f"llama.cpp rejected the saved cells: {_last_error() or 'format mismatch'}")
+        lo = llama_cpp.llama_memory_seq_pos_min(self._mem, SCRATCH)
+        hi = llama_cpp.llama_memory_seq_pos_max(self._mem, SCRATCH)
+        if lo != p0 or hi != p1 - 1:
+            llama_cpp.llama_memory_seq_rm(self._mem, SCRATCH, -1, -1)
+            raise EngineError(f"saved cells cover {lo}..{hi + 1}, expected {p0}..{p1}")
+        llama_cpp.llama_memory_seq_cp(self._mem, SCRATCH, SEQ, -1, -1)
+        llama_cpp.llama_memory_seq_rm(self._mem, SCRATCH, -1, -1)
+        self.tokens.extend(int(t) for t in tokens)
+        self._logits = None
+
+    def seq_pos_max(self) -> int:
+        return int(llama_cpp.llama_memory_seq_pos_max(self._mem, SEQ))

@@ -1,0 +1,148 @@
+"""The model's chat template, rendered incrementally.
+
+A chat template renders a whole list of messages. chatcli never re-renders what the context already
+holds: for each new user message it renders the conversation with and without it and evaluates only the
+difference (the "glue" plus the message plus the assistant header), as llama.cpp's
+``common_chat_format_single`` does. Earlier tokens therefore never change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Sequence
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# ChatML: the fallback for models whose GGUF has no template (said once to the user).
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_SENTINEL = "\x00chatcli-sentinel\x00"
+
+
+class TemplateError(ValueError):
+    """The chat template cannot render these messages."""
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.content}
+
+
+class ChatTemplate:
+    """Jinja2 chat template in a sandbox (templates come from model files: data, not code)."""
+
+    def __init__(self, source: str | None, *, bos_token: str = "", eos_token: str = "") -> None:
+        self.is_fallback = not source
+        self.source = source or CHATML
+        env = ImmutableSandboxedEnvironment(loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._tmpl = env.from_string(self.source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise TemplateError(f"the model's chat template does not parse: {exc}") from None
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> str:
+        try:
+            return self._tmpl.render(
+                messages=[m.as_dict() for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except TemplateError:
+            raise
+        except Exception as exc:  # a template is foreign code-like data: any failure is its failure
+            raise TemplateError(f"the chat template failed: {exc}") from None
+
+    def prefix(self, persona: Sequence[Message]) -> str:
+        """Text of the persona part (system prompt, examples, greeting): what precedes the first user turn."""
+        if not persona:
+            return ""
+        text = self.render(persona, add_generation_prompt=False)
+        with_user = self.render([*persona, Message("user", _SENTINEL)], add_generation_prompt=True)
+        if with_user.startswith(text):
+            return text
+        # Template re-renders the persona differently once a user message follows: cut right before it.
+        head = with_user.split(_SENTINEL, 1)[0]
+        return _common_prefix(text, head)
+
+    def user_turn(
+        self,
+        history: Sequence[Message],
+        user_text: str,
+        *,
+        context_text_after_last: str = "",
+    ) -> str:
+        """Text to evaluate for a new user message: what closes the previous message, the message, and
+        the assistant header.
+
+        ``history`` is everything the context already holds (persona messages included);
+        ``context_text_after_last`` is the text the context already holds *after* the last message's content
+        (e.g. the end-of-turn token a reply ended with), which must not be evaluated twice.
+        """
+        before = self.render(history, add_generation_prompt=False) if history else ""
+        after = self.render([*history, Message("user", user_text)], add_generation_prompt=True)
+        closing = self.closing(history)
+        if closing.startswith(context_text_after_last):
+            closing = closing[len(context_text_after_last):]
+        if after.startswith(before):
+            new = after[len(before):]
+        else:
+            new = after[len(_common_prefix(before, after)):]
+        if history and history[-1].role == "assistant":
+            return closing + new
+        return new
+
+    def closing(self, history: Sequence[Message]) -> str:
+        """What the template writes after the content of the last message (e.g. ``<|im_end|>\\n``)."""
+        if not history:
+            return ""
+        last = history[-1]
+        text = self.render([*history[:-1], Message(last.role, _SENTINEL)], add_generation_prompt=False)
+        if _SENTINEL not in text:
+            return ""
+        return text.split(_SENTINEL, 1)[1]
+
+    def reply_stop_strings(self) -> list[str]:
+        """Strings that mean the model started writing the next turn itself."""
+        probe = self.render(
+            [Message("user", "a"), Message("assistant", _SENTINEL), Message("user", "b")],
+            add_generation_prompt=False,
+        )
+        try:
+            after = probe.split(_SENTINEL, 1)[1]
+        except IndexError:
+            return []
+        opener = after.split("b", 1)[0].strip()
+        return [opener] if len(opener) >= 3 and not opener.isalnum() else []
+
+
+def _common_prefix(a: str, b: str) -> str:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return a[:n]
+
+
+def describe(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    return [m.as_dict() for m in messages]
