@@ -65,6 +65,10 @@ def _last_error() -> str:
     return ""
 
 
+# Pinned context parameters that shape the saved KV format (part of every state file's identity).
+KV_PARAMS: dict[str, object] = {"type_k": "f16", "type_v": "f16", "flash_attn": False, "kv_unified": True}
+
+
 @dataclass(frozen=True)
 class Sampling:
     """Sampling parameters of one reply. ``temperature <= 0`` means greedy."""
@@ -187,7 +191,7 @@ class Engine:
         self._candidates = np.zeros(
             self.n_vocab, dtype=np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
         )
-        self.kv_params = {"type_k": "f16", "type_v": "f16", "flash_attn": False, "kv_unified": True}
+        self.kv_params = dict(KV_PARAMS)
         self._closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -416,7 +420,7 @@ class Engine:
         sparams = llama_cpp.llama_sampler_chain_default_params()
         chain = llama_cpp.llama_sampler_chain_init(sparams)
         if s.repeat_penalty and s.repeat_penalty != 1.0:
-            pen = llama_cpp.llama_sampler_init_penalties(s.repeat_last_n, s.repeat_penalty, 0.0, 0.0)
+            pen = llama_cpp.llama_sampler_init_penalties(self.n_vocab, s.repeat_last_n, s.repeat_penalty, 0.0, 0.0)
             llama_cpp.llama_sampler_chain_add(chain, pen)
             # The penalty window is rebuilt from the token list, so it is the same in every process.
             for tok in self.tokens[-s.repeat_last_n:]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Sequence
+from typing import Sequence
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -84,32 +84,19 @@ class ChatTemplate:
         head = with_user.split(_SENTINEL, 1)[0]
         return _common_prefix(text, head)
 
-    def user_turn(
-        self,
-        history: Sequence[Message],
-        user_text: str,
-        *,
-        context_text_after_last: str = "",
-    ) -> str:
-        """Text to evaluate for a new user message: what closes the previous message, the message, and
-        the assistant header.
+    def user_turn(self, history: Sequence[Message], user_text: str) -> str:
+        """Text to evaluate for a new user message: the message and the assistant header.
 
-        ``history`` is everything the context already holds (persona messages included);
-        ``context_text_after_last`` is the text the context already holds *after* the last message's content
-        (e.g. the end-of-turn token a reply ended with), which must not be evaluated twice.
+        ``history`` is everything the context already holds, each message closed (see ``closing``).
+        Only the difference between the renderings with and without the message is returned.
         """
         before = self.render(history, add_generation_prompt=False) if history else ""
         after = self.render([*history, Message("user", user_text)], add_generation_prompt=True)
-        closing = self.closing(history)
-        if closing.startswith(context_text_after_last):
-            closing = closing[len(context_text_after_last):]
         if after.startswith(before):
-            new = after[len(before):]
-        else:
-            new = after[len(_common_prefix(before, after)):]
-        if history and history[-1].role == "assistant":
-            return closing + new
-        return new
+            return after[len(before):]
+        # The template rewrites earlier turns once a new one follows (some strip reasoning): the context
+        # keeps what it has, and only the part after the common prefix is new.
+        return after[len(_common_prefix(before, after)):]
 
     def closing(self, history: Sequence[Message]) -> str:
         """What the template writes after the content of the last message (e.g. ``<|im_end|>\\n``)."""
@@ -142,7 +129,3 @@ def _common_prefix(a: str, b: str) -> str:
             break
         n += 1
     return a[:n]
-
-
-def describe(messages: Sequence[Message]) -> list[dict[str, Any]]:
-    return [m.as_dict() for m in messages]

@@ -1,0 +1,3 @@
+from chatcli.cli import main
+
+main()

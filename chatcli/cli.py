@@ -1,0 +1,497 @@
+"""The command line: parses arguments, builds the core objects, maps errors to one line and an exit code.
+
+No chat logic lives here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Annotated, Any, Iterator, Optional
+
+import typer
+from rich.console import Console
+
+from chatcli import __version__
+
+app = typer.Typer(
+    name="chatcli",
+    help="Terminal chat with a local LLM whose conversation state persists.\n\n"
+    "Examples:\n\n  chatcli talk --persona alice\n\n  chatcli resume\n\n  printf 'hi\\n' | chatcli talk --temperature 0",
+    no_args_is_help=True,
+    add_completion=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+config_app = typer.Typer(help="Show or edit the configuration file.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _err_console() -> Console:
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def fail(message: str, code: int = 1) -> None:
+    _err_console().print(f"[bold red]error:[/] {message}", markup=True) if _color() else print(f"error: {message}", file=sys.stderr)
+    raise typer.Exit(code)
+
+
+def _color() -> bool:
+    return sys.stderr.isatty() and not os.environ.get("NO_COLOR")
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Core errors become one line and an exit code, never a traceback."""
+    from chatcli.conversation import ConversationError
+    from chatcli.engine import EngineError
+    from chatcli.gguf import GGUFError
+    from chatcli.models import ModelError
+    from chatcli.personas import PersonaError
+    from chatcli.settings import SettingsError
+    from chatcli.store import LockedError, StoreError
+    from chatcli.template import TemplateError
+
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except CliError as exc:
+        fail(str(exc), exc.code)
+    except (ModelError, GGUFError, SettingsError, PersonaError, StoreError) as exc:
+        fail(_line(exc), 1 if isinstance(exc, LockedError) else EXIT_USAGE)
+    except (ConversationError, TemplateError, EngineError) as exc:
+        fail(_line(exc), 1)
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
+    except OSError as exc:
+        fail(f"{exc.strerror or exc}" + (f": {exc.filename}" if getattr(exc, "filename", None) else ""), 1)
+
+
+def _line(exc: BaseException) -> str:
+    return (str(exc) or type(exc).__name__).splitlines()[0]
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"chatcli {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_callback(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")] = None,
+) -> None:
+    """chatcli: resume, regenerate and edit local-LLM chats without re-processing them."""
+
+
+# -- shared options -------------------------------------------------------------------------------------
+
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="GGUF file, or hf:REPO:FILE. Default: bundled SmolLM2.")]
+NCtxOpt = Annotated[Optional[int], typer.Option("--n-ctx", help="Context size in tokens (capped at the model's).")]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (0 = all cores).")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Sampling seed (same seed ⇒ same replies).")]
+TempOpt = Annotated[Optional[float], typer.Option("--temperature", help="0 means greedy.")]
+TopPOpt = Annotated[Optional[float], typer.Option("--top-p")]
+TopKOpt = Annotated[Optional[int], typer.Option("--top-k")]
+RepeatOpt = Annotated[Optional[float], typer.Option("--repeat-penalty")]
+MaxTokOpt = Annotated[Optional[int], typer.Option("--max-tokens", help="Longest reply in tokens.")]
+ReserveOpt = Annotated[Optional[int], typer.Option("--reserve", help="Tokens kept free for a reply when old turns must leave the context.")]
+PlainOpt = Annotated[Optional[bool], typer.Option("--plain/--rich", help="Plain text output (also when NO_COLOR is set or output is piped).")]
+
+
+def _settings(flags: dict[str, Any]) -> tuple[Any, Any, set[str]]:
+    from chatcli.settings import get_paths, load_settings
+
+    paths = get_paths()
+    settings = load_settings(flags, paths=paths)
+    explicit = {k for k, v in flags.items() if v is not None}
+    explicit |= {k for k in ("temperature", "top_p", "top_k", "repeat_penalty", "max_tokens")
+                 if os.environ.get(f"CHATCLI_{k.upper()}")}
+    return settings, paths, explicit
+
+
+def _build_session(settings: Any, paths: Any, explicit: set[str], *, model_path: str | None = None, quiet: bool = False) -> Any:
+    from chatcli.models import resolve_model
+    from chatcli.session import Session
+
+    ref = resolve_model(model_path or settings.model)
+    console = _err_console()
+    if quiet or not sys.stderr.isatty():
+        session = Session.build(settings, paths, model=ref, explicit=explicit)
+    else:
+        with console.status(f"loading {ref.path.name} …"):
+            session = Session.build(settings, paths, model=ref, explicit=explicit)
+    return session
+
+
+def _renderer(settings: Any, interactive: bool) -> Any:
+    from chatcli.render import Renderer
+
+    plain = bool(settings.plain) or not interactive or bool(os.environ.get("NO_COLOR"))
+    console = Console(highlight=False, no_color=plain, force_terminal=None if not plain else False, soft_wrap=False)
+    return Renderer(console, plain=plain)
+
+
+def _run_repl(session: Any, conv: Any, renderer: Any, interactive: bool) -> int:
+    from chatcli.repl import LineIO, Repl, TerminalIO
+
+    if interactive:
+        factory = lambda repl: TerminalIO(repl, history_file=session.paths.history_file)  # noqa: E731
+    else:
+        stdin = sys.stdin
+        if hasattr(stdin, "reconfigure"):
+            stdin.reconfigure(errors="replace")  # non-UTF-8 bytes become U+FFFD instead of a crash
+        factory = lambda repl: LineIO(stdin)  # noqa: E731
+    return Repl(session, conv, renderer, factory).run()
+
+
+def _interactive() -> bool:
+    return sys.stdin.isatty() and sys.stdout.isatty()
+
+
+# -- commands ----------------------------------------------------------------------------------------
+
+
+@app.command()
+def talk(
+    persona: Annotated[Optional[str], typer.Option("--persona", "-p", help="Persona name (see `chatcli personas`).")] = None,
+    model: ModelOpt = None, n_ctx: NCtxOpt = None, threads: ThreadsOpt = None, seed: SeedOpt = None,
+    temperature: TempOpt = None, top_p: TopPOpt = None, top_k: TopKOpt = None, repeat_penalty: RepeatOpt = None,
+    max_tokens: MaxTokOpt = None, reserve: ReserveOpt = None, plain: PlainOpt = None,
+) -> None:
+    """Start a new conversation.
+
+    Example: chatcli talk --persona alice
+    """
+    from chatcli.repl import open_events
+
+    flags = dict(model=model, n_ctx=n_ctx, threads=threads, seed=seed, temperature=temperature, top_p=top_p,
+                 top_k=top_k, repeat_penalty=repeat_penalty, max_tokens=max_tokens, reserve=reserve, plain=plain,
+                 persona=persona)
+    with user_errors():
+        settings, paths, explicit = _settings(flags)
+        from chatcli.personas import get_persona
+
+        get_persona(settings.persona, paths.personas_dir)  # fail fast, before loading a model
+        interactive = _interactive()
+        session = _build_session(settings, paths, explicit)
+        renderer = _renderer(settings, interactive)
+        for n in session.notices:
+            renderer.notice(n, "warn")
+        conv, _ = open_events(session.new_conversation(settings.persona), renderer)
+        if interactive:
+            renderer.notice(f"conversation {conv.id} · persona {settings.persona} · {session.model.info.name} · /help for commands")
+        greeting = [m for m in conv.r.persona_messages if m.role == "assistant"]
+        if greeting and interactive:
+            renderer.reply_text(greeting[-1].content)
+        code = _run_repl(session, conv, renderer, interactive)
+    raise typer.Exit(code)
+
+
+@app.command()
+def resume(
+    conv_id: Annotated[Optional[str], typer.Argument(metavar="[ID]", help="Conversation id or unique prefix (default: most recent).")] = None,
+    model: ModelOpt = None, n_ctx: NCtxOpt = None, threads: ThreadsOpt = None,
+    temperature: TempOpt = None, top_p: TopPOpt = None, top_k: TopKOpt = None, repeat_penalty: RepeatOpt = None,
+    max_tokens: MaxTokOpt = None, reserve: ReserveOpt = None, plain: PlainOpt = None,
+) -> None:
+    """Continue a conversation where it stopped, restoring its KV state (no re-processing).
+
+    Example: chatcli resume k3f9x2
+    """
+    flags = dict(model=model, n_ctx=n_ctx, threads=threads, temperature=temperature, top_p=top_p, top_k=top_k,
+                 repeat_penalty=repeat_penalty, max_tokens=max_tokens, reserve=reserve, plain=plain)
+    with user_errors():
+        settings, paths, explicit = _settings(flags)
+        session, conv, renderer, interactive = _open(settings, paths, explicit, conv_id, model, n_ctx)
+        code = _run_repl(session, conv, renderer, interactive)
+    raise typer.Exit(code)
+
+
+def _open(settings: Any, paths: Any, explicit: set[str], conv_id: str | None, model_flag: str | None,
+          n_ctx_flag: int | None, *, show_history: bool = True) -> tuple[Any, Any, Any, bool]:
+    """Resolve the conversation first (cheap errors before loading a model), then restore it."""
+    from chatcli.render import human_bytes
+    from chatcli.repl import open_events
+    from chatcli.settings import get_paths
+    from chatcli.store import ConversationStore
+
+    store = ConversationStore(get_paths().conversations_dir)
+    conv_dir = store.resolve(conv_id)
+    meta = conv_dir.read_meta()
+    model_path = model_flag or settings.model
+    note = ""
+    if not model_path:
+        saved = (meta.get("model") or {}).get("path")
+        if saved and os.path.exists(saved):
+            model_path = saved
+        elif saved:
+            note = f"the conversation's model {saved} is gone; using the default model"
+    if n_ctx_flag is None:
+        settings.n_ctx = int((meta.get("params") or {}).get("n_ctx", settings.n_ctx))
+    interactive = _interactive()
+    session = _build_session(settings, paths, explicit, model_path=model_path)
+    renderer = _renderer(settings, interactive)
+    if note:
+        renderer.notice(note, "warn")
+    conv, report = open_events(session.open_conversation(conv_dir.id), renderer)
+    if show_history:
+        renderer.history(conv.messages, settings.history_preview)
+    if report is not None:
+        if report.reason:
+            renderer.notice(report.reason + "; rebuilt from the transcript's tokens", "warn")
+        renderer.notice(
+            f"resumed {conv.id}: restored {report.restored_tokens} tokens ({human_bytes(report.restored_bytes)}) "
+            f"in {report.seconds * 1000:.0f} ms · re-evaluated {report.reevaluated} tokens")
+    return session, conv, renderer, interactive
+
+
+@app.command()
+def regen(
+    conv_id: Annotated[Optional[str], typer.Argument(metavar="[ID]", help="Conversation (default: most recent).")] = None,
+    seed: SeedOpt = None,
+    interactive_flag: Annotated[bool, typer.Option("--interactive", "-i", help="Continue in the REPL afterwards.")] = False,
+    model: ModelOpt = None, temperature: TempOpt = None, max_tokens: MaxTokOpt = None, plain: PlainOpt = None,
+) -> None:
+    """Replace the last reply of a conversation with a new one (the old one stays as an alternative).
+
+    Example: chatcli regen k3f9x2 --seed 7
+    """
+    flags = dict(model=model, temperature=temperature, max_tokens=max_tokens, plain=plain)
+    with user_errors():
+        settings, paths, explicit = _settings(flags)
+        session, conv, renderer, interactive = _open(settings, paths, explicit, conv_id, model, None, show_history=False)
+        end = renderer.stream(conv.regen(seed=seed))
+        if end is not None:
+            renderer.stats(end.stats)
+        if interactive_flag and interactive:
+            code = _run_repl(session, conv, renderer, True)
+        else:
+            conv.close()
+            code = 0
+    raise typer.Exit(code)
+
+
+@app.command()
+def fork(
+    conv_id: Annotated[str, typer.Argument(metavar="ID", help="Conversation to fork.")],
+    at: Annotated[Optional[int], typer.Option("--at", help="Keep exchanges 1..TURN (default: all).")] = None,
+) -> None:
+    """Start a new conversation sharing the history up to a turn (its KV is copied, not re-evaluated)."""
+    from chatcli.forking import fork_conversation
+    from chatcli.settings import get_paths
+    from chatcli.store import ConversationStore
+
+    with user_errors():
+        store = ConversationStore(get_paths().conversations_dir)
+        new_id, n_tokens = fork_conversation(store, conv_id, at)
+        print(f"forked into {new_id} ({n_tokens} tokens of state copied) · resume with: chatcli resume {new_id}")
+
+
+@app.command("ls")
+def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
+    """List conversations, most recent first."""
+    from chatcli.render import Renderer, human_bytes
+    from chatcli.settings import get_paths
+    from chatcli.store import ConversationStore
+
+    with user_errors():
+        store = ConversationStore(get_paths().conversations_dir)
+        rows = []
+        for conv, meta in store.list():
+            rows.append({
+                "id": conv.id, "title": meta.get("title", ""), "persona": meta.get("persona", ""),
+                "turns": meta.get("turns", 0), "tokens": meta.get("tokens", 0), "state_bytes": conv.state_size(),
+                "updated": meta.get("updated", 0),
+            })
+        if as_json:
+            print(json.dumps(rows, indent=2, ensure_ascii=False))
+            return
+        if not rows:
+            print("no conversations yet: start one with `chatcli talk`")
+            return
+        for r in rows:
+            r["state"] = human_bytes(r["state_bytes"])
+            r["updated"] = datetime.fromtimestamp(float(r["updated"])).strftime("%Y-%m-%d %H:%M")
+        plain = not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR"))
+        Renderer(Console(highlight=False), plain=plain).table(
+            rows, ["id", "title", "persona", "turns", "tokens", "state", "updated"])
+
+
+@app.command()
+def show(
+    conv_id: Annotated[Optional[str], typer.Argument(metavar="[ID]")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="The transcript's events as JSON.")] = False,
+) -> None:
+    """Print a conversation's transcript (messages that left the model's context are marked)."""
+    from chatcli.conversation import replay_events
+    from chatcli.settings import get_paths
+    from chatcli.store import ConversationStore
+
+    with user_errors():
+        store = ConversationStore(get_paths().conversations_dir)
+        conv = store.resolve(conv_id)
+        meta = conv.read_meta()
+        tr = conv.read_transcript()
+        r = replay_events(tr.events)
+        if as_json:
+            print(json.dumps({"meta": meta, "events": tr.events}, indent=2, ensure_ascii=False))
+            return
+        out = Console(highlight=False, no_color=not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR")))
+        out.print(f"[bold]{meta.get('title') or conv.id}[/] · {conv.id} · persona {meta.get('persona', '')}")
+        for mid in r.out_of_context:
+            ev = r.all.get(mid)
+            if ev:
+                who = "you" if ev["role"] == "user" else "assistant"
+                out.print(f"[dim]{who} (left the context): {_esc(ev.get('text', ''))}[/]")
+        for m in r.active:
+            who = "you" if m.role == "user" else "assistant"
+            out.print(f"[bold]{who}:[/] {_esc(m.text)}")
+        for p in tr.problems + r.problems:
+            print(f"warning: {p}", file=sys.stderr)
+
+
+def _esc(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+@app.command()
+def export(
+    conv_id: Annotated[Optional[str], typer.Argument(metavar="[ID]")] = None,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="md or json (OpenAI messages).")] = "md",
+) -> None:
+    """Write a conversation to stdout as Markdown or JSON."""
+    from chatcli.conversation import replay_events
+    from chatcli.export import to_markdown, to_messages
+    from chatcli.settings import get_paths
+    from chatcli.store import ConversationStore
+
+    with user_errors():
+        if fmt not in ("md", "json"):
+            raise CliError(f"unknown format {fmt!r}: use md or json", EXIT_USAGE)
+        store = ConversationStore(get_paths().conversations_dir)
+        conv = store.resolve(conv_id)
+        meta = conv.read_meta()
+        r = replay_events(conv.read_transcript().events)
+        if fmt == "json":
+            print(json.dumps({"id": conv.id, "title": meta.get("title", ""), "messages": to_messages(r)},
+                             indent=2, ensure_ascii=False))
+        else:
+            sys.stdout.write(to_markdown(meta, r))
+
+
+@app.command()
+def rm(
+    conv_ids: Annotated[list[str], typer.Argument(metavar="ID...", help="Conversations to delete.")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,
+) -> None:
+    """Delete conversations."""
+    from chatcli.settings import get_paths
+    from chatcli.store import ConversationStore
+
+    with user_errors():
+        store = ConversationStore(get_paths().conversations_dir)
+        convs = [store.resolve(c) for c in conv_ids]
+        for conv in convs:
+            title = conv.read_meta().get("title", "") if conv.meta_path.exists() else ""
+            if not yes:
+                if not sys.stdin.isatty():
+                    raise CliError("refusing to delete without --yes (stdin is not a terminal)", EXIT_USAGE)
+                if not typer.confirm(f"delete {conv.id} ({title})?", default=False):
+                    continue
+            store.remove(conv)
+            print(f"deleted {conv.id}")
+
+
+@app.command()
+def personas(
+    warm: Annotated[bool, typer.Option("--warm", help="Evaluate and cache persona prefixes for the current model.")] = False,
+    name: Annotated[Optional[str], typer.Argument(help="Only this persona.")] = None,
+    model: ModelOpt = None, n_ctx: NCtxOpt = None,
+) -> None:
+    """List personas and whether their prefix is cached for the current model."""
+    from chatcli.personas import get_persona, load_personas, persona_problems
+    from chatcli.prefixcache import prefix_status, warm_prefix
+    from chatcli.render import Renderer
+
+    with user_errors():
+        settings, paths, explicit = _settings(dict(model=model, n_ctx=n_ctx))
+        found = load_personas(paths.personas_dir)
+        chosen = [get_persona(name, paths.personas_dir)] if name else [found[k] for k in sorted(found)]
+        session = None
+        if warm:
+            session = _build_session(settings, paths, explicit)
+        rows = []
+        for p in chosen:
+            if warm and session is not None:
+                from chatcli.repl import open_events
+
+                renderer = _renderer(settings, sys.stderr.isatty())
+                renderer.stream(warm_prefix(session, p))
+            status = prefix_status(settings, paths, p, session)
+            rows.append({"name": p.name, "description": p.description, "prefix cache": status})
+        plain = not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR"))
+        Renderer(Console(highlight=False), plain=plain).table(rows, ["name", "description", "prefix cache"])
+        for problem in persona_problems(paths.personas_dir):
+            print(f"warning: {problem}", file=sys.stderr)
+
+
+@config_app.command("path")
+def config_path() -> None:
+    """Print the config file's path."""
+    from chatcli.settings import get_paths
+
+    print(get_paths().config_file)
+
+
+@config_app.command("show")
+def config_show() -> None:
+    """Show every setting, its value and where it came from."""
+    from chatcli.settings import describe_settings
+
+    with user_errors():
+        for name, value, origin in describe_settings():
+            print(f"{name} = {value!r}  # {origin}")
+
+
+@config_app.command("edit")
+def config_edit() -> None:
+    """Open the config file in $EDITOR (created from the commented defaults if missing)."""
+    import importlib.resources
+    import shlex
+    import subprocess
+
+    from chatcli.settings import ensure_dir, get_paths
+
+    with user_errors():
+        path = get_paths().config_file
+        if not path.exists():
+            ensure_dir(path.parent)
+            path.write_text((importlib.resources.files("chatcli") / "data" / "config.toml").read_text("utf-8"), "utf-8")
+            os.chmod(path, 0o600)
+        editor = os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi"
+        rc = subprocess.call([*shlex.split(editor), str(path)])
+        if rc != 0:
+            raise CliError(f"{editor} exited with {rc}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

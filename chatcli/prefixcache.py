@@ -1,0 +1,119 @@
+"""The shared persona prefix cache: a persona's system prompt is evaluated once per model.
+
+A prefix file is an ordinary state file (header + one CELLS record) in the cache dir, keyed by everything
+its cells depend on: the model identity, the context parameters, the persona text and the chat template.
+Editing the persona changes its hash, hence the key: stale entries are simply never read again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generator
+
+from chatcli import statefile as sf
+from chatcli.engine import KV_PARAMS, Engine
+
+if TYPE_CHECKING:
+    from chatcli.conversation import Event
+    from chatcli.personas import Persona
+    from chatcli.session import Session
+    from chatcli.settings import Paths, Settings
+
+
+def state_identity(model_identity: dict[str, Any], n_ctx: int) -> dict[str, Any]:
+    """What saved cells must match to be loaded into a context."""
+    return {"model": model_identity, "n_ctx": n_ctx, **KV_PARAMS}
+
+
+def cache_path(cache_dir: Path, identity: dict[str, Any], persona_hash: str, template_source: str) -> Path:
+    h = hashlib.sha256()
+    h.update(json.dumps(identity, sort_keys=True).encode())
+    h.update(persona_hash.encode())
+    h.update(hashlib.sha256(template_source.encode()).digest())
+    return cache_dir / f"{h.hexdigest()[:32]}.kv"
+
+
+def load_or_build(
+    engine: Engine, prefix_tokens: list[int], cache_file: Path | None, identity: dict[str, Any],
+) -> Generator[Event, None, tuple[list[bytes], bool]]:
+    """Put the prefix cells in the (empty) engine: from the cache when valid, else evaluated and cached.
+
+    Returns the records a conversation's state file starts with, and whether the cache was used.
+    """
+    from chatcli.conversation import Notice, Progress
+
+    header = sf.encode_record(sf.HEADER, 0, 0, sf.header_payload(identity))
+    n = len(prefix_tokens)
+    if cache_file is not None and cache_file.exists() and n:
+        t0 = time.perf_counter()
+        res = sf.scan(cache_file)
+        chunks, _, n_live = res.live()
+        if (res.header or {}).get("identity") == identity and n_live == n and len(chunks) == 1:
+            try:
+                payload = sf.read_payload(cache_file, chunks[0].record)
+                toks, kv = sf.split_cells(payload, n)
+                if toks == prefix_tokens:
+                    engine.load_cells(0, n, kv, toks)
+                    ms = 1000 * (time.perf_counter() - t0)
+                    yield Notice(f"persona prefix: {n} tokens loaded from cache in {ms:.0f} ms (not evaluated)")
+                    return [header, sf.encode_record(sf.CELLS, 0, n, payload)], True
+            except Exception as exc:  # a bad cache entry is rebuilt, never fatal
+                engine.clear()
+                yield Notice(f"persona cache entry unusable ({exc}); evaluating the prefix", "warn")
+    if n:
+        t0 = time.perf_counter()
+        done = 0
+        while done < n:
+            part = prefix_tokens[done:done + engine.n_batch]
+            engine.eval(part)
+            done += len(part)
+            yield Progress("evaluating persona prefix", done, n, time.perf_counter() - t0)
+    kv = engine.save_cells(0, n)
+    records = [header, sf.encode_record(sf.CELLS, 0, n, sf.cells_payload(prefix_tokens, kv))]
+    if cache_file is not None and n:
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            sf.StateWriter(cache_file).rewrite(records)
+        except OSError:
+            pass  # a cache that cannot be written only costs time later
+    return records, False
+
+
+def prefix_status(settings: Settings, paths: Paths, persona: Persona, session: Session | None = None) -> str:
+    """"cached" or "not cached" for the current model, without loading it."""
+    from chatcli.models import resolve_model
+    from chatcli.template import ChatTemplate
+
+    if session is not None:
+        ref, n_ctx, tmpl = session.model, session.engine.n_ctx, session.template.source
+    else:
+        try:
+            ref = resolve_model(settings.model)
+        except Exception:
+            return "no model"
+        n_ctx = effective_n_ctx(settings.n_ctx, ref.info.context_length)
+        tmpl = ChatTemplate(ref.info.chat_template).source
+    path = cache_path(paths.prefix_cache_dir, state_identity(ref.identity(), n_ctx), persona.text_hash(), tmpl)
+    return "cached" if path.exists() else "not cached"
+
+
+def effective_n_ctx(requested: int, trained: int | None) -> int:
+    n = min(requested, trained) if trained else requested
+    return max(256, (n + 255) // 256 * 256)  # llama.cpp pads the context to a multiple of 256
+
+
+def warm_prefix(session: Session, persona: Persona) -> Generator[Event, None, None]:
+    from chatcli.conversation import Notice
+
+    engine = session.engine
+    engine.clear()
+    text = session.template.prefix(persona.messages())
+    tokens = engine.tokenize(text, add_special=engine.add_bos) if text else []
+    identity = state_identity(session.identity(), engine.n_ctx)
+    path = cache_path(session.paths.prefix_cache_dir, identity, persona.text_hash(), session.template.source)
+    _, hit = yield from load_or_build(engine, tokens, path, identity)
+    yield Notice(f"{persona.name}: {len(tokens)} prefix tokens {'already cached' if hit else 'cached'}")
+    engine.clear()

@@ -1,0 +1,250 @@
+"""The data directory: one folder per conversation.
+
+    <data>/conversations/<id>/meta.json         id, title, persona, model identity, params (atomic writes)
+    <data>/conversations/<id>/transcript.jsonl  append-only events, fsynced: the source of truth
+    <data>/conversations/<id>/state.kv          append-only KV records (see statefile.py): a cache
+    <data>/conversations/<id>/lock              flock held by the process that has it open
+
+This is the only module that knows these paths.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from chatcli.fsutil import append_line_durably, atomic_write_text, fsync_dir
+
+META_VERSION = 1
+TRANSCRIPT_VERSION = 1
+_ID_ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"  # no 0/o, 1/l/i: ids get read aloud and typed
+_ID_RE = re.compile(r"^[a-z0-9]{1,32}$")
+
+
+class StoreError(ValueError):
+    """A conversation id or folder is unusable; the message is one line for the user."""
+
+
+class LockedError(StoreError):
+    """Another live process has the conversation open."""
+
+
+def new_id(n: int = 6) -> str:
+    return "".join(secrets.choice(_ID_ALPHABET) for _ in range(n))
+
+
+def now() -> float:
+    return round(time.time(), 3)
+
+
+@dataclass
+class TranscriptRead:
+    events: list[dict[str, Any]] = field(default_factory=list)
+    dropped_lines: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+class ConversationDir:
+    """Files of one conversation."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.id = path.name
+        self._lock_fd: int | None = None
+
+    @property
+    def meta_path(self) -> Path:
+        return self.path / "meta.json"
+
+    @property
+    def transcript_path(self) -> Path:
+        return self.path / "transcript.jsonl"
+
+    @property
+    def state_path(self) -> Path:
+        return self.path / "state.kv"
+
+    # -- metadata ------------------------------------------------------------------------------------
+
+    def read_meta(self) -> dict[str, Any]:
+        try:
+            meta = json.loads(self.meta_path.read_text("utf-8"))
+        except FileNotFoundError:
+            raise StoreError(f"conversation {self.id} has no metadata (folder {self.path})") from None
+        except (ValueError, UnicodeDecodeError):
+            raise StoreError(f"conversation {self.id}: metadata is corrupt ({self.meta_path})") from None
+        if not isinstance(meta, dict) or meta.get("format") != META_VERSION:
+            raise StoreError(f"conversation {self.id}: unsupported metadata format {meta.get('format')!r}")
+        return meta
+
+    def write_meta(self, meta: dict[str, Any]) -> None:
+        meta = {**meta, "format": META_VERSION}
+        atomic_write_text(self.meta_path, json.dumps(meta, indent=2, sort_keys=True, ensure_ascii=False))
+
+    # -- transcript ------------------------------------------------------------------------------
+
+    def append_event(self, event: dict[str, Any]) -> None:
+        record = {"v": TRANSCRIPT_VERSION, "ts": now(), **event}
+        append_line_durably(self.transcript_path, json.dumps(record, ensure_ascii=False, separators=(",", ":")))
+
+    def read_transcript(self) -> TranscriptRead:
+        out = TranscriptRead()
+        try:
+            raw = self.transcript_path.read_bytes()
+        except FileNotFoundError:
+            return out
+        lines = raw.split(b"\n")
+        torn_tail = bool(lines and lines[-1])  # no final newline: the last append did not complete
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                event = json.loads(line.decode("utf-8"))
+                if not isinstance(event, dict) or event.get("v") != TRANSCRIPT_VERSION or "type" not in event:
+                    raise ValueError("not an event")
+            except (ValueError, UnicodeDecodeError):
+                out.dropped_lines += 1
+                where = "last line (torn write)" if torn_tail and i == len(lines) - 1 else f"line {i + 1}"
+                out.problems.append(f"transcript {where} is unreadable and was skipped")
+                continue
+            out.events.append(event)
+        return out
+
+    def repair_transcript_tail(self) -> None:
+        """Terminate a torn last line so later appends start on a line of their own."""
+        try:
+            with self.transcript_path.open("rb+") as fh:
+                fh.seek(0, os.SEEK_END)
+                if fh.tell() == 0:
+                    return
+                fh.seek(-1, os.SEEK_END)
+                if fh.read(1) != b"\n":
+                    fh.write(b"\n")
+                    fh.flush()
+                    os.fsync(fh.fileno())
+        except FileNotFoundError:
+            pass
+
+    # -- locking ---------------------------------------------------------------------------------
+
+    def lock(self) -> None:
+        """Take the conversation's OS lock (dies with the process, so a killed holder never blocks)."""
+        path = self.path / "lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = ""
+            try:
+                holder = os.pread(fd, 32, 0).decode().strip()
+            except OSError:
+                pass
+            os.close(fd)
+            if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                who = f"process {holder}" if holder else "another process"
+                raise LockedError(f"conversation {self.id} is open in {who}") from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            finally:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+
+    def state_size(self) -> int:
+        try:
+            return self.state_path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+
+class ConversationStore:
+    """All conversations under one data dir."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def _ensure_root(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.root, 0o700)
+
+    def validate_id(self, ref: str) -> str:
+        if not ref or "\x00" in ref or "/" in ref or "\\" in ref or ref in (".", "..") or not _ID_RE.match(ref):
+            raise StoreError(f"invalid conversation id {ref!r}: ids are short lowercase letters and digits")
+        return ref
+
+    def create(self, meta: dict[str, Any]) -> ConversationDir:
+        self._ensure_root()
+        for _ in range(100):
+            cid = new_id()
+            path = self.root / cid
+            try:
+                path.mkdir(mode=0o700)
+            except FileExistsError:
+                continue
+            fsync_dir(self.root)
+            conv = ConversationDir(path)
+            conv.write_meta({**meta, "id": cid, "created": now(), "updated": now()})
+            return conv
+        raise StoreError("could not allocate a conversation id")
+
+    def ids(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and _ID_RE.match(p.name))
+
+    def resolve(self, ref: str | None) -> ConversationDir:
+        """An id, a unique prefix of one, or (None) the most recently updated conversation."""
+        if ref is None:
+            convs = self.list()
+            if not convs:
+                raise StoreError("no conversations yet: start one with `chatcli talk`")
+            return convs[0][0]
+        self.validate_id(ref)
+        ids = self.ids()
+        if ref in ids:
+            return ConversationDir(self.root / ref)
+        matches = [i for i in ids if i.startswith(ref)]
+        if not matches:
+            raise StoreError(f"no conversation {ref!r} (see `chatcli ls`)")
+        if len(matches) > 1:
+            raise StoreError(f"{ref!r} is ambiguous: {', '.join(matches[:8])}")
+        return ConversationDir(self.root / matches[0])
+
+    def list(self) -> list[tuple[ConversationDir, dict[str, Any]]]:
+        out = []
+        for cid in self.ids():
+            conv = ConversationDir(self.root / cid)
+            try:
+                meta = conv.read_meta()
+            except StoreError:
+                continue
+            out.append((conv, meta))
+        out.sort(key=lambda cm: cm[1].get("updated", 0), reverse=True)
+        return out
+
+    def remove(self, conv: ConversationDir) -> None:
+        conv.lock()  # refuse to delete a conversation someone has open
+        try:
+            shutil.rmtree(conv.path)
+        finally:
+            conv.unlock()
+        fsync_dir(self.root)
+
+    def iter_dirs(self) -> Iterator[ConversationDir]:
+        for cid in self.ids():
+            yield ConversationDir(self.root / cid)

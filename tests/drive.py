@@ -1,0 +1,98 @@
+"""Drive conversations through the core API, in-process or as a separate process.
+
+Used by state tests to prove that a conversation continued in a *new process* behaves exactly like the
+uninterrupted one. As a script it prints one JSON object and writes the logits it saw to an .npy file.
+
+    python tests/drive.py --new|--resume ID --say "hi" --say "more" [--temperature T --seed S] --logits out.npy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from chatcli.conversation import Conversation, ReplyEnd, ResumeReport  # noqa: E402
+from chatcli.models import resolve_model  # noqa: E402
+from chatcli.session import Session  # noqa: E402
+from chatcli.settings import get_paths, load_settings  # noqa: E402
+
+
+def build_session(*, temperature: float = 0.0, seed: int | None = 1234, n_ctx: int = 2048, model: str | None = None,
+                  reserve: int = 64, max_tokens: int = 48, persona: str = "alice", threads: int = 2) -> Session:
+    flags = {"temperature": temperature, "seed": seed, "n_ctx": n_ctx, "reserve": reserve, "max_tokens": max_tokens,
+             "persona": persona, "threads": threads, "model": model}
+    settings = load_settings(flags, paths=get_paths())
+    explicit = {k for k, v in flags.items() if v is not None}
+    return Session.build(settings, get_paths(), model=resolve_model(model), explicit=explicit)
+
+
+def drain(gen: Any) -> tuple[Conversation | None, ResumeReport | None, list[ReplyEnd]]:
+    conv = report = None
+    ends: list[ReplyEnd] = []
+    for ev in gen:
+        if isinstance(ev, Conversation):
+            conv = ev
+        elif isinstance(ev, ResumeReport):
+            report = ev
+        elif isinstance(ev, ReplyEnd):
+            ends.append(ev)
+    return conv, report, ends
+
+
+def say(conv: Conversation, text: str) -> tuple[list[int], np.ndarray]:
+    """Send one message; returns the reply's tokens and the logits the reply was sampled from."""
+    _, _, ends = drain(conv.send(text))
+    assert conv.turn_logits is not None
+    return ends[-1].message.tokens, conv.turn_logits[1].copy()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--new", action="store_true")
+    g.add_argument("--resume")
+    ap.add_argument("--say", action="append", default=[])
+    ap.add_argument("--regen", action="store_true")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--n-ctx", type=int, default=2048)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--model")
+    ap.add_argument("--logits")
+    a = ap.parse_args()
+    session = build_session(temperature=a.temperature, seed=a.seed, n_ctx=a.n_ctx, max_tokens=a.max_tokens, model=a.model)
+    out: dict[str, Any] = {"replies": []}
+    if a.new:
+        conv, _, _ = drain(session.new_conversation("alice"))
+    else:
+        conv, report, _ = drain(session.open_conversation(a.resume))
+        assert report is not None
+        out["report"] = report.__dict__
+    assert conv is not None
+    out["evaluated_after_open"] = session.engine.n_evaluated_total
+    logits = []
+    if a.regen:
+        _, _, ends = drain(conv.regen())
+        out["replies"].append(ends[-1].message.tokens)
+        out["regen_stats"] = {"reevaluated": ends[-1].stats.reevaluated, "dropped": ends[-1].stats.dropped}
+    for text in a.say:
+        toks, lg = say(conv, text)
+        out["replies"].append(toks)
+        logits.append(lg)
+    out["id"] = conv.id
+    out["tokens"] = list(conv.engine.tokens)
+    conv.close()
+    if a.logits and logits:
+        np.save(a.logits, np.stack(logits))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
