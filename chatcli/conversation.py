@@ -538,7 +538,8 @@ class Conversation:
         if closing and eng.n_past + len(closing) <= eng.n_ctx:
             eng.eval(closing)
             reply_tokens = eng.tokens[p0:]
-        stats.ttft = res.ttft
+        # Time to first token as the user feels it: reading their message plus sampling the first token.
+        stats.ttft = stats.prompt_seconds + res.ttft
         stats.n_generated = len(res.tokens)
         stats.gen_seconds = res.seconds
         stats.stop_reason = res.stop_reason
