@@ -19,14 +19,28 @@ from chatcli import __version__
 
 app = typer.Typer(
     name="chatcli",
-    help="Terminal chat with a local LLM whose conversation state persists.\n\n"
-    "Examples:\n\n  chatcli talk --persona alice\n\n  chatcli resume\n\n  printf 'hi\\n' | chatcli talk --temperature 0",
+    help="Terminal chat with a local LLM whose conversation state persists: resume, regenerate and edit "
+    "without re-processing the history.\n\n"
+    "Examples:\n\n"
+    "  chatcli talk --persona alice          chat (type /help inside for commands)\n\n"
+    "  chatcli resume                        continue the most recent conversation\n\n"
+    "  chatcli ls; chatcli show ID           list conversations, print one\n\n"
+    "  printf 'hi\\n' | chatcli talk --temperature 0    one reply per input line, on stdout\n\n"
+    "Settings, strongest first: command-line flags > CHATCLI_* environment variables > your config file "
+    "(chatcli config path) > built-in defaults. Data lives under $CHATCLI_HOME when it is set.\n\n"
+    "Shell completion: chatcli --install-completion",
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-config_app = typer.Typer(help="Show or edit the configuration file.", no_args_is_help=True)
+config_app = typer.Typer(
+    help="Show or edit the configuration file.\n\n"
+    "Settings, strongest first: command-line flags > CHATCLI_* environment variables (CHATCLI_N_CTX=8192) > "
+    "the config file > built-in defaults. `chatcli config show` says where each value came from.\n\n"
+    "Examples:\n\n  chatcli config show\n\n  EDITOR=nano chatcli config edit",
+    no_args_is_help=True,
+)
 app.add_typer(config_app, name="config")
 
 EXIT_USAGE = 2
@@ -75,8 +89,25 @@ def user_errors() -> Iterator[None]:
         fail(_line(exc), 1)
     except KeyboardInterrupt:
         fail("interrupted", 130)
+    except BrokenPipeError:
+        # The reader left (`chatcli ls | head -1`): nothing to report, and nothing more to write.
+        _drop_stdout()
+        raise typer.Exit(1) from None
     except OSError as exc:
         fail(f"{exc.strerror or exc}" + (f": {exc.filename}" if getattr(exc, "filename", None) else ""), 1)
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise a second BrokenPipeError."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a real file (tests capture stdout in memory)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 def _line(exc: BaseException) -> str:
@@ -102,13 +133,13 @@ ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="GGUF fil
 NCtxOpt = Annotated[Optional[int], typer.Option("--n-ctx", help="Context size in tokens (capped at the model's).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (0 = all cores).")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Sampling seed (same seed ⇒ same replies).")]
-TempOpt = Annotated[Optional[float], typer.Option("--temperature", help="0 means greedy.")]
-TopPOpt = Annotated[Optional[float], typer.Option("--top-p")]
-TopKOpt = Annotated[Optional[int], typer.Option("--top-k")]
-RepeatOpt = Annotated[Optional[float], typer.Option("--repeat-penalty")]
+TempOpt = Annotated[Optional[float], typer.Option("--temperature", help="Randomness of replies; 0 means greedy (always the likeliest token).")]
+TopPOpt = Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling: sample from the likeliest tokens adding up to this probability.")]
+TopKOpt = Annotated[Optional[int], typer.Option("--top-k", help="Sample only from the K likeliest tokens (0 = no limit).")]
+RepeatOpt = Annotated[Optional[float], typer.Option("--repeat-penalty", help="Penalty for repeating recent tokens (1.0 = none).")]
 MaxTokOpt = Annotated[Optional[int], typer.Option("--max-tokens", help="Longest reply in tokens.")]
 ReserveOpt = Annotated[Optional[int], typer.Option("--reserve", help="Tokens kept free for a reply when old turns must leave the context.")]
-PlainOpt = Annotated[Optional[bool], typer.Option("--plain/--rich", help="Plain text output (also when NO_COLOR is set or output is piped).")]
+PlainOpt = Annotated[Optional[bool], typer.Option("--plain/--rich", help="Plain text: no colours, no Markdown rendering, no toolbar (also when NO_COLOR is set or output is piped).")]
 
 
 def _settings(flags: dict[str, Any]) -> tuple[Any, Any, set[str]]:
@@ -173,7 +204,12 @@ def talk(
 ) -> None:
     """Start a new conversation.
 
-    Example: chatcli talk --persona alice
+    In a terminal: Enter sends, Alt-Enter adds a line, Tab completes /commands, Ctrl-C stops a reply
+    (twice at the prompt exits), Ctrl-D saves and exits; /help lists the commands. With stdin piped,
+    each line is one message and only the replies go to stdout.
+
+    Examples: chatcli talk --persona alice · chatcli talk -m ~/models/qwen.gguf --n-ctx 8192 ·
+    echo 'Name a colour' | chatcli talk --temperature 0
     """
     from chatcli.repl import open_events
 
@@ -209,7 +245,9 @@ def resume(
 ) -> None:
     """Continue a conversation where it stopped, restoring its KV state (no re-processing).
 
-    Example: chatcli resume k3f9x2
+    Shows the last exchanges, then the chat goes on as with `talk`.
+
+    Examples: chatcli resume · chatcli resume k3f9x2 · chatcli resume k3 --max-tokens 200
     """
     flags = dict(model=model, n_ctx=n_ctx, threads=threads, temperature=temperature, top_p=top_p, top_k=top_k,
                  repeat_penalty=repeat_penalty, max_tokens=max_tokens, reserve=reserve, plain=plain)
@@ -231,14 +269,21 @@ def _open(settings: Any, paths: Any, explicit: set[str], conv_id: str | None, mo
     store = ConversationStore(get_paths().conversations_dir)
     conv_dir = store.resolve(conv_id)
     meta = conv_dir.read_meta()
-    model_path = model_flag or settings.model
+    # Open in another process? Say so now rather than after loading the model (opening takes the lock).
+    conv_dir.lock()
+    conv_dir.unlock()
+    # Only --model overrides the conversation's own model: its saved KV state is valid for that model
+    # alone. CHATCLI_MODEL and the config file choose the model of *new* conversations (and the fallback).
+    saved = (meta.get("model") or {}).get("path")
+    model_path = model_flag
     note = ""
     if not model_path:
-        saved = (meta.get("model") or {}).get("path")
         if saved and os.path.exists(saved):
             model_path = saved
-        elif saved:
-            note = f"the conversation's model {saved} is gone; using the default model"
+        else:
+            model_path = settings.model
+            if saved:
+                note = f"the conversation's model {saved} is gone; using {settings.model or 'the default model'}"
     if n_ctx_flag is None:
         settings.n_ctx = int((meta.get("params") or {}).get("n_ctx", settings.n_ctx))
     interactive = _interactive()
@@ -349,8 +394,12 @@ def show(
         if as_json:
             print(json.dumps({"meta": meta, "events": tr.events}, indent=2, ensure_ascii=False))
             return
-        out = Console(highlight=False, no_color=not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR")))
-        out.print(f"[bold]{meta.get('title') or conv.id}[/] · {conv.id} · persona {meta.get('persona', '')}")
+        # Messages are printed as written: no hard wrap at 80 columns in a pipe, no ":smile:" → emoji,
+        # and every user-supplied string escaped (a title such as "what is [/]?" is not markup).
+        out = Console(highlight=False, emoji=False, soft_wrap=True,
+                      no_color=not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR")))
+        out.print(f"[bold]{_esc(str(meta.get('title') or conv.id))}[/] · {conv.id} · "
+                  f"persona {_esc(str(meta.get('persona', '')))}")
         for mid in r.out_of_context:
             ev = r.all.get(mid)
             if ev:
@@ -372,7 +421,7 @@ def _esc(text: str) -> str:
 @app.command()
 def export(
     conv_id: Annotated[Optional[str], typer.Argument(metavar="[ID]")] = None,
-    fmt: Annotated[str, typer.Option("--format", "-f", help="md or json (OpenAI messages).")] = "md",
+    fmt: Annotated[str, typer.Option("--format", "-f", help="md, or json: an OpenAI messages list (system first).")] = "md",
 ) -> None:
     """Write a conversation to stdout as Markdown or JSON."""
     from chatcli.conversation import replay_events
@@ -388,8 +437,8 @@ def export(
         meta = conv.read_meta()
         r = replay_events(conv.read_transcript().events)
         if fmt == "json":
-            print(json.dumps({"id": conv.id, "title": meta.get("title", ""), "messages": to_messages(r)},
-                             indent=2, ensure_ascii=False))
+            # Exactly an OpenAI chat `messages` list, so it can be sent to an API or loaded as-is.
+            print(json.dumps(to_messages(r), indent=2, ensure_ascii=False))
         else:
             sys.stdout.write(to_markdown(meta, r))
 
@@ -405,7 +454,8 @@ def rm(
 
     with user_errors():
         store = ConversationStore(get_paths().conversations_dir)
-        convs = [store.resolve(c) for c in conv_ids]
+        # Resolve all first (a typo deletes nothing); an id given twice, or by two prefixes, is deleted once.
+        convs = list({conv.id: conv for conv in (store.resolve(c) for c in conv_ids)}.values())
         for conv in convs:
             title = conv.read_meta().get("title", "") if conv.meta_path.exists() else ""
             if not yes:
@@ -487,6 +537,12 @@ def config_edit() -> None:
         rc = subprocess.call([*shlex.split(editor), str(path)])
         if rc != 0:
             raise CliError(f"{editor} exited with {rc}")
+        from chatcli.settings import SettingsError, describe_settings
+
+        try:
+            describe_settings()  # a mistake is reported now, not at the next chat
+        except SettingsError as exc:
+            raise CliError(f"the config file has a problem: {_line(exc)} (fix it with `chatcli config edit`)")
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,10 @@ class CommandError(ValueError):
 Handler = Callable[["Repl", str], None]
 
 
+# Completion options: plain values, or (value, description) pairs shown beside them in the menu.
+Completions = list[str] | list[tuple[str, str]]
+
+
 @dataclass
 class Command:
     name: str
@@ -31,7 +36,11 @@ class Command:
     handler: Handler
     args: str = ""
     aliases: tuple[str, ...] = ()
-    complete: Callable[[Repl], list[str]] | None = None
+    complete: Callable[[Repl], Completions] | None = None
+
+    @property
+    def usage(self) -> str:
+        return f"/{self.name}" + (f" {self.args}" if self.args else "")
 
 
 @dataclass
@@ -40,7 +49,7 @@ class Registry:
     _by_alias: dict[str, Command] = field(default_factory=dict)
 
     def register(self, name: str, help: str, *, args: str = "", aliases: tuple[str, ...] = (),
-                 complete: Callable[[Repl], list[str]] | None = None) -> Callable[[Handler], Handler]:
+                 complete: Callable[[Repl], Completions] | None = None) -> Callable[[Handler], Handler]:
         def deco(fn: Handler) -> Handler:
             cmd = Command(name, help, fn, args, aliases, complete)
             self.commands[name] = cmd
@@ -53,6 +62,19 @@ class Registry:
     def lookup(self, name: str) -> Command | None:
         return self._by_alias.get(name)
 
+    def resolve(self, word: str) -> Command:
+        """A command by name, alias or unambiguous prefix (``/he`` is ``/help``)."""
+        word = word.strip().lower()
+        cmd = self._by_alias.get(word)
+        if cmd is not None:
+            return cmd
+        matches = {c.name: c for n, c in self._by_alias.items() if word and n.startswith(word)}
+        if len(matches) == 1:
+            return next(iter(matches.values()))
+        if matches:
+            raise CommandError(f"/{word} could be " + ", ".join("/" + n for n in sorted(matches)))
+        raise CommandError(f"unknown command /{word} (try /help)")
+
     def names(self) -> list[str]:
         return sorted(self._by_alias)
 
@@ -63,10 +85,10 @@ REGISTRY = Registry()
 def dispatch(repl: Repl, line: str) -> None:
     """Run a slash command line such as ``/undo 2``."""
     word, _, rest = line[1:].partition(" ")
-    cmd = REGISTRY.lookup(word.strip().lower())
-    if cmd is None:
-        raise CommandError(f"unknown command /{word.strip()} (try /help)")
-    cmd.handler(repl, rest.strip())
+    if "\n" in word:  # "/cmd" followed by a newline typed with Alt-Enter
+        word, _, more = word.partition("\n")
+        rest = more + " " + rest
+    REGISTRY.resolve(word).handler(repl, rest.strip())
 
 
 def _int_arg(arg: str, what: str, default: int | None = None) -> int | None:
@@ -87,16 +109,17 @@ def _seed_arg(arg: str) -> int | None:
     raise CommandError("usage: /regen [--seed N]")
 
 
+KEYS_HELP = ("Enter sends · Alt-Enter (or Esc Enter) adds a line · Tab completes · Ctrl-C stops a reply or clears "
+             "the line, twice exits · Ctrl-D exits · Alt-←/→ switch alternatives · //text sends text starting with /")
+
+
 @REGISTRY.register("help", "show the commands", aliases=("?",))
 def _help(repl: Repl, arg: str) -> None:
     rows = []
     for cmd in sorted(REGISTRY.commands.values(), key=lambda c: c.name):
-        name = f"/{cmd.name}" + (f" {cmd.args}" if cmd.args else "")
-        alias = ", ".join(f"/{a}" for a in cmd.aliases)
-        rows.append({"command": name, "aliases": alias, "what it does": cmd.help})
-    repl.renderer.table(rows, ["command", "aliases", "what it does"])
-    repl.renderer.notice("Enter sends · Alt-Enter (or Esc Enter) adds a line · Ctrl-C stops a reply · Ctrl-D exits · "
-                         "Alt-←/→ switch alternatives")
+        alias = " (" + ", ".join(f"/{a}" for a in cmd.aliases) + ")" if cmd.aliases else ""
+        rows.append((cmd.usage, cmd.help + alias))
+    repl.renderer.commands(rows, KEYS_HELP)
 
 
 @REGISTRY.register("exit", "save and leave", aliases=("quit", "q"))
@@ -111,8 +134,14 @@ def _regen(repl: Repl, arg: str) -> None:
     repl.run_reply(repl.conv.regen(seed=seed))
 
 
+def _edit_complete(repl: Repl) -> list[tuple[str, str]]:
+    users = repl.conv.user_messages()
+    short = [" ".join(m.text.split()) for m in users]
+    return [(str(i + 1), t[:40] + "…" if len(t) > 40 else t) for i, t in enumerate(short)]
+
+
 @REGISTRY.register("edit", "edit your last message (or message N) and continue from it", args="[N]",
-                   complete=lambda repl: [str(i + 1) for i in range(len(repl.conv.user_messages()))])
+                   complete=_edit_complete)
 def _edit(repl: Repl, arg: str) -> None:
     users = repl.conv.user_messages()
     if not users:
@@ -143,11 +172,16 @@ def _redo(repl: Repl, arg: str) -> None:
     repl.show_last()
 
 
-def _alt_complete(repl: Repl) -> list[str]:
+def _alt_complete(repl: Repl) -> list[tuple[str, str]]:
     last = repl.conv.messages[-1] if repl.conv.messages else None
     if last is None or last.role != "assistant":
         return []
-    return [str(i + 1) for i in range(len(repl.conv.r.alternatives(last.turn)))]
+    alts = sorted(repl.conv.r.alternatives(last.turn), key=lambda e: int(e.get("alt", 0)))
+    out = []
+    for i, e in enumerate(alts):
+        text = " ".join(str(e.get("text", "")).split())
+        out.append((str(i + 1), ("* " if int(e["mid"]) == last.mid else "") + (text[:40] + "…" if len(text) > 40 else text)))
+    return [*out, ("next", "the next alternative"), ("prev", "the previous alternative")]
 
 
 @REGISTRY.register("alt", "list the alternatives of the last reply, or switch to alternative N",
@@ -164,8 +198,10 @@ def _alt(repl: Repl, arg: str) -> None:
         for i, e in enumerate(alts):
             text = " ".join(str(e.get("text", "")).split())
             rows.append({"#": f"{i + 1}{' *' if i == current else ''}", "reply": text[:70] + ("…" if len(text) > 70 else "")})
-        repl.renderer.table(rows, ["#", "reply"])
+        repl.renderer.table(rows, ["#", "reply"], to_err=True)
         return
+    if arg in ("next", "prev") and len(alts) == 1:
+        raise CommandError("this reply has no alternatives yet: /regen makes one")
     if arg in ("next", "prev"):
         index = (current + (1 if arg == "next" else -1)) % len(alts)
     else:
@@ -189,54 +225,106 @@ def _title(repl: Repl, arg: str) -> None:
 
 @REGISTRY.register("stats", "details of the last turn and of this session")
 def _stats(repl: Repl, arg: str) -> None:
-    from chatcli.render import human_bytes, stats_line
+    from chatcli.render import human_bytes
 
     conv = repl.conv
-    if conv.last_stats:
-        repl.renderer.notice("last turn: " + stats_line(conv.last_stats))
+    eng = conv.engine
+    last = conv.last_stats
+    if last is not None:
+        rows = [("evaluated", f"{last.n_eval} tokens ({last.n_prompt} of your message, read in "
+                              f"{last.prompt_seconds * 1000:.0f} ms)")]
+        if last.n_generated:
+            rows.append(("generated", f"{last.n_generated} tokens in {last.gen_seconds:.1f} s "
+                                      f"({last.tokens_per_second:.1f} tok/s), first after {last.ttft * 1000:.0f} ms"))
+        rows.append(("stopped", {"eog": "the model finished", "length": "at --max-tokens",
+                                 "cancelled": "by Ctrl-C (partial reply kept)", "context": "context full",
+                                 "stop": "at a stop string"}.get(last.stop_reason, last.stop_reason or "-")))
+        if last.kept is not None:
+            rows.append(("rollback", f"kept {last.kept}, dropped {last.dropped or 0}, "
+                                     f"re-evaluated {last.reevaluated or 0} tokens"))
+        if last.state_bytes:
+            rows.append(("saved", f"{human_bytes(last.state_bytes)} of state in {last.save_ms:.0f} ms"))
+        repl.renderer.fields("last turn", rows)
     s = conv.session_stats
     rate = s["n_generated"] / s["gen_seconds"] if s["gen_seconds"] else 0.0
-    repl.renderer.notice(
-        f"session: {int(s['turns'])} replies, {int(s['n_eval'])} tokens evaluated, {int(s['n_generated'])} generated "
-        f"({rate:.1f} tok/s) · context {conv.engine.n_past}/{conv.engine.n_ctx} · state file {human_bytes(conv.state_bytes())}"
-        f" · conversation {conv.id}")
+    pct = 100 * eng.n_past / eng.n_ctx if eng.n_ctx else 0.0
+    repl.renderer.fields("session", [
+        ("replies", f"{int(s['turns'])}"),
+        ("tokens", f"{int(s['n_eval'])} evaluated, {int(s['n_generated'])} generated ({rate:.1f} tok/s)"),
+        ("context", f"{eng.n_past}/{eng.n_ctx} tokens ({pct:.0f}%)"),
+        ("state file", human_bytes(conv.state_bytes())),
+        ("conversation", f"{conv.id} · {conv.title or '(untitled)'} · {conv.n_turns} exchange(s)"),
+    ])
+
+
+def _persona_complete(repl: Repl) -> list[tuple[str, str]]:
+    return [(name, p.description) for name, p in sorted(repl.session.personas().items())]
 
 
 @REGISTRY.register("persona", "start a new conversation with another persona (this one stays saved)", args="NAME",
-                   complete=lambda repl: sorted(repl.session.personas()))
+                   complete=_persona_complete)
 def _persona(repl: Repl, arg: str) -> None:
     if not arg:
-        raise CommandError("usage: /persona NAME (" + ", ".join(sorted(repl.session.personas())) + ")")
+        current = repl.conv.meta.get("persona", "")
+        names = [n + (" (current)" if n == current else "") for n in sorted(repl.session.personas())]
+        raise CommandError("usage: /persona NAME — one of: " + ", ".join(names))
+    names = sorted(repl.session.personas())
+    if arg not in names:
+        matches = [n for n in names if n.startswith(arg)]
+        if len(matches) == 1:
+            arg = matches[0]
     repl.switch_persona(arg)
 
 
-@REGISTRY.register("system", "show the active system prompt")
+@REGISTRY.register("system", "show the persona's system prompt")
 def _system(repl: Repl, arg: str) -> None:
+    if arg:
+        raise CommandError("the system prompt belongs to the persona: start one with /persona NAME, "
+                           "or write your own persona file (see `chatcli personas`)")
     sys_msgs = [m.content for m in repl.conv.r.persona_messages if m.role == "system"]
     repl.renderer.notice(sys_msgs[0] if sys_msgs else "(no system prompt)")
 
 
-@REGISTRY.register("copy", "copy the last reply to the clipboard")
+def _last_code_block(text: str) -> str | None:
+    blocks = re.findall(r"^ {0,3}(```|~~~)[^\n]*\n(.*?)^ {0,3}\1[ \t]*$", text, re.M | re.S)
+    if blocks:
+        return blocks[-1][1]
+    # An unterminated fence (a reply stopped early) still counts.
+    m = re.search(r"^ {0,3}(```|~~~)[^\n]*\n(.*)\Z", text, re.M | re.S)
+    return m.group(2) if m else None
+
+
+@REGISTRY.register("copy", "copy the last reply (or its last code block) to the clipboard", args="[code]",
+                   complete=lambda repl: [("code", "only the last code block")])
 def _copy(repl: Repl, arg: str) -> None:
     replies = [m for m in repl.conv.messages if m.role == "assistant"]
     if not replies:
         raise CommandError("no reply to copy")
-    how = repl.io.copy_to_clipboard(replies[-1].text)
-    repl.renderer.notice(f"copied ({how})")
+    text = replies[-1].text
+    what = "the last reply"
+    if arg in ("code", "c"):
+        block = _last_code_block(text)
+        if block is None:
+            raise CommandError("the last reply has no code block")
+        text, what = block, "its last code block"
+    elif arg:
+        raise CommandError("usage: /copy [code]")
+    how = repl.io.copy_to_clipboard(text)
+    repl.renderer.notice(f"copied {what} ({len(text)} characters, via {how})")
 
 
-@REGISTRY.register("save", "write this conversation as Markdown", args="PATH")
+@REGISTRY.register("save", "write this conversation as Markdown (default: ./chatcli-ID.md)", args="[PATH]")
 def _save(repl: Repl, arg: str) -> None:
     from chatcli.export import to_markdown
 
-    if not arg:
-        raise CommandError("usage: /save PATH")
-    path = Path(arg).expanduser()
+    path = Path(arg).expanduser() if arg else Path(f"chatcli-{repl.conv.id}.md")
+    if path.is_dir():
+        path = path / f"chatcli-{repl.conv.id}.md"
     try:
         path.write_text(to_markdown(repl.conv.meta, repl.conv.r), encoding="utf-8")
     except OSError as exc:
-        raise CommandError(f"cannot write {path}: {exc.strerror}") from None
-    repl.renderer.notice(f"saved to {path}")
+        raise CommandError(f"cannot write {path}: {exc.strerror or exc}") from None
+    repl.renderer.notice(f"saved {repl.conv.n_turns} exchange(s) to {path}")
 
 
 __all__ = ["REGISTRY", "CommandError", "ConversationError", "ReplExit", "dispatch"]

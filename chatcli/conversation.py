@@ -492,8 +492,15 @@ class Conversation:
         logits = self.engine.logits()
         self.turn_logits = (self.engine.n_past, logits)
         if self._needs_snapshot:
-            # After a context shift the moved K cells were rotated by this decode: only now is a snapshot valid.
-            self._rewrite_state()
+            # After a context shift the moved K cells were rotated by this decode: only now is a snapshot
+            # valid. Reloading it also lays the cells out exactly as a resumed process will have them, so
+            # this process and a resumed one continue bit-identically.
+            data = self._rewrite_state()
+            if data is not None:
+                toks = list(self.engine.tokens)
+                self.engine.clear()
+                self.engine.load_cells(0, len(toks), data, toks)
+                self.engine.set_logits(logits)
             self._needs_snapshot = False
             return
         kv = self.engine.save_cells(p0, p0 + len(tokens))
@@ -641,11 +648,9 @@ class Conversation:
             self.dir.append_event(ev)
             self.r.apply(ev)
             tokens.extend(int(t) for t in self.r.all[mid]["tokens"])
-        # The undone cells were freed; their tokens come back by evaluation (the only tokens evaluated).
-        self.engine.eval(tokens)
-        stats.reevaluated = len(tokens)
-        kv = self.engine.save_cells(p0, self.engine.n_past)
-        self._append([sf.encode_record(sf.CELLS, p0, self.engine.n_past, sf.cells_payload(tokens, kv))], None)
+        loaded = self._cells_from_file(tokens)
+        stats.n_eval = len(tokens) - loaded
+        stats.reevaluated = stats.n_eval
         self._touch_meta()
         return stats
 
@@ -667,14 +672,43 @@ class Conversation:
         self.dir.append_event(ev)
         self.r.apply(ev)
         toks = [int(t) for t in target["tokens"]]
-        self.engine.eval(toks)
+        loaded = self._cells_from_file(toks)
         stats.reevaluated = 0
-        stats.n_eval = len(toks)
-        kv = self.engine.save_cells(to, self.engine.n_past)
-        self._append([sf.encode_record(sf.CELLS, to, self.engine.n_past, sf.cells_payload(toks, kv))], None)
+        stats.n_eval = len(toks) - loaded
         self._maybe_compact()
         self._touch_meta()
         return stats
+
+    def _cells_from_file(self, tokens: list[int]) -> int:
+        """Put ``tokens`` back after the current context, reusing cells the state file still holds.
+
+        A rolled-back reply's CELLS record stays in the file (dead, until compaction): switching back to it
+        or redoing it reads those cells instead of evaluating. Returns how many tokens came from the file;
+        the rest is evaluated. Either way a record that is live again is appended.
+        """
+        eng = self.engine
+        p0 = eng.n_past
+        loaded = 0
+        path = self.dir.state_path
+        while loaded < len(tokens):
+            pos = p0 + loaded
+            rec = next((r for r in reversed(self.state.records)
+                        if r.kind == sf.CELLS and r.p0 == pos and r.p1 <= p0 + len(tokens)), None)
+            if rec is None:
+                break
+            try:
+                toks, kv = sf.split_cells(sf.read_payload(path, rec), rec.p1 - rec.p0)
+                if toks != tokens[loaded:loaded + len(toks)]:
+                    break
+                eng.load_cells(rec.p0, rec.p1, kv, toks)
+            except Exception:
+                break
+            loaded += len(toks)
+        if loaded < len(tokens):
+            eng.eval(tokens[loaded:])
+        kv = eng.save_cells(p0, eng.n_past)
+        self._append([sf.encode_record(sf.CELLS, p0, eng.n_past, sf.cells_payload(tokens, kv))], None)
+        return loaded
 
     def user_messages(self) -> list[ActiveMessage]:
         return [m for m in self.r.active if m.role == "user"]
@@ -783,8 +817,8 @@ class Conversation:
             stats.save_ms += 1000 * (time.perf_counter() - t0)
         return n
 
-    def _rewrite_state(self) -> None:
-        """Write the whole live state as one snapshot (compaction, shifts, recovery)."""
+    def _rewrite_state(self) -> bytes | None:
+        """Write the whole live state as one snapshot (compaction, shifts, recovery); returns its cells."""
         eng = self.engine
         n = eng.n_past
         recs = [self._state_header()]
@@ -798,7 +832,7 @@ class Conversation:
         except OSError as exc:
             self.save_error = f"could not save the KV state ({exc.strerror or exc}); the transcript is intact"
             self.state = sf.ScanResult(header=None)
-            return
+            return kv
         self.save_error = ""
         offset = 0
         st = sf.ScanResult(header={"identity": self.state_identity()})
@@ -808,6 +842,7 @@ class Conversation:
             offset += len(raw)
         st.valid_bytes = offset
         self.state = st
+        return kv
 
     def _maybe_compact(self) -> bool:
         total = self.state.valid_bytes

@@ -6,6 +6,8 @@ the parent's live KV records covering those positions: nothing is evaluated, not
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from chatcli import statefile as sf
 from chatcli.conversation import ConversationError, replay_events
 from chatcli.store import ConversationStore
@@ -42,11 +44,11 @@ def fork_conversation(store: ConversationStore, ref: str, at: int | None) -> tup
     return child.id, copied
 
 
-def _copy_state(src, dst, cut: int) -> int:  # type: ignore[no-untyped-def]
+def _copy_state(src: Path, dst: Path, cut: int) -> int:
     res = sf.scan(src)
     if res.header is None:
         return 0  # the child rebuilds its KV from the transcript on first resume
-    chunks, _, _ = res.live()
+    chunks, logits, _ = res.live()
     records = [sf.encode_record(sf.HEADER, 0, 0, sf.header_payload(res.header["identity"]))]
     n = 0
     for ch in chunks:
@@ -59,5 +61,9 @@ def _copy_state(src, dst, cut: int) -> int:  # type: ignore[no-untyped-def]
             records.append(sf.encode_record(sf.TRUNCATE, n, n, b""))
         if n >= cut:
             break
+    if logits is not None and logits.p0 <= n:
+        # Logits depend only on the tokens before p0, which the child shares: /regen right after a fork
+        # samples from them instead of re-evaluating a token.
+        records.append(sf.encode_record(sf.LOGITS, logits.p0, logits.p0, sf.read_payload(src, logits)))
     sf.StateWriter(dst).rewrite(records)
     return n

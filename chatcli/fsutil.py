@@ -52,13 +52,29 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def append_line_durably(path: Path, line: str) -> None:
     """Append one line and fsync it: a transcript record is on disk before the state that depends on it."""
-    data = (line.rstrip("\n") + "\n").encode("utf-8")
+    append_durably(path, (line.rstrip("\n") + "\n").encode("utf-8"))
+
+
+def append_durably(path: Path, data: bytes) -> None:
+    """Append ``data`` and fsync it, all or nothing as far as the process can tell.
+
+    If a write fails part-way (ENOSPC, EIO), the bytes already written are cut off again, so the next append
+    (once there is room) does not land after half a record and spoil it too.
+    """
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        os.fsync(fd)
+        start = os.fstat(fd).st_size  # one writer per file (the conversation's lock): the end stays here
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            os.fsync(fd)
+        except OSError:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                pass  # the reader detects a torn record anyway; the original error is what matters
+            raise
     finally:
         os.close(fd)

@@ -20,6 +20,22 @@ _SCALARS: dict[int, str] = {
     0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
 }
 _STRING, _ARRAY = 8, 9
+_DEFAULT_ALIGNMENT = 32
+# ggml tensor type -> (elements per block, bytes per block), as in gguf-py's GGML_QUANT_SIZES. A type not
+# listed here (a newer one) only loses the exact end-of-data check, never the file.
+_QK_K = 256
+_TYPE_SIZES: dict[int, tuple[int, int]] = {
+    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+    10: (_QK_K, 4 + _QK_K // 16 + _QK_K // 4), 11: (_QK_K, 2 + _QK_K // 4 + _QK_K // 8 + 12),
+    12: (_QK_K, 4 + _QK_K // 2 + 12), 13: (_QK_K, 4 + _QK_K // 2 + _QK_K // 8 + 12),
+    14: (_QK_K, 2 + _QK_K // 2 + _QK_K // 4 + _QK_K // 16), 15: (_QK_K, 4 + _QK_K + _QK_K // 8),
+    16: (_QK_K, 2 + _QK_K // 4), 17: (_QK_K, 2 + _QK_K // 4 + _QK_K // 32),
+    18: (_QK_K, 2 + _QK_K // 4 + _QK_K // 8), 19: (_QK_K, 2 + _QK_K // 8 + _QK_K // 16), 20: (32, 18),
+    21: (_QK_K, 2 + _QK_K // 4 + _QK_K // 8 + _QK_K // 32 + 4), 22: (_QK_K, 2 + _QK_K // 4 + _QK_K // 16),
+    23: (_QK_K, 4 + _QK_K // 2 + _QK_K // 64), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8),
+    29: (_QK_K, _QK_K // 8 + _QK_K // 16 + _QK_K // 32), 30: (1, 2), 34: (_QK_K, 2 + 4 * 13),
+    35: (_QK_K, 2 + 64), 39: (32, 17),
+}
 # Guards so a corrupt or hostile header cannot make us allocate gigabytes.
 _MAX_STRING = 64 * 1024 * 1024
 _MAX_COUNT = 1 << 24
@@ -181,10 +197,11 @@ def read_gguf(path: str | Path) -> GGUFInfo:
                 n_dims = r.scalar("<I")
                 if n_dims > 8:
                     raise GGUFError(f"corrupt GGUF header: {p}")
+                n_elements = 1
                 for _ in range(n_dims):
-                    r.scalar("<Q")
-                r.scalar("<I")
-                end_of_data = max(end_of_data, r.scalar("<Q"))
+                    n_elements *= r.scalar("<Q")
+                block, block_bytes = _TYPE_SIZES.get(r.scalar("<I"), (1, 0))
+                end_of_data = max(end_of_data, r.scalar("<Q") + n_elements // block * block_bytes)
         except (struct.error, GGUFError) as exc:
             if isinstance(exc, GGUFError) and str(exc).endswith(str(p)):
                 raise
@@ -192,7 +209,12 @@ def read_gguf(path: str | Path) -> GGUFInfo:
         except OSError as exc:
             raise GGUFError(f"cannot read model file {p}: {exc.strerror}") from None
         header_end = r.pos
-        if header_end + end_of_data > size:
+        # Tensor data starts at the next multiple of the alignment: a download cut short anywhere in it
+        # is caught here, with a clear message, rather than by llama.cpp after a slow, failing load.
+        align = meta.get("general.alignment", _DEFAULT_ALIGNMENT)
+        align = align if isinstance(align, int) and not isinstance(align, bool) and align > 0 else _DEFAULT_ALIGNMENT
+        data_start = -(-header_end // align) * align
+        if data_start + end_of_data > size:
             raise GGUFError(f"truncated GGUF file (tensor data missing): {p}")
     return GGUFInfo(
         path=p, version=version, metadata=meta, n_tensors=n_tensors,

@@ -69,7 +69,8 @@ def resolve_model(flag: str | None, config_value: str | None = None, env: dict[s
         return ModelRef(path, _read(path), "bundled")
     if spec.startswith("hf:"):
         return ModelRef(*_from_hub(spec), "hf")  # type: ignore[call-arg]
-    path = Path(spec).expanduser()
+    # Absolute, because conversations remember it: `resume` from another directory must find it again.
+    path = Path(spec).expanduser().absolute()
     return ModelRef(path, _read(path), origin)
 
 

@@ -1,22 +1,43 @@
 """Everything chatcli shows: streaming replies, stats lines, notices, history, tables.
 
 The Renderer consumes the core's events; it never decides anything about the conversation.
+
+Streaming in a terminal uses one ``rich.live.Live`` per operation (always through ``with``). A reply is
+rendered as Markdown while it streams; the live area never grows taller than the screen: lines that
+would scroll off are printed for good above it, so nothing is lost or duplicated however long the reply
+is, and the text is rendered once more from the final message when the reply ends.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
+import threading
+import time
 from typing import Any, Iterable, Iterator, Sequence, TextIO
 
-from rich.console import Console
+from rich.console import Console, ConsoleOptions, RenderResult
 from rich.live import Live
 from rich.markdown import Markdown
 from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+from rich.segment import Segment
+from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
 from chatcli.conversation import ActiveMessage, Event, Notice, Progress, ReplyEnd, ReplyStart, ReplyText, TurnStats
+
+# Prose is hard to read in very wide lines: replies are laid out at most this wide.
+MAX_REPLY_WIDTH = 100
+# Nothing appears for operations shorter than this; longer ones get a spinner.
+SPINNER_DELAY = 0.3
+# Markdown is re-rendered at most this often while a reply streams...
+FRAME_SECONDS = 1 / 12
+# ...and rendering may take at most this share of the time (it competes with generation for the CPU).
+RENDER_SHARE = 0.15
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
 def human_bytes(n: int | float) -> str:
@@ -47,85 +68,245 @@ def stats_line(s: TurnStats) -> str:
     return " · ".join(parts)
 
 
+class _Lines:
+    """Pre-rendered lines as a renderable.
+
+    Printed (``end=True``) each line ends with a newline; shown in a live area the last one must not,
+    or the area's next redraw starts a line too low.
+    """
+
+    def __init__(self, lines: Sequence[list[Segment]], *, end: bool = False) -> None:
+        self.lines = lines
+        self.end = end
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        for i, line in enumerate(self.lines):
+            if i:
+                yield Segment.line()
+            yield from line
+        if self.end and self.lines:
+            yield Segment.line()
+
+
+class _Waiting:
+    """Nothing for a moment, then a spinner: quick operations do not flash, slow ones are never silent."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.t0 = time.monotonic()
+        self.spinner = Spinner("dots", style="dim")
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        elapsed = time.monotonic() - self.t0
+        if elapsed >= SPINNER_DELAY:
+            self.spinner.text = Text(self.label + (f" {elapsed:.0f} s" if elapsed >= 2 else ""), style="dim")
+            yield self.spinner
+
+
+def _rstrip(line: list[Segment]) -> list[Segment]:
+    """Drop trailing padding so copied text and captures have no trailing blanks (code keeps its background)."""
+    out = list(line)
+    while out:
+        seg = out[-1]
+        if seg.control or (seg.style is not None and seg.style.bgcolor is not None):
+            break
+        text = seg.text.rstrip(" ")
+        if text:
+            out[-1] = Segment(text, seg.style)
+            break
+        out.pop()
+    return out
+
+
+class _Area:
+    """The live area of one operation: what is shown in it, and what is printed for good above it.
+
+    rich's own refresh thread renders concurrently with prints from the main thread, which garbles
+    the screen when a reply is committed line by line; here one lock serialises both, and a small
+    ticker keeps spinners and progress bars moving while the main thread is blocked in the model.
+    """
+
+    def __init__(self, live: Live, interval: float = 0.1) -> None:
+        self.live = live
+        self.lock = threading.RLock()
+        self._stop = threading.Event()
+        self._interval = interval
+        self._thread = threading.Thread(target=self._tick, name="chatcli-live", daemon=True)
+
+    def __enter__(self) -> _Area:
+        if self.live.console.is_terminal:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self._interval):
+            with self.lock:
+                if not self._stop.is_set():
+                    self.live.refresh()
+
+    def show(self, renderable: Any) -> None:
+        with self.lock:
+            self.live.update(renderable, refresh=True)
+
+    def print(self, renderable: Any) -> None:
+        with self.lock:
+            self.live.console.print(renderable)
+
+    @property
+    def console(self) -> Console:
+        return self.live.console
+
+
+class _ReplyView:
+    """A streaming reply: Markdown, re-rendered in frames, committed above the live area as it grows."""
+
+    def __init__(self, renderer: Renderer, area: _Area) -> None:
+        self.renderer = renderer
+        self.area = area
+        self.console = renderer.console
+        self.text = ""
+        self.committed = 0  # lines already printed for good
+        self.next_frame = 0.0
+
+    def add(self, piece: str) -> None:
+        self.text += piece
+        now = time.monotonic()
+        if now >= self.next_frame:
+            self.render()
+            spent = time.monotonic() - now
+            self.next_frame = time.monotonic() + max(FRAME_SECONDS, spent / RENDER_SHARE)
+
+    def render(self, final: bool = False) -> None:
+        lines = self.renderer.markdown_lines(self.text)
+        # Keep at most a screenful live: a live area taller than the screen cannot be redrawn in place.
+        keep = 0 if final else max(1, self.console.size.height - 2)
+        cut = max(self.committed, len(lines) - keep)
+        with self.area.lock:
+            if cut > self.committed:
+                self.area.print(_Lines(lines[self.committed:cut], end=True))
+                self.committed = cut
+            rest = lines[self.committed:]
+            self.area.show(_Lines(rest) if rest else Text(""))
+
+    def finish(self, text: str) -> None:
+        self.text = text
+        self.render(final=True)
+
+
 class Renderer:
     """Rich output for a terminal; plain text (no markup, no colour) for pipes and ``--plain``."""
 
-    def __init__(self, console: Console, *, plain: bool = False, err: TextIO | None = None) -> None:
+    def __init__(self, console: Console, *, plain: bool = False, err: TextIO | None = None,
+                 max_width: int = MAX_REPLY_WIDTH) -> None:
         self.console = console
         self.plain = plain
-        self.err = err if err is not None else sys.stderr
+        self._err = err
+        self.max_width = max_width
+
+    @property
+    def err(self) -> TextIO:
+        # Looked up late: pytest and CliRunner swap sys.stderr after the renderer may have been built.
+        return self._err if self._err is not None else sys.stderr
 
     # -- streaming ---------------------------------------------------------------------------------
 
-    def stream(self, events: Iterable[Event]) -> ReplyEnd | None:
+    def stream(self, events: Iterable[Event], label: str = "working") -> ReplyEnd | None:
         """Render one operation's events; returns the reply's end event (if there was a reply)."""
+        if self.plain:
+            return self._stream_plain(iter(events))
         end: ReplyEnd | None = None
-        bar: RichProgress | None = None
-        task = None
         it = iter(events)
-        try:
+        with Live(_Waiting(label + "…"), console=self.console, auto_refresh=False, transient=True,
+                  redirect_stdout=False, redirect_stderr=False) as live, _Area(live) as area:
+            bar: RichProgress | None = None
+            task = None
             for ev in it:
                 if isinstance(ev, Progress):
-                    if self.plain:
-                        continue
                     if bar is None:
                         bar = self._new_bar()
-                        bar.start()
                         task = bar.add_task(ev.label, total=ev.total, rate="")
                     rate = f"{ev.done / ev.seconds:.0f} tok/s" if ev.seconds > 0 else ""
-                    bar.update(task, completed=ev.done, total=ev.total, description=ev.label, rate=rate)
+                    assert task is not None
+                    with area.lock:
+                        bar.update(task, completed=ev.done, total=ev.total, description=ev.label, rate=rate)
+                        area.show(bar)
                     continue
-                if bar is not None:
-                    bar.stop()
-                    bar = None
+                bar = None
                 if isinstance(ev, ReplyStart):
-                    end = self._reply(it)
+                    end = self._reply(it, area)
+                    area.show(_Waiting(label + "…"))
                 elif isinstance(ev, Notice):
-                    self.notice(ev.text, ev.level)
-        finally:
-            if bar is not None:
-                bar.stop()
+                    area.print(self._notice_text(ev.text, ev.level))
+                    area.show(_Waiting(label + "…"))
+        return end
+
+    def _stream_plain(self, it: Iterator[Event]) -> ReplyEnd | None:
+        end: ReplyEnd | None = None
+        for ev in it:
+            if isinstance(ev, ReplyStart):
+                end = self._reply_plain(it)
+            elif isinstance(ev, Notice):
+                self.notice(ev.text, ev.level)
         return end
 
     def _new_bar(self) -> RichProgress:
         return RichProgress(
             TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} tok"),
-            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=self.console, transient=True,
+            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=self.console, auto_refresh=False,
         )
 
-    def _reply(self, it: Iterator[Event]) -> ReplyEnd | None:
-        text = ""
+    def _reply_plain(self, it: Iterator[Event]) -> ReplyEnd | None:
         end: ReplyEnd | None = None
-        if self.plain:
-            out = self.console.file
+        out = self.console.file
+        sanitize = _isatty(out)  # a model's stray escape codes must not drive the user's terminal
+        try:
             for ev in it:
                 if isinstance(ev, ReplyText):
-                    text += ev.text
-                    out.write(ev.text)
+                    out.write(_CONTROL.sub("", ev.text) if sanitize else ev.text)
                     out.flush()
                 elif isinstance(ev, ReplyEnd):
                     end = ev
                     break
-            out.write("\n")
+        finally:
+            out.write("\n")  # the reply's line ends even when an error cut it short
             out.flush()
-            return end
-        with Live(Text(""), console=self.console, refresh_per_second=15, vertical_overflow="visible") as live:
+        return end
+
+    def _reply(self, it: Iterator[Event], area: _Area) -> ReplyEnd | None:
+        view = _ReplyView(self, area)
+        area.show(_Waiting("thinking…"))
+        done = False
+        try:
             for ev in it:
                 if isinstance(ev, ReplyText):
-                    text += ev.text
-                    live.update(Text(text))
+                    view.add(ev.text)
                 elif isinstance(ev, ReplyEnd):
-                    end = ev
-                    # Markdown once complete: rendering partial markdown reflows and flickers.
-                    live.update(Markdown(end.message.text or text))
-                    break
-        return end
+                    done = True
+                    view.finish(ev.message.text)
+                    return ev
+        finally:
+            if not done:
+                view.finish(view.text)  # ended without a ReplyEnd (an error): keep what was shown
+        return None
+
+    def markdown_lines(self, text: str) -> list[list[Segment]]:
+        width = max(10, min(self.console.width, self.max_width))
+        options = self.console.options.update(width=width)
+        lines = self.console.render_lines(Markdown(text), options, pad=False)
+        return [_rstrip(line) for line in lines]
+
+    # -- one-off output ------------------------------------------------------------------------------
 
     def reply_text(self, text: str) -> None:
         if self.plain:
             print(text, file=self.console.file)
         else:
-            self.console.print(Markdown(text))
+            self.console.print(_Lines(self.markdown_lines(text), end=True))
 
     def stats(self, s: TurnStats) -> None:
         line = stats_line(s)
@@ -133,14 +314,21 @@ class Renderer:
             print(line, file=self.err)
         else:
             self.console.print(Text(line, style="dim"))
+            self.console.print()  # a blank line between one exchange and the next
+
+    def _notice_text(self, text: str, level: str) -> Text:
+        if level == "error":
+            return Text("error: ", style="bold red") + Text(text, style="red")
+        if level == "warn":
+            return Text("warning: ", style="bold yellow") + Text(text, style="yellow")
+        return Text(text, style="dim")
 
     def notice(self, text: str, level: str = "info") -> None:
         if self.plain:
             prefix = {"warn": "warning: ", "error": "error: "}.get(level, "")
             print(prefix + text, file=self.err)
             return
-        style = {"warn": "yellow", "error": "bold red"}.get(level, "dim")
-        self.console.print(Text(text, style=style))
+        self.console.print(self._notice_text(text, level))
 
     def error(self, text: str) -> None:
         self.notice(text, "error")
@@ -155,20 +343,67 @@ class Renderer:
             who = "you" if m.role == "user" else "assistant"
             if self.plain:
                 print(f"{who}: {m.text}", file=self.err)
+            elif m.role == "user":
+                # As it looked when typed, so a resumed session reads on from where it stopped.
+                self.console.print(Text("› ", style="bold") + Text(m.text))
             else:
-                self.console.print(Text(f"{who}: ", style="dim bold") + Text(m.text, style="dim"))
+                self.console.print(_Lines(self.markdown_lines(m.text), end=True))
 
-    def table(self, rows: list[dict[str, Any]], columns: list[str], title: str | None = None) -> None:
+    def commands(self, rows: Sequence[tuple[str, str]], footer: str = "") -> None:
+        """A command reference: one line per command (wrapped only where the terminal is too narrow)."""
         if self.plain:
+            w = max((len(c) for c, _ in rows), default=0)
+            for cmd, what in rows:
+                print(f"{cmd.ljust(w)}  {what}", file=self.err)
+            if footer:
+                print(footer, file=self.err)
+            return
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="bold cyan", no_wrap=True)
+        grid.add_column()
+        for cmd, what in rows:
+            grid.add_row(Text(cmd), Text(what))  # Text: "[code]" is an argument, not markup
+        self.console.print(grid)
+        if footer:
+            self.console.print(Text(footer, style="dim"))
+
+    def fields(self, title: str, rows: Sequence[tuple[str, str]]) -> None:
+        """A titled list of ``name: value`` lines (``/stats``)."""
+        if self.plain:
+            print(title, file=self.err)
+            for k, v in rows:
+                print(f"  {k}: {v}", file=self.err)
+            return
+        self.console.print(Text(title, style="bold"))
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="dim", no_wrap=True)
+        grid.add_column()
+        for k, v in rows:
+            grid.add_row(Text("  " + k), Text(v))
+        self.console.print(grid)
+
+    def table(self, rows: list[dict[str, Any]], columns: list[str], title: str | None = None, *,
+              to_err: bool = False) -> None:
+        """A table; ``to_err`` sends the plain form to stderr (REPL output that is not a reply)."""
+        if self.plain:
+            out = self.err if to_err else self.console.file
             for r in rows:
-                print("\t".join(str(r.get(c, "")) for c in columns), file=self.console.file)
+                print("\t".join(str(r.get(c, "")) for c in columns), file=out)
             return
         t = Table(title=title, header_style="bold")
         for c in columns:
             t.add_column(c)
         for r in rows:
-            t.add_row(*(str(r.get(c, "")) for c in columns))
+            t.add_row(*(Text(str(r.get(c, ""))) for c in columns))  # user text is never markup
         self.console.print(t)
 
     def json(self, data: Any) -> None:
         self.console.file.write(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+

@@ -7,11 +7,14 @@ runs under prompt_toolkit, in a pipeline and in unit tests.
 from __future__ import annotations
 
 import base64
+import contextlib
+import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Protocol, TextIO
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Protocol, TextIO
 
 from prompt_toolkit import PromptSession
 from prompt_toolkit.completion import Completer, Completion
@@ -35,6 +38,7 @@ class ChatIO(Protocol):
     def read(self, default: str = "") -> str: ...
     def edit_text(self, text: str) -> str | None: ...
     def copy_to_clipboard(self, text: str) -> str: ...
+    def busy(self) -> ContextManager[None]: ...
 
 
 class SlashCompleter(Completer):
@@ -45,25 +49,26 @@ class SlashCompleter(Completer):
 
     def get_completions(self, document: Document, complete_event: Any) -> Iterable[Completion]:
         text = document.text_before_cursor
-        if not text.startswith("/") or "\n" in text:
+        if not text.startswith("/") or text.startswith("//") or "\n" in text:
             return
         if " " not in text:
             for name in REGISTRY.names():
-                if name.startswith(text[1:]):
+                if name.startswith(text[1:].lower()):
                     cmd = REGISTRY.lookup(name)
                     yield Completion("/" + name, start_position=-len(text), display_meta=cmd.help if cmd else "")
             return
         word, _, arg = text[1:].partition(" ")
-        cmd = REGISTRY.lookup(word)
+        cmd = REGISTRY.lookup(word.lower())
         if cmd is None or cmd.complete is None:
             return
         try:
             options = cmd.complete(self.repl)
-        except Exception:
+        except Exception:  # completion must never break typing
             return
         for opt in options:
-            if opt.startswith(arg):
-                yield Completion(opt, start_position=-len(arg))
+            value, meta = opt if isinstance(opt, tuple) else (opt, "")
+            if value.startswith(arg):
+                yield Completion(value, start_position=-len(arg), display_meta=meta)
 
 
 class TerminalIO:
@@ -87,9 +92,11 @@ class TerminalIO:
             except OSError:
                 pass
         self.repl = repl
+        # The real terminal's fd when we own it (not in tests): typing during a reply must not echo.
+        self._tty_fd = sys.stdin.fileno() if input is None and is_tty(sys.stdin) else None
         self.session: PromptSession[str] = PromptSession(
             history=history, completer=SlashCompleter(repl), complete_while_typing=True,
-            key_bindings=chat_key_bindings(), multiline=True, bottom_toolbar=repl.toolbar,
+            key_bindings=chat_key_bindings(repl.set_hint), multiline=True, bottom_toolbar=repl.toolbar,
             input=input, output=output, prompt_continuation=lambda width, n, soft: "… ".rjust(width),
         )
 
@@ -104,6 +111,33 @@ class TerminalIO:
 
     def copy_to_clipboard(self, text: str) -> str:
         return copy_to_clipboard(text, self.repl.renderer.console.file)
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """While a reply streams: keys typed are not echoed (they would break the live display) but are
+        kept for the next prompt; Ctrl-C still raises SIGINT, which stops the reply."""
+        fd = self._tty_fd
+        if fd is None:
+            yield
+            return
+        import termios
+
+        try:
+            old = termios.tcgetattr(fd)
+        except (termios.error, OSError):
+            yield
+            return
+        new = list(old)
+        new[3] = new[3] & ~(termios.ECHO | termios.ICANON)
+        new[6] = list(old[6])
+        new[6][termios.VMIN] = 1
+        new[6][termios.VTIME] = 0
+        try:
+            termios.tcsetattr(fd, termios.TCSANOW, new)
+            yield
+        finally:
+            with contextlib.suppress(termios.error, OSError):
+                termios.tcsetattr(fd, termios.TCSANOW, old)
 
 
 class LineIO:
@@ -128,21 +162,33 @@ class LineIO:
     def copy_to_clipboard(self, text: str) -> str:
         return copy_to_clipboard(text, None)
 
+    def busy(self) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
 
 def copy_to_clipboard(text: str, terminal: TextIO | None) -> str:
-    for cmd in (["wl-copy"], ["xclip", "-selection", "clipboard"], ["xsel", "-b", "-i"], ["pbcopy"]):
+    """Copy with the desktop's clipboard tool, else through the terminal (OSC 52); returns how."""
+    tools = []
+    if os.environ.get("WAYLAND_DISPLAY"):
+        tools.append(["wl-copy"])
+    if os.environ.get("DISPLAY"):
+        tools += [["xclip", "-selection", "clipboard"], ["xsel", "-b", "-i"]]
+    if sys.platform == "darwin":
+        tools.append(["pbcopy"])
+    for cmd in tools:
         if shutil.which(cmd[0]):
             try:
-                subprocess.run(cmd, input=text.encode(), check=True, timeout=5)
+                subprocess.run(cmd, input=text.encode(), check=True, timeout=5,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 return cmd[0]
             except (OSError, subprocess.SubprocessError):
                 continue
-    if terminal is not None:
-        # OSC 52: the terminal itself sets the clipboard (works over SSH in most modern terminals).
+    if terminal is not None and is_tty(terminal):
+        # OSC 52: the terminal itself sets the clipboard (works over SSH and in tmux in most terminals).
         terminal.write("\x1b]52;c;" + base64.b64encode(text.encode()).decode() + "\x07")
         terminal.flush()
         return "OSC 52"
-    raise CommandError("no clipboard available")
+    raise CommandError("no clipboard available (no wl-copy, xclip, xsel or pbcopy, and output is not a terminal)")
 
 
 class Repl:
@@ -158,25 +204,54 @@ class Repl:
         self.session = session
         self.conv = conv
         self.renderer = renderer
+        self.hint = ""
         self.io: ChatIO = io_factory(self)
         self._exit_requested = False
         self._generating = False
+        self._cancel_requested = False
 
     # -- toolbar ---------------------------------------------------------------------------------
 
-    def toolbar(self) -> HTML:
+    def set_hint(self, text: str) -> None:
+        """A transient message in the toolbar (e.g. "Ctrl-C again to exit")."""
+        self.hint = text
+
+    def toolbar_parts(self) -> list[tuple[int, str, str]]:
+        """The toolbar's pieces as (priority, plain text, markup); lower priorities go first when narrow."""
         conv = self.conv
         eng = conv.engine
-        frac = eng.n_past / eng.n_ctx if eng.n_ctx else 0.0
-        filled = int(round(frac * 10))
-        bar = "█" * filled + "░" * (10 - filled)
+        frac = min(1.0, eng.n_past / eng.n_ctx) if eng.n_ctx else 0.0
+        bar = context_bar(frac)
         model = self.session.model.info.name if self.session is not None else "?"
-        esc = lambda s: str(s).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")  # noqa: E731
-        return HTML(
-            f" <b>{esc(conv.meta.get('persona', ''))}</b> · {esc(model)} · {esc(conv.id)} · "
-            f"ctx {eng.n_past}/{eng.n_ctx} {bar} · state {human_bytes(conv.state_bytes())} · "
-            "Alt-Enter newline · Alt-←/→ alts · /help"
-        )
+        if len(model) > 24:
+            model = model[:23] + "…"
+        persona = str(conv.meta.get("persona", ""))
+        ctx = f"ctx {eng.n_past}/{eng.n_ctx} {bar}"
+        ctx_markup = f"ctx {eng.n_past}/{eng.n_ctx} {esc(bar)}"
+        if frac >= 0.9:
+            ctx_markup = f"<b>{ctx_markup}</b>"
+        state = f"state {human_bytes(conv.state_bytes())}"
+        keys = self.hint or "/help · Ctrl-D exit"
+        keys_markup = f"<b>{esc(self.hint)}</b>" if self.hint else esc(keys)
+        return [
+            (9, persona, f"<b>{esc(persona)}</b>"),
+            (8, ctx, ctx_markup),
+            (7 if self.hint else 4, keys, keys_markup),
+            (6, conv.id, esc(conv.id)),
+            (5, model, esc(model)),
+            (3, state, esc(state)),
+        ]
+
+    def toolbar(self, width: int | None = None) -> HTML:
+        if width is None:
+            width = _terminal_columns()
+        parts = self.toolbar_parts()
+        sep = " · "
+        shown = list(parts)
+        # Drop the least important pieces until the line fits (narrow terminals).
+        while len(shown) > 1 and 1 + sum(len(p[1]) for p in shown) + len(sep) * (len(shown) - 1) > width:
+            shown.remove(min(shown, key=lambda p: p[0]))
+        return HTML(" " + sep.join(p[2] for p in shown))
 
     # -- loop ------------------------------------------------------------------------------------------
 
@@ -187,7 +262,8 @@ class Repl:
         try:
             if self.conv.pending_user:
                 self.renderer.notice("the last message has no reply (the session ended mid-reply): generating it now")
-                self.run_reply(self.conv.regen())
+                with self._busy():
+                    self.run_reply(self.conv.regen())
             while not self._exit_requested:
                 try:
                     line = self.io.read(default=pending)
@@ -196,19 +272,22 @@ class Repl:
                 except KeyboardInterrupt:
                     pending = ""
                     continue
+                finally:
+                    self.hint = ""
                 pending = ""
                 if not line.strip():
                     continue
                 try:
-                    if line.startswith("/") and not line.startswith("//"):
-                        dispatch(self, line.strip())
-                    else:
-                        text = line[1:] if line.startswith("//") else line
-                        try:
-                            self.run_reply(self.conv.send(text))
-                        except USER_ERRORS:
-                            pending = line  # nothing the user wrote is lost: it comes back in the prompt
-                            raise
+                    with self._busy():
+                        if line.startswith("/") and not line.startswith("//"):
+                            dispatch(self, line.strip())
+                        else:
+                            text = line[1:] if line.startswith("//") else line
+                            try:
+                                self.run_reply(self.conv.send(text))
+                            except USER_ERRORS:
+                                pending = line  # nothing the user wrote is lost: it comes back in the prompt
+                                raise
                 except ReplExit:
                     break
                 except USER_ERRORS as exc:
@@ -223,6 +302,32 @@ class Repl:
             self.renderer.notice(f"conversation {self.conv.id} saved · resume with: chatcli resume {self.conv.id}")
         return 0
 
+    @contextlib.contextmanager
+    def _busy(self) -> Iterator[None]:
+        """Around one command or message. Ctrl-C stops a streaming reply; any other operation (an undo,
+        a persona switch) is short and runs to its end, so the context and the files stay consistent."""
+        interrupted = [False]
+
+        def on_int(signum: int, frame: Any) -> None:
+            if self._generating:
+                self._cancel_requested = True
+                self.conv.cancel()
+            else:
+                interrupted[0] = True
+
+        try:
+            old = signal.signal(signal.SIGINT, on_int)
+        except ValueError:  # not the main thread (embedded use): leave signals alone
+            old = None
+        try:
+            with self.io.busy():
+                yield
+        finally:
+            if old is not None:
+                signal.signal(signal.SIGINT, old)
+            if interrupted[0]:
+                self.renderer.notice("Ctrl-C: that operation cannot stop halfway; it has finished")
+
     def _on_term(self, signum: int, frame: Any) -> None:
         # State is saved after every turn; a running reply is stopped and kept, then the loop ends.
         self._exit_requested = True
@@ -234,16 +339,23 @@ class Repl:
     def run_reply(self, events: Iterator[Event]) -> None:
         """Render an operation that streams a reply; Ctrl-C stops the reply, not the program."""
         self._generating = True
-        old = signal.signal(signal.SIGINT, lambda s, f: self.conv.cancel())
+        self._cancel_requested = False
         try:
-            end = self.renderer.stream(events)
+            end = self.renderer.stream(self._cancellable(events), label="thinking")
         finally:
-            signal.signal(signal.SIGINT, old)
             self._generating = False
         if end is not None:
             self.renderer.stats(end.stats)
         if self.conv.save_error:
             self.renderer.notice(self.conv.save_error, "warn")
+
+    def _cancellable(self, events: Iterator[Event]) -> Iterator[Event]:
+        # A Ctrl-C that lands before sampling starts (while the message is read) would be forgotten when
+        # generation begins, so the request is repeated until the reply ends.
+        for ev in events:
+            if self._cancel_requested:
+                self.conv.cancel()
+            yield ev
 
     def show_last(self) -> None:
         msgs = self.conv.messages
@@ -251,11 +363,44 @@ class Repl:
             self.renderer.reply_text(msgs[-1].text)
 
     def switch_persona(self, name: str) -> None:
-        conv, _ = open_events(self.session.new_conversation(name), self.renderer)
+        """Start a new conversation from persona ``name``; the current one is saved and closed."""
         old = self.conv
+        try:
+            conv, _ = open_events(self.session.new_conversation(name), self.renderer)
+        except BaseException:
+            # Creating the new conversation may have cleared the shared context: bring the old one back.
+            if list(old.engine.tokens) != old.r.tokens():
+                old.close()
+                self.conv, _ = open_events(self.session.open_conversation(old.id), self.renderer)
+            raise
         old.close()
         self.conv = conv
-        self.renderer.notice(f"conversation {old.id} saved; new conversation {conv.id} with persona {name}")
+        self.renderer.notice(f"conversation {old.id} saved (chatcli resume {old.id}); "
+                             f"new conversation {conv.id} with persona {conv.meta.get('persona', name)}")
+        greeting = [m for m in conv.r.persona_messages if m.role == "assistant"]
+        if greeting:
+            self.renderer.reply_text(greeting[-1].content)
+
+
+def context_bar(frac: float, width: int = 10) -> str:
+    """A bar of ``width`` cells, in eighths, showing how full the context is."""
+    eighths = int(round(max(0.0, min(1.0, frac)) * width * 8))
+    full, part = divmod(eighths, 8)
+    bar = "█" * full + ("▏▎▍▌▋▊▉"[part - 1] if part else "")
+    return bar + "░" * (width - len(bar))
+
+
+def esc(text: object) -> str:
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _terminal_columns() -> int:
+    try:
+        from prompt_toolkit.application.current import get_app
+
+        return get_app().output.get_size().columns
+    except Exception:
+        return shutil.get_terminal_size().columns
 
 
 def _one_line(exc: BaseException) -> str:
@@ -278,7 +423,7 @@ def open_events(events: Iterable[Event | ResumeReport | Conversation], renderer:
             else:
                 yield ev
 
-    renderer.stream(only_events())
+    renderer.stream(only_events(), label="loading")
     return box["conv"], box.get("report")
 
 

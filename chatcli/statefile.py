@@ -28,7 +28,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from chatcli.fsutil import atomic_write_bytes, fsync_dir
+from chatcli.fsutil import append_durably, atomic_write_bytes, fsync_dir
 
 MAGIC = b"CKV1"
 FORMAT_VERSION = 1
@@ -142,6 +142,7 @@ def scan(path: Path) -> ScanResult:
         size = os.fstat(fh.fileno()).st_size
         res = ScanResult(header=None)
         offset = 0
+        n = 0  # the state's length so far, to check that every CELLS record continues it
         while offset < size:
             rec, payload, problem = _read_record(fh, offset, size)
             if rec is None:
@@ -152,13 +153,26 @@ def scan(path: Path) -> ScanResult:
                     res.problem = "not a chatcli state file"
                     break
                 try:
-                    res.header = json.loads(payload)
+                    header = json.loads(payload)
                 except ValueError:
+                    header = None
+                if not isinstance(header, dict):
                     res.problem = "unreadable header"
                     break
+                res.header = header
             elif rec.kind == HEADER:
                 res.problem = "second header"
                 break
+            elif rec.kind == CELLS and rec.p0 != n:
+                # Well-formed but not continuing the state (a writer bug, or records spliced from elsewhere):
+                # it and everything after it count as damaged, so the writer cuts them instead of appending
+                # new records behind one that makes every later reader stop.
+                res.problem = f"record at {offset} does not continue the state ({rec.p0} != {n})"
+                break
+            if rec.kind in (CELLS, SNAPSHOT):
+                n = rec.p1
+            elif rec.kind == TRUNCATE:
+                n = min(n, rec.p0)
             res.records.append(rec)
             offset += rec.size
         res.valid_bytes = offset if res.header is not None else 0
@@ -228,15 +242,7 @@ class StateWriter:
 
     def append(self, records: list[bytes]) -> int:
         data = b"".join(records)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        append_durably(self.path, data)  # a failed append leaves no partial record behind
         return len(data)
 
     def cut(self, valid_bytes: int) -> None:

@@ -120,17 +120,29 @@ class ConversationDir:
         return out
 
     def repair_transcript_tail(self) -> None:
-        """Terminate a torn last line so later appends start on a line of their own."""
+        """Fix a torn last line so later appends start on a line of their own.
+
+        A torn line is an append that did not complete: if what was written does not parse, it is cut
+        (like a torn state record; `read_transcript` has already reported it), otherwise it is terminated.
+        Leaving unparseable bytes would make every later open warn about them again.
+        """
         try:
             with self.transcript_path.open("rb+") as fh:
-                fh.seek(0, os.SEEK_END)
-                if fh.tell() == 0:
+                raw = fh.read()
+                if not raw or raw.endswith(b"\n"):
                     return
-                fh.seek(-1, os.SEEK_END)
-                if fh.read(1) != b"\n":
+                start = raw.rfind(b"\n") + 1
+                try:
+                    event = json.loads(raw[start:].decode("utf-8"))
+                    torn = not (isinstance(event, dict) and event.get("v") == TRANSCRIPT_VERSION and "type" in event)
+                except (ValueError, UnicodeDecodeError):
+                    torn = True
+                if torn:
+                    fh.truncate(start)
+                else:
                     fh.write(b"\n")
-                    fh.flush()
-                    os.fsync(fh.fileno())
+                fh.flush()
+                os.fsync(fh.fileno())
         except FileNotFoundError:
             pass
 
@@ -156,6 +168,16 @@ class ConversationDir:
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._lock_fd = fd
+        self._remove_stale_temp_files()
+
+    def _remove_stale_temp_files(self) -> None:
+        # Only the lock holder writes here, so a temp file of an atomic write that exists now was left by a
+        # process killed mid-write (a state snapshot can be megabytes): it will never be renamed into place.
+        for tmp in self.path.glob(".*.tmp"):
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
 
     def unlock(self) -> None:
         if self._lock_fd is not None:

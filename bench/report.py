@@ -1,0 +1,308 @@
+"""Turns the raw results of ``run.py`` into ``results.md`` and PNG charts."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+
+def med(xs: Sequence[float]) -> float:
+    xs = [float(x) for x in xs if x is not None]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def f_ms(x: float) -> str:
+    if x != x:  # nan
+        return "–"
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}" if x >= 1 else f"{x:.2f}"
+
+
+def f_x(x: float) -> str:
+    if x != x or x in (float("inf"), 0):
+        return "–"
+    return f"{x:,.0f}×" if x >= 100 else f"{x:.1f}×" if x >= 1 else f"{x:.2f}×"
+
+
+def f_mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB"
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def summarize(res: dict[str, Any]) -> dict[str, Any]:
+    """Medians per length of every figure; what the tables and the headline are made of."""
+    rows = []
+    for ck in res["checkpoints"]:
+        key = str(ck["target"])
+        r = res["resume"][key]
+        row = {
+            "target": ck["target"], "tokens": ck["n_tokens"],
+            "chatcli_ttft": med([x["ttft_ms"] for x in r["resume"]]),
+            "chatcli_restore": med([x["restore_ms"] for x in r["resume"]]),
+            "state_restore": med([x["state_restore_ms"] for x in r["resume"]]),
+            "cold_restore": med([x["cold_state_restore_ms"] for x in r["resume"]]),
+            "cold_read": med([x["cold_plain_read_ms"] for x in r["resume"]]),
+            "plain_read": med([x["plain_read_ms"] for x in r["resume"]]),
+            "reevaluated": max((x["reevaluated"] + x["cold_reevaluated"] for x in r["resume"]), default=0),
+            "cold_ttft": med([x["ttft_ms"] for x in r["cold"]]),
+            "ls_ttft": med([x["ttft_ms"] for x in r["llama_state"]]),
+            "ls_restore": med([x["restore_ms"] for x in r["llama_state"]]),
+            "dc_ttft": med([x["ttft_ms"] for x in r["llama_diskcache"]]),
+            "dc_restore": med([x["restore_ms"] for x in r["llama_diskcache"]]),
+            "dc_hit": all(x["hit"] for x in r["llama_diskcache"]),
+            "chatcli_bytes": med([x["state_file_bytes"] for x in r["resume"]]),
+            "ls_bytes": ck.get("llama_state_file_bytes", float("nan")),
+            "ls_raw_bytes": ck.get("llama_state_bytes", float("nan")),
+            "dc_bytes": ck.get("diskcache_bytes", float("nan")),
+        }
+        rb = res["rollback"][key]
+        row.update({
+            "regen": med(rb["regen_ms"]), "regen_re": med(rb["regen_reingest_ms"]),
+            "edit": med(rb["edit_ms"]), "edit_re": med(rb["edit_reingest_ms"]),
+            "regen_tokens": med(rb["regen_tokens"]), "edit_tokens": med(rb["edit_tokens"]),
+        })
+        rows.append(row)
+    t = res["throughput"]
+    thr = {
+        "prompt_tokens": t["prompt_tokens"][0], "decode_tokens": med(t["decode_n"]),
+        "chatcli_prompt": med(t["chatcli_prompt_tps"]), "bare_prompt": med(t["bare_prompt_tps"]),
+        "chatcli_decode": med(t["chatcli_decode_tps"]), "bare_decode": med(t["bare_decode_tps"]),
+        # Paired: each pair ran back to back, so the per-pair ratio cancels most of the machine's drift.
+        "prompt_overhead": 100 * (1 - med([c / b for c, b in zip(t["chatcli_prompt_tps"], t["bare_prompt_tps"])])),
+        "decode_overhead": 100 * (1 - med([c / b for c, b in zip(t["chatcli_decode_tps"], t["bare_decode_tps"])])),
+        "pairs": len(t["chatcli_prompt_tps"]),
+    }
+    p = res["persona"]
+    per = {"prefix_tokens": p.get("prefix_tokens", 0), "uncached": med(p["uncached_ms"]), "cached": med(p["cached_ms"]),
+           "hit": p["all_cached_hit"]}
+    return {"rows": rows, "thr": thr, "persona": per}
+
+
+def headline(res: dict[str, Any], s: dict[str, Any]) -> list[str]:
+    last = s["rows"][-1]
+    turns = res["build"]["turns"]
+    tl = turns[-1]
+    m = res["memory"]
+    return [
+        f"- **Resume** a {last['tokens']:,}-token conversation in a new process: first token after "
+        f"**{f_ms(last['chatcli_ttft'])} ms** vs {f_ms(last['cold_ttft'])} ms re-ingesting it "
+        f"(**{f_x(last['cold_ttft'] / last['chatcli_ttft'])} faster**); llama-cpp-python `load_state` "
+        f"{f_ms(last['ls_ttft'])} ms, `LlamaDiskCache` {f_ms(last['dc_ttft'])} ms.",
+        f"- **Per-turn save** at {tl['n_past']:,} tokens: chatcli appends {f_mib(tl['append_bytes'])} in "
+        f"{f_ms(tl['append_ms'])} ms; rewriting the whole state would write {f_mib(tl['rewrite_bytes'])} in "
+        f"{f_ms(tl['rewrite_ms'])} ms ({f_x(tl['rewrite_bytes'] / max(1, tl['append_bytes']))} the bytes).",
+        f"- **/regen** at {last['tokens']:,} tokens: {f_ms(last['regen'])} ms to the first new token vs "
+        f"{f_ms(last['regen_re'])} ms re-ingesting ({f_x(last['regen_re'] / last['regen'])}); **/edit** "
+        f"{f_ms(last['edit'])} ms vs {f_ms(last['edit_re'])} ms ({f_x(last['edit_re'] / last['edit'])}).",
+        f"- **Engine overhead** vs a bare llama-cpp-python loop: prompt eval {s['thr']['prompt_overhead']:+.1f} %, "
+        f"decode {s['thr']['decode_overhead']:+.1f} % (positive = chatcli slower).",
+        f"- **Memory**: `chatcli talk` peaks at {f_mib(m['chatcli_talk_rss'])} = "
+        f"{f_x(m['chatcli_talk_rss'] / (m['model_file_bytes'] + m['kv_bytes']))} model + KV "
+        f"({f_mib(m['model_file_bytes'] + m['kv_bytes'])}); bare `Llama` peaks at {f_mib(m['llama_rss'])}.",
+        f"- **Persona prefix cache** ({s['persona']['prefix_tokens']:,} tokens): new conversation to first token in "
+        f"{f_ms(s['persona']['cached'])} ms cached vs {f_ms(s['persona']['uncached'])} ms uncached "
+        f"({f_x(s['persona']['uncached'] / s['persona']['cached'])}).",
+    ]
+
+
+def markdown(res: dict[str, Any], s: dict[str, Any], charts: list[str]) -> str:
+    c = res["config"]
+    b = res["build"]
+    mach = res["machine"]
+    out: list[str] = []
+    w = out.append
+    w("# chatcli benchmark results\n")
+    w(f"Model **{b['model_name']}** ({f_mib(b['model_file_bytes'])}), n_ctx {b['n_ctx']}, {b['threads']} threads, "
+      f"greedy decoding; {c['reps']} repetition(s) per figure, medians shown. "
+      f"{'Quick variant. ' if c['quick'] else ''}Run {time.strftime('%Y-%m-%d %H:%M')} in {res['seconds'] / 60:.1f} min "
+      f"on {mach['cpus']} CPUs ({mach['platform']}, Python {mach['python']}, llama-cpp-python "
+      f"{mach.get('llama_cpp_python', '?')}); load average {mach['load_start'][0]:.1f} at start, "
+      f"{mach['load_end'][0]:.1f} at end; OMP_WAIT_POLICY={c['omp_wait_policy']}.\n")
+    w(f"Command: `{res.get('command', 'python -m bench.run')}`. Every number compares methods measured side by side "
+      "in this run; absolute times depend on the machine and its load, the ratios are the point. "
+      "See `bench/README.md` for the methodology.\n")
+    w("## Headline\n")
+    out.extend(headline(res, s))
+    w("")
+
+    w("## 1. Resume: time to the first token of the next reply, in a new process (ms)\n")
+    w("Each method restores the conversation in a fresh process (model already loaded), reads the same next "
+      "message and samples its first token.\n")
+    w("| target | tokens | chatcli resume | cold re-ingest | llama-cpp-python load_state | LlamaDiskCache | "
+      "cold ÷ chatcli | load_state ÷ chatcli | DiskCache ÷ chatcli |")
+    w("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in s["rows"]:
+        w(f"| {r['target']} | {r['tokens']:,} | {f_ms(r['chatcli_ttft'])} | {f_ms(r['cold_ttft'])} | "
+          f"{f_ms(r['ls_ttft'])} | {f_ms(r['dc_ttft'])} | {f_x(r['cold_ttft'] / r['chatcli_ttft'])} | "
+          f"{f_x(r['ls_ttft'] / r['chatcli_ttft'])} | {f_x(r['dc_ttft'] / r['chatcli_ttft'])} |")
+    w("")
+    w("### 1b. Restore time (ms)\n")
+    w("| target | tokens | chatcli open | chatcli state restore | plain read | restore ÷ read | "
+      "state restore, cache dropped | plain read, cache dropped | restore ÷ read | "
+      "load_state restore | DiskCache restore |")
+    w("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in s["rows"]:
+        w(f"| {r['target']} | {r['tokens']:,} | {f_ms(r['chatcli_restore'])} | {f_ms(r['state_restore'])} | "
+          f"{f_ms(r['plain_read'])} | {f_x(r['state_restore'] / r['plain_read'])} | {f_ms(r['cold_restore'])} | "
+          f"{f_ms(r['cold_read'])} | {f_x(r['cold_restore'] / r['cold_read'])} | {f_ms(r['ls_restore'])} | "
+          f"{f_ms(r['dc_restore'])} |")
+    w("")
+    w("chatcli open = `Session.open_conversation` until the Conversation is ready (transcript, lock, state "
+      "file → KV cells), timed inside the new process; chatcli state restore = the part that reads state.kv "
+      "and loads the cells (`ResumeReport.seconds`); plain read = `open().read()` of the same number of bytes, "
+      "in the same process right after. Both are first measured with the file in the page cache (it was just "
+      "copied there), then again, in the same process, after dropping the file from the page cache (fsync + "
+      "`posix_fadvise(POSIX_FADV_DONTNEED)`, which needs no root). load_state restore = reading the file + "
+      "`Llama.load_state`; DiskCache restore = the cache lookup (unpickle) + `load_state`.\n")
+    w("### 1c. Bytes on disk\n")
+    w("| target | tokens | chatcli state.kv | LlamaState file | LlamaDiskCache dir | KV cells alone |")
+    w("|---:|---:|---:|---:|---:|---:|")
+    bpt = res["build"]["kv_bytes_per_token"]
+    for r in s["rows"]:
+        w(f"| {r['target']} | {r['tokens']:,} | {f_mib(r['chatcli_bytes'])} | {f_mib(r['ls_bytes'])} | "
+          f"{f_mib(r['dc_bytes'])} | {f_mib(r['tokens'] * bpt)} |")
+    w("")
+    reev = [r for r in s["rows"] if r["reevaluated"]]
+    miss = [r for r in s["rows"] if not r["dc_hit"]]
+    w("KV cells alone = tokens × KV bytes per token. chatcli's state.kv also holds the token ids and, per turn, "
+      "a LOGITS record (one float32 per vocabulary entry) so /regen evaluates nothing; superseded ones go at "
+      "compaction. "
+      "LlamaState file = `Llama.save_state()` fields written without "
+      "pickle (token ids + llama.cpp state; its `scores` rows are never filled with `logits_all=False` and are "
+      "not stored); LlamaDiskCache stores the pickled `LlamaState` including those rows."
+      + (f" **Warning:** chatcli re-evaluated tokens on resume at {[r['target'] for r in reev]}." if reev else
+         " chatcli re-evaluated 0 tokens on every resume.")
+      + (f" **Warning:** LlamaDiskCache missed at {[r['target'] for r in miss]}." if miss else "") + "\n")
+
+    w("## 2. Per-turn snapshot: chatcli's append vs rewriting the whole state\n")
+    w("| turn | context tokens | chatcli append | chatcli ms | whole-state rewrite | rewrite ms | bytes ratio | time ratio |")
+    w("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for t in res["build"]["turns"]:
+        w(f"| {t['turn']} | {t['n_past']:,} | {f_mib(t['append_bytes'])} | {f_ms(t['append_ms'])} | "
+          f"{f_mib(t['rewrite_bytes'])} | {f_ms(t['rewrite_ms'])} | {f_x(t['rewrite_bytes'] / max(1, t['append_bytes']))} | "
+          f"{f_x(_ratio(t['rewrite_ms'], t['append_ms']))} |")
+    w("")
+    w("chatcli ms = extracting the turn's KV cells (`llama_state_seq_get_data`) + appending and fsyncing the "
+      "records (`TurnStats.save_ms`); rewrite = `engine.save_cells(0, n)` + the logits written as one snapshot "
+      "with chatcli's own atomic write (temp file, fsync, rename, fsync dir). A turn's append holds the user "
+      "message's cells, the reply's cells and the logits after the user message (kept so /regen evaluates "
+      "nothing).\n")
+
+    w("## 3. /regen and /edit: time to the first new token (ms)\n")
+    w("| target | tokens | /regen | re-ingest | speedup | /edit | re-ingest | speedup |")
+    w("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in s["rows"]:
+        w(f"| {r['target']} | {r['tokens']:,} | {f_ms(r['regen'])} | {f_ms(r['regen_re'])} | "
+          f"{f_x(r['regen_re'] / r['regen'])} | {f_ms(r['edit'])} | {f_ms(r['edit_re'])} | "
+          f"{f_x(r['edit_re'] / r['edit'])} |")
+    w("")
+    w("Re-ingest = clear the context, evaluate every token up to the end of the (regenerated or edited) user "
+      "message, sample. chatcli's /edit evaluates only the new message.\n")
+
+    t = s["thr"]
+    w("## 4. Throughput: chatcli's engine vs a bare llama-cpp-python loop (tokens/s)\n")
+    w("| | chatcli | bare llama_decode loop | overhead |")
+    w("|---|---:|---:|---:|")
+    w(f"| prompt eval ({t['prompt_tokens']} tokens) | {t['chatcli_prompt']:,.1f} | {t['bare_prompt']:,.1f} | "
+      f"{t['prompt_overhead']:+.1f} % |")
+    w(f"| decode ({t['decode_tokens']:.0f} tokens, greedy) | {t['chatcli_decode']:,.1f} | {t['bare_decode']:,.1f} | "
+      f"{t['decode_overhead']:+.1f} % |")
+    w("")
+    w(f"Same process, same model file, identical context parameters; {t['pairs']} alternating pair(s) after a "
+      "warm-up, overhead = 1 − median of the per-pair ratios (goal: within 3 %).\n")
+
+    m = res["memory"]
+    mk = m["model_file_bytes"] + m["kv_bytes"]
+    w("## 5. Memory: peak RSS\n")
+    w("| | bytes | ÷ (model + KV) |")
+    w("|---|---:|---:|")
+    w(f"| `chatcli {m['cmd']}` (stdin `hi`) | {f_mib(m['chatcli_talk_rss'])} | {f_x(m['chatcli_talk_rss'] / mk)} |")
+    w(f"| llama-cpp-python `Llama` + one chat completion | {f_mib(m['llama_rss'])} | {f_x(m['llama_rss'] / mk)} |")
+    if m.get("python_imports_rss"):
+        w(f"| Python importing chatcli (no model) | {f_mib(m['python_imports_rss'])} | |")
+    w(f"| model file | {f_mib(m['model_file_bytes'])} | |")
+    w(f"| KV cache: {m['n_ctx']} × {m['kv_bytes_per_token']:,} B/token | {f_mib(m['kv_bytes'])} | |")
+    w(f"| model + KV | {f_mib(mk)} | 1.00× |")
+    w("")
+    w("Peak RSS of that one child (`os.wait4`), in bytes. KV bytes per token from the GGUF metadata "
+      "(layers × KV heads × (K + V head size) × 2 bytes, f16).\n")
+
+    p = s["persona"]
+    w("## 6. Persona prefix cache: new conversation to first token (ms)\n")
+    w("| persona prefix tokens | uncached | cached | speedup |")
+    w("|---:|---:|---:|---:|")
+    w(f"| {p['prefix_tokens']:,} | {f_ms(p['uncached'])} | {f_ms(p['cached'])} | {f_x(p['uncached'] / p['cached'])} |")
+    w("")
+    w("Uncached = `<CHATCLI_HOME>/cache/prefix` deleted first." + ("" if p["hit"] else
+      " **Warning:** a cached run did not report a cache hit.") + "\n")
+    if charts:
+        w("## Charts\n")
+        for ch in charts:
+            w(f"![{ch}]({ch})\n")
+    return "\n".join(out)
+
+
+def charts(res: dict[str, Any], s: dict[str, Any], out: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    files = []
+    turns = res["build"]["turns"]
+    x = [t["n_past"] for t in turns]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    a1.plot(x, [t["append_bytes"] / 2**20 for t in turns], "o-", label="chatcli append (this turn's cells)")
+    a1.plot(x, [t["rewrite_bytes"] / 2**20 for t in turns], "s--", label="rewrite whole state")
+    a1.set_xlabel("conversation length (tokens)")
+    a1.set_ylabel("MiB written per turn")
+    a1.set_ylim(bottom=0)
+    a1.legend()
+    a1.grid(alpha=0.3)
+    a2.plot(x, [t["append_ms"] for t in turns], "o-", label="chatcli append")
+    a2.plot(x, [t["rewrite_ms"] for t in turns], "s--", label="rewrite whole state")
+    a2.set_xlabel("conversation length (tokens)")
+    a2.set_ylabel("ms per turn (KV extraction + write + fsync)")
+    a2.set_ylim(bottom=0)
+    a2.legend()
+    a2.grid(alpha=0.3)
+    fig.suptitle(f"Per-turn state snapshot cost — {res['build']['model_name']}")
+    fig.tight_layout()
+    fig.savefig(out / "snapshot_cost.png", dpi=110)
+    plt.close(fig)
+    files.append("snapshot_cost.png")
+
+    rows = s["rows"]
+    labels = [f"{r['tokens']:,}" for r in rows]
+    series = [("chatcli resume", "chatcli_ttft"), ("cold re-ingest", "cold_ttft"),
+              ("llama-cpp-python load_state", "ls_ttft"), ("LlamaDiskCache", "dc_ttft")]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(series)
+    for i, (name, key) in enumerate(series):
+        ax.bar([j + (i - (len(series) - 1) / 2) * width for j in range(len(rows))], [r[key] for r in rows], width,
+               label=name)
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set_xlabel("conversation length (tokens)")
+    ax.set_ylabel("ms to first token of the next reply (log)")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    ax.set_title("Resume in a new process: time to first token")
+    fig.tight_layout()
+    fig.savefig(out / "resume_ttft.png", dpi=110)
+    plt.close(fig)
+    files.append("resume_ttft.png")
+    return files
+
+
+def write(res: dict[str, Any], out: Path) -> list[Path]:
+    s = summarize(res)
+    made = charts(res, s, out)
+    (out / "results.md").write_text(markdown(res, s, made))
+    return [out / "results.md", *(out / f for f in made)]

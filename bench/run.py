@@ -1,0 +1,286 @@
+"""chatcli's benchmark suite: one command, results in ``bench/results/`` (Markdown table + PNG charts).
+
+    python -m bench.run                 # full run (~10 min on 2 idle cores)
+    python -m bench.run --quick         # small variant (~1-2 min)
+    python -m bench.run --model PATH    # another GGUF model
+
+Every figure is measured side by side in this one run, on the same model, threads and context size.
+See bench/README.md for what each measurement does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import report  # noqa: E402
+from bench.common import PERSONA_FACTS, REPO, RESULT_PREFIX  # noqa: E402
+
+WORKERS = Path(__file__).resolve().parent / "workers.py"
+
+FULL = dict(lengths=[500, 1000, 2000, 3500], reps=3, reingest_reps=1, reply_tokens=48, msg_tokens=300,
+            prompt_tokens=512, decode_tokens=96, pairs=3, persona_tokens=1000, rss_max_tokens=32)
+QUICK = dict(lengths=[250, 500], reps=1, reingest_reps=1, reply_tokens=8, msg_tokens=120, prompt_tokens=64,
+             decode_tokens=12, pairs=1, persona_tokens=150, rss_max_tokens=4)
+
+VEGETABLES = [
+    ("tomato", "March", 50, 12), ("basil", "April", 25, 8), ("pepper", "February", 45, 16), ("runner bean", "May", 20, 10),
+    ("carrot", "April", 5, 11), ("beetroot", "April", 10, 9), ("parsnip", "March", 15, 18), ("lettuce", "March", 25, 7),
+    ("spinach", "September", 15, 6), ("kale", "May", 45, 10), ("leek", "March", 15, 20), ("onion", "March", 10, 20),
+    ("garlic", "October", 15, 32), ("potato", "April", 35, 15), ("courgette", "May", 90, 9), ("pumpkin", "May", 150, 17),
+    ("pea", "March", 8, 12), ("broad bean", "November", 20, 26), ("radish", "April", 3, 4), ("chard", "April", 30, 9),
+    ("cucumber", "May", 45, 10), ("sweetcorn", "May", 35, 14), ("cabbage", "April", 45, 16), ("broccoli", "April", 45, 14),
+    ("cauliflower", "April", 60, 18), ("celery", "March", 30, 18), ("fennel", "June", 30, 12), ("turnip", "July", 15, 8),
+    ("rocket", "April", 10, 5), ("coriander", "May", 10, 6), ("parsley", "March", 15, 10), ("dill", "April", 20, 8),
+    ("thyme", "April", 30, 14), ("sage", "April", 45, 16), ("oregano", "April", 30, 14), ("mint", "April", 45, 10),
+    ("strawberry", "August", 35, 40), ("rhubarb", "March", 90, 52), ("asparagus", "April", 45, 104), ("shallot", "March", 15, 16),
+]
+
+
+def persona_toml(n_tokens: int) -> str:
+    """A persona whose system prompt is about ``n_tokens`` long (4 characters a token, roughly)."""
+    lines = list(PERSONA_FACTS)
+    lines.append("Reference notes you can rely on:")
+    i = 0
+    while sum(len(x) + 1 for x in lines) < 4 * n_tokens:
+        name, month, cm, weeks = VEGETABLES[i % len(VEGETABLES)]
+        extra = "" if i < len(VEGETABLES) else " In a cold year, wait two more weeks and protect seedlings with fleece."
+        lines.append(f"- {name.capitalize()}: sow or plant in {month}, about {cm} cm apart; first harvest after "
+                     f"about {weeks} weeks.{extra}")
+        i += 1
+    system = "\n".join(lines)
+    return (
+        'name = "long"\n'
+        'description = "Benchmark persona with a long system prompt."\n'
+        f'system = """\n{system}\n"""\n'
+        'greeting = "Hello! Tell me about your garden."\n\n'
+        "[[examples]]\n"
+        'user = "When should I sow tomatoes?"\n'
+        'assistant = "Indoors in March, then plant them out after the last frost."\n'
+    )
+
+
+class Bench:
+    def __init__(self, opts: argparse.Namespace, cfg: dict[str, Any]) -> None:
+        self.o = opts
+        self.cfg = cfg
+        self.work = Path(opts.work) if opts.work else Path(tempfile.mkdtemp(prefix="chatcli-bench-"))
+        self.work.mkdir(parents=True, exist_ok=True)
+        (self.work / "logs").mkdir(exist_ok=True)
+        self.n_runs = 0
+        self.t_start = time.perf_counter()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CHATCLI_")}
+        env["NO_COLOR"] = "1"
+        env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        if opts.omp_wait_policy != "inherit":
+            env["OMP_WAIT_POLICY"] = opts.omp_wait_policy.upper()
+        self.env = env
+
+    def log(self, msg: str) -> None:
+        print(f"[bench {time.perf_counter() - self.t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    def base(self) -> dict[str, Any]:
+        return {"model": self.o.model, "n_ctx": self.o.n_ctx, "threads": self.o.threads}
+
+    def worker(self, mode: str, args: dict[str, Any], home: Path | None = None) -> dict[str, Any]:
+        self.n_runs += 1
+        tag = f"{self.n_runs:03d}-{mode}"
+        arg_file = self.work / "logs" / f"{tag}.json"
+        arg_file.write_text(json.dumps(args))
+        env = dict(self.env)
+        env["CHATCLI_HOME"] = str(home or self.work / "home-scratch")
+        proc = subprocess.run([sys.executable, str(WORKERS), mode, f"@{arg_file}"], env=env, cwd=str(REPO),
+                              capture_output=True, text=True, timeout=self.o.timeout)
+        (self.work / "logs" / f"{tag}.err").write_text(proc.stderr)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+        if proc.returncode != 0 or not lines:
+            tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+            raise RuntimeError(f"worker {mode} failed (exit {proc.returncode}):\n{tail}")
+        return json.loads(lines[-1][len(RESULT_PREFIX):])
+
+    def peak_rss(self, cmd: list[str], stdin: bytes, home: Path) -> tuple[int, int]:
+        """Run ``cmd`` and return (exit code, peak RSS in bytes) of that one child (wait4, not RUSAGE_CHILDREN)."""
+        env = dict(self.env)
+        env["CHATCLI_HOME"] = str(home)
+        self.n_runs += 1
+        log = self.work / "logs" / f"{self.n_runs:03d}-rss.log"
+        with open(log, "wb") as out:
+            p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                 cwd=str(self.work))
+            assert p.stdin is not None
+            p.stdin.write(stdin)
+            p.stdin.close()
+            _, status, ru = os.wait4(p.pid, 0)
+            p.returncode = os.waitstatus_to_exitcode(status)
+        return p.returncode, int(ru.ru_maxrss) * 1024  # Linux reports KiB
+
+    # -- phases ------------------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        c = self.cfg
+        res: dict[str, Any] = {"config": {**c, "n_ctx": self.o.n_ctx, "threads": self.o.threads,
+                                          "omp_wait_policy": self.env.get("OMP_WAIT_POLICY", "(unset)"),
+                                          "quick": self.o.quick}}
+        res["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                          "load_start": os.getloadavg()}
+        try:
+            import llama_cpp
+
+            res["machine"]["llama_cpp_python"] = llama_cpp.__version__
+        except Exception:
+            pass
+
+        self.log(f"building conversations to {c['lengths']} tokens (work dir {self.work})")
+        b = self.worker("build", {**self.base(), "home": str(self.work / "build-home"), "lengths": c["lengths"],
+                                  "reply_tokens": c["reply_tokens"], "msg_tokens": c["msg_tokens"],
+                                  "ckpt_root": str(self.work / "ckpt")})
+        res["build"] = {k: v for k, v in b.items() if k != "checkpoints"}
+        cks = b["checkpoints"]
+        res["checkpoints"] = [{k: v for k, v in ck.items() if k not in ("tokens", "next_tokens")} for ck in cks]
+        model_path = b["model_path"]
+
+        self.log("resume in a new process vs cold re-ingest vs llama-cpp-python save/load_state and LlamaDiskCache")
+        modes = ["resume", "cold", "llama_state", "llama_diskcache"]
+        resume: dict[str, dict[str, list[Any]]] = {str(ck["target"]): {m: [] for m in modes} for ck in cks}
+        run_dir = self.work / "run"
+        for rep in range(c["reps"]):
+            for j, ck in enumerate(cks):
+                k = (rep + j) % len(modes)
+                for mode in modes[k:] + modes[:k]:
+                    args = {**self.base(), "model_path": model_path, "tokens": ck["tokens"],
+                            "next_tokens": ck["next_tokens"], "conv_id": ck["conv_id"]}
+                    if run_dir.exists():
+                        shutil.rmtree(run_dir)
+                    run_dir.mkdir()
+                    if mode == "resume":
+                        home = run_dir / "home"
+                        shutil.copytree(ck["home"], home)
+                        args["home"] = str(home)
+                    elif mode == "cold":
+                        args["home"] = str(run_dir / "cold-home")
+                    elif mode == "llama_state":
+                        args["path"] = ck["llama_state_path"]
+                    else:
+                        args["cache_dir"] = str(run_dir / "diskcache")
+                        shutil.copytree(ck["diskcache_dir"], args["cache_dir"])
+                    out = self.worker(mode, args, home=Path(args.get("home", run_dir / "scratch-home")))
+                    resume[str(ck["target"])][mode].append(out)
+            self.log(f"  rep {rep + 1}/{c['reps']} done")
+        res["resume"] = resume
+
+        self.log("/regen and /edit vs re-ingest")
+        rb_cks = []
+        for ck in cks:
+            home = self.work / "rollback" / f"L{ck['target']}"
+            if home.exists():
+                shutil.rmtree(home)
+            shutil.copytree(ck["home"], home)
+            rb_cks.append({"home": str(home), "conv_id": ck["conv_id"], "target": ck["target"]})
+        res["rollback"] = self.worker("rollback", {**self.base(), "checkpoints": rb_cks, "reps": c["reps"],
+                                                   "reingest_reps": min(c["reingest_reps"], c["reps"])},
+                                      home=Path(rb_cks[0]["home"]))["rollback"]
+
+        self.log("decode / prompt-eval throughput: chatcli engine vs bare llama-cpp-python loop")
+        res["throughput"] = self.worker("throughput", {**self.base(), "model_path": model_path,
+                                                       "prompt_tokens": c["prompt_tokens"],
+                                                       "decode_tokens": c["decode_tokens"], "pairs": c["pairs"]})
+
+        self.log("peak RSS: chatcli talk vs bare llama-cpp-python")
+        exe = Path(sys.executable).parent / "chatcli"
+        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "chatcli"]
+        cmd += ["talk", "--temperature", "0", "--n-ctx", str(self.o.n_ctx), "--threads", str(self.o.threads),
+                "--max-tokens", str(c["rss_max_tokens"])]
+        if self.o.model:
+            cmd += ["--model", self.o.model]
+        code, rss = self.peak_rss(cmd, b"hi\n", self.work / "rss-home")
+        if code != 0:
+            raise RuntimeError(f"chatcli talk exited with {code}; see {self.work / 'logs'}")
+        args_file = self.work / "logs" / "llama_rss.json"
+        args_file.write_text(json.dumps({**self.base(), "model_path": model_path, "max_tokens": c["rss_max_tokens"]}))
+        code2, rss2 = self.peak_rss([sys.executable, str(WORKERS), "llama_rss", f"@{args_file}"], b"",
+                                    self.work / "rss-home2")
+        if code2 != 0:
+            raise RuntimeError(f"llama_rss worker exited with {code2}; see {self.work / 'logs'}")
+        code3, rss3 = self.peak_rss([sys.executable, "-c", "import chatcli.cli, chatcli.engine, chatcli.repl"], b"",
+                                    self.work / "rss-home3")
+        res["memory"] = {"chatcli_talk_rss": rss, "llama_rss": rss2, "python_imports_rss": rss3 if code3 == 0 else None,
+                         "model_file_bytes": b["model_file_bytes"], "kv_bytes_per_token": b["kv_bytes_per_token"],
+                         "kv_bytes": b["kv_bytes_per_token"] * b["n_ctx"], "n_ctx": b["n_ctx"], "cmd": " ".join(cmd[1:])}
+
+        self.log(f"persona prefix cache: new conversation with a ~{c['persona_tokens']}-token persona")
+        phome = self.work / "persona-home"
+        pdir = phome / "config" / "personas"
+        pdir.mkdir(parents=True, exist_ok=True)
+        (pdir / "long.toml").write_text(persona_toml(c["persona_tokens"]))
+        res["persona"] = self.worker("persona", {**self.base(), "home": str(phome), "reps": c["reps"]}, home=phome)
+
+        res["machine"]["load_end"] = os.getloadavg()
+        res["seconds"] = time.perf_counter() - self.t_start
+        return res
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="GGUF model file (default: the bundled SmolLM2-135M)")
+    ap.add_argument("--quick", action="store_true", help="small variant: short conversations, one repetition")
+    ap.add_argument("--lengths", help="comma-separated conversation lengths in tokens (default 500,1000,2000,3500)")
+    ap.add_argument("--reps", type=int, help="repetitions of each timed measurement (default 3, quick 1)")
+    ap.add_argument("--reingest-reps", type=int,
+                    help="repetitions of the re-ingest baselines of /regen and /edit (default 1: each is a full "
+                         "evaluation of the conversation)")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads for every method (default 2)")
+    ap.add_argument("--n-ctx", type=int, default=4096, help="context size for every method (default 4096)")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="results directory")
+    ap.add_argument("--work", help="scratch directory (default: a new temp dir, removed afterwards)")
+    ap.add_argument("--keep-work", action="store_true", help="keep the scratch directory (logs, checkpoints)")
+    ap.add_argument("--omp-wait-policy", choices=["passive", "active", "inherit"], default="passive",
+                    help="OMP_WAIT_POLICY for every measuring process (default passive: on a busy machine, "
+                         "spinning OpenMP threads make multi-threaded decoding collapse)")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds allowed per worker process")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    o = parse_args(argv)
+    cfg = dict(QUICK if o.quick else FULL)
+    if o.lengths:
+        cfg["lengths"] = sorted(int(x) for x in o.lengths.split(",") if x.strip())
+    if o.reps:
+        cfg["reps"] = o.reps
+    if o.reingest_reps:
+        cfg["reingest_reps"] = o.reingest_reps
+    if o.model:
+        o.model = str(Path(o.model).expanduser().resolve())
+    if max(cfg["lengths"]) + 300 > o.n_ctx:
+        print(f"lengths must stay below n_ctx - 300 ({o.n_ctx - 300})", file=sys.stderr)
+        return 2
+    # Nothing the benchmark runs may touch the real chatcli home.
+    bench = Bench(o, cfg)
+    os.environ["CHATCLI_HOME"] = str(bench.work / "home-orchestrator")
+    try:
+        res = bench.run()
+        res["command"] = "python -m bench.run " + " ".join(argv if argv is not None else sys.argv[1:])
+        out = Path(o.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(res, indent=1))
+        files = report.write(res, out)
+        bench.log("wrote " + ", ".join(str(f) for f in [out / "results.json", *files]))
+    finally:
+        if not o.keep_work and not o.work:
+            shutil.rmtree(bench.work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

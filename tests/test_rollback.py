@@ -1,0 +1,185 @@
+"""Rollback on the real model: regen, edit, undo/redo, alternatives and forks never re-ingest history."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from chatcli import statefile as sf
+from tests.drive import build_session, drain, say
+
+DRIVE = str(Path(__file__).parent / "drive.py")
+M = ["Hi! What is your name?", "What is the capital of France?", "And of Italy?"]
+
+
+def drive(*args: str, logits: Path | None = None) -> dict[str, Any]:
+    cmd = [sys.executable, DRIVE, *args] + (["--logits", str(logits)] if logits else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def says(msgs: list[str]) -> list[str]:
+    return [a for m in msgs for a in ("--say", m)]
+
+
+def test_regen_after_resume_evaluates_no_history_and_repeats_greedy_reply() -> None:
+    first = drive("--new", *says(M[:2]))
+    res = drive("--resume", first["id"], "--regen")
+    assert res["evaluated_after_open"] == 0
+    assert res["regen_stats"]["reevaluated"] == 0  # sampled from the saved logits, nothing re-read
+    assert res["regen_stats"]["dropped"] == len(first["replies"][1]) + 0 or res["regen_stats"]["dropped"] > 0
+    assert res["replies"][0] == first["replies"][1]  # same state ⇒ same greedy tokens
+
+
+def test_regen_counts_only_new_tokens_and_keeps_alternatives() -> None:
+    session = build_session(temperature=0.9, seed=5)
+    conv, _, _ = drain(session.new_conversation("alice"))
+    assert conv is not None
+    say(conv, M[0])
+    original = conv.messages[-1]
+    before = session.engine.n_evaluated_total
+    kept = original.p0
+    _, _, ends = drain(conv.regen())
+    end = ends[-1]
+    # Evaluated: only the new reply's tokens (decoded one by one) — never the history before it.
+    assert session.engine.n_evaluated_total - before == len(end.message.tokens)
+    assert end.stats.kept == kept and end.stats.reevaluated == 0
+    assert end.message.tokens != original.tokens  # a fresh seed per alternative
+    alts = conv.r.alternatives(original.turn)
+    assert [a["text"] for a in sorted(alts, key=lambda a: a["alt"])] == [original.text, end.message.text]
+    # Switching back costs no evaluation: the old reply's cells are still in the state file.
+    before = session.engine.n_evaluated_total
+    stats = conv.switch_alt(0)
+    assert session.engine.n_evaluated_total == before and stats.n_eval == 0
+    assert conv.messages[-1].text == original.text and session.engine.tokens[kept:] == original.tokens
+    conv.close()
+    session.close()
+
+
+def test_edit_continues_like_a_conversation_that_had_the_edit_from_the_start() -> None:
+    session = build_session()
+    conv, _, _ = drain(session.new_conversation("alice"))
+    assert conv is not None
+    say(conv, M[0])
+    say(conv, M[1])
+    before = session.engine.n_evaluated_total
+    _, _, ends = drain(conv.edit(2, "What is the capital of Spain?"))
+    edited_eval = session.engine.n_evaluated_total - before
+    assert edited_eval == ends[-1].stats.n_eval  # only the edited message and its reply
+    edited_tokens = list(session.engine.tokens)
+    edited_logits = conv.turn_logits[1].copy()  # type: ignore[index]
+    conv.close()
+    fresh, _, _ = drain(session.new_conversation("alice"))
+    assert fresh is not None
+    say(fresh, M[0])
+    say(fresh, "What is the capital of Spain?")
+    assert session.engine.tokens == edited_tokens
+    assert np.array_equal(fresh.turn_logits[1], edited_logits)  # type: ignore[index]
+    fresh.close()
+    session.close()
+
+
+def test_undo_redo_round_trip() -> None:
+    session = build_session()
+    conv, _, _ = drain(session.new_conversation("alice"))
+    assert conv is not None
+    for m in M:
+        say(conv, m)
+    full_tokens = list(session.engine.tokens)
+    full_texts = [m.text for m in conv.messages]
+    one_turn = conv.messages[1].p1
+    before = session.engine.n_evaluated_total
+    stats = conv.undo(2)
+    assert session.engine.n_evaluated_total == before  # undo evaluates nothing
+    assert session.engine.tokens == full_tokens[:one_turn] and stats.dropped == len(full_tokens) - one_turn
+    assert [m.text for m in conv.messages] == full_texts[:2]
+    stats = conv.redo()
+    assert session.engine.tokens == full_tokens
+    assert [m.text for m in conv.messages] == full_texts
+    assert session.engine.n_evaluated_total == before and stats.reevaluated == 0  # cells read back from disk
+    conv.close()
+    # Undo and redo survive a resume: the transcript replays to the same state.
+    conv2, report, _ = drain(session.open_conversation(conv.id))
+    assert conv2 is not None and report is not None and report.reevaluated == 0
+    assert [m.text for m in conv2.messages] == full_texts
+    conv2.undo(1)
+    conv2.close()
+    conv3, _, _ = drain(session.open_conversation(conv.id))
+    assert conv3 is not None
+    assert [m.text for m in conv3.messages] == full_texts[:4]
+    assert conv3.r.redo  # still redoable after a restart
+    conv3.redo()
+    assert [m.text for m in conv3.messages] == full_texts
+    conv3.close()
+    session.close()
+
+
+def test_alternatives_survive_resume(tmp_path: Path) -> None:
+    first = drive("--new", "--temperature", "0.9", "--seed", "3", *says(M[:1]))
+    session = build_session(temperature=0.9, seed=3)
+    conv, _, _ = drain(session.open_conversation(first["id"]))
+    assert conv is not None
+    drain(conv.regen())
+    drain(conv.regen())
+    texts = [a["text"] for a in sorted(conv.r.alternatives(0), key=lambda a: a["alt"])]
+    assert len(texts) == 3 and len(set(texts)) >= 2
+    conv.close()
+    session.close()
+    session = build_session(temperature=0.9, seed=3)
+    conv, report, _ = drain(session.open_conversation(first["id"]))
+    assert conv is not None and report is not None and report.reevaluated == 0
+    assert [a["text"] for a in sorted(conv.r.alternatives(0), key=lambda a: a["alt"])] == texts
+    assert conv.messages[-1].text == texts[2]
+    conv.switch_alt(0)
+    assert conv.messages[-1].text == texts[0]
+    conv.close()
+    session.close()
+
+
+def test_fork_continues_like_the_parent(tmp_path: Path) -> None:
+    from chatcli.forking import fork_conversation
+    from chatcli.settings import get_paths
+    from chatcli.store import ConversationStore
+
+    parent = drive("--new", *says(M), logits=tmp_path / "parent.npy")
+    child_id, copied = fork_conversation(ConversationStore(get_paths().conversations_dir), parent["id"], 2)
+    assert copied > 0
+    child = drive("--resume", child_id, *says(M[2:]), logits=tmp_path / "child.npy")
+    assert child["report"]["reevaluated"] == 0 and child["evaluated_after_open"] == 0
+    assert child["replies"][0] == parent["replies"][2]
+    assert np.array_equal(np.load(tmp_path / "child.npy")[0], np.load(tmp_path / "parent.npy")[2])
+
+
+def test_many_rollbacks_keep_the_state_file_bounded_and_exact(tmp_path: Path) -> None:
+    session = build_session(temperature=0.9, seed=11)
+    conv, _, _ = drain(session.new_conversation("alice"))
+    assert conv is not None
+    say(conv, M[0])
+    say(conv, M[1])
+    for _ in range(12):
+        drain(conv.regen())
+    conv.undo(1)
+    conv.redo()
+    path = conv.dir.state_path
+    res = sf.scan(path)
+    live = res.live_bytes()
+    assert path.stat().st_size <= 2 * live  # compaction: dead records never outweigh live ones
+    assert res.problem == ""
+    # A copy of the folder as it is now, resumed in another process, continues bit-identically.
+    copy_dir = path.parent.parent / "copyxx"
+    shutil.copytree(path.parent, copy_dir)
+    (copy_dir / "lock").unlink(missing_ok=True)
+    _, here = say(conv, M[2])
+    conv.close()
+    session.close()
+    there = drive("--resume", "copyxx", "--temperature", "0.9", "--seed", "11", *says(M[2:]), logits=tmp_path / "c.npy")
+    assert there["report"]["reevaluated"] == 0
+    assert np.array_equal(np.load(tmp_path / "c.npy")[0], here)
