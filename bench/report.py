@@ -48,7 +48,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
             "cold_read": med([x["cold_plain_read_ms"] for x in r["resume"]]),
             "plain_read": med([x["plain_read_ms"] for x in r["resume"]]),
             "reevaluated": max((x["reevaluated"] + x["cold_reevaluated"] for x in r["resume"]), default=0),
-            "cold_ttft": med([x["ttft_ms"] for x in r["cold"]]),
+            "cold_ttft": med([p[key]["cold_ms"] for p in res["reingest"]]),
             "ls_ttft": med([x["ttft_ms"] for x in r["llama_state"]]),
             "ls_restore": med([x["restore_ms"] for x in r["llama_state"]]),
             "dc_ttft": med([x["ttft_ms"] for x in r["llama_diskcache"]]),
@@ -61,21 +61,25 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         }
         rb = res["rollback"][key]
         row.update({
-            "regen": med(rb["regen_ms"]), "regen_re": med(rb["regen_reingest_ms"]),
-            "edit": med(rb["edit_ms"]), "edit_re": med(rb["edit_reingest_ms"]),
-            "regen_tokens": med(rb["regen_tokens"]), "edit_tokens": med(rb["edit_tokens"]),
+            "regen": med(rb["regen_ms"]), "regen_re": med([p[key]["regen_ms"] for p in res["reingest"]]),
+            "edit": med(rb["edit_ms"]), "edit_re": med([p[key]["edit_ms"] for p in res["reingest"]]),
+            "regen_tokens": res["reingest"][0][key]["regen_tokens"], "edit_tokens": res["reingest"][0][key]["edit_tokens"],
         })
         rows.append(row)
     t = res["throughput"]
-    thr = {
-        "prompt_tokens": t["prompt_tokens"][0], "decode_tokens": med(t["decode_n"]),
-        "chatcli_prompt": med(t["chatcli_prompt_tps"]), "bare_prompt": med(t["bare_prompt_tps"]),
-        "chatcli_decode": med(t["chatcli_decode_tps"]), "bare_decode": med(t["bare_decode_tps"]),
+    def overhead(c: list[float], b: list[float]) -> float:
         # Paired: each pair ran back to back, so the per-pair ratio cancels most of the machine's drift.
-        "prompt_overhead": 100 * (1 - med([c / b for c, b in zip(t["chatcli_prompt_tps"], t["bare_prompt_tps"])])),
-        "decode_overhead": 100 * (1 - med([c / b for c, b in zip(t["chatcli_decode_tps"], t["bare_decode_tps"])])),
-        "pairs": len(t["chatcli_prompt_tps"]),
+        return 100 * (1 - med([x / y for x, y in zip(c, b)]))
+
+    thr: dict[str, float] = {
+        "prompt_tokens": t["prompt_tokens"][0], "decode_tokens": med(t["decode_n"]), "pairs": len(t["decode_n"]),
     }
+    for kind in ("prompt", "decode"):
+        for clock in ("", "_cpu"):
+            c, b = t[f"chatcli_{kind}{clock}_tps"], t[f"bare_{kind}{clock}_tps"]
+            thr[f"chatcli_{kind}{clock}"] = med(c)
+            thr[f"bare_{kind}{clock}"] = med(b)
+            thr[f"{kind}{clock}_overhead"] = overhead(c, b)
     p = res["persona"]
     per = {"prefix_tokens": p.get("prefix_tokens", 0), "uncached": med(p["uncached_ms"]), "cached": med(p["cached_ms"]),
            "hit": p["all_cached_hit"]}
@@ -98,8 +102,9 @@ def headline(res: dict[str, Any], s: dict[str, Any]) -> list[str]:
         f"- **/regen** at {last['tokens']:,} tokens: {f_ms(last['regen'])} ms to the first new token vs "
         f"{f_ms(last['regen_re'])} ms re-ingesting ({f_x(last['regen_re'] / last['regen'])}); **/edit** "
         f"{f_ms(last['edit'])} ms vs {f_ms(last['edit_re'])} ms ({f_x(last['edit_re'] / last['edit'])}).",
-        f"- **Engine overhead** vs a bare llama-cpp-python loop: prompt eval {s['thr']['prompt_overhead']:+.1f} %, "
-        f"decode {s['thr']['decode_overhead']:+.1f} % (positive = chatcli slower).",
+        f"- **Engine overhead** vs a bare llama-cpp-python loop (per CPU-second / wall clock): prompt eval "
+        f"{s['thr']['prompt_cpu_overhead']:+.1f} % / {s['thr']['prompt_overhead']:+.1f} %, decode "
+        f"{s['thr']['decode_cpu_overhead']:+.1f} % / {s['thr']['decode_overhead']:+.1f} % (positive = chatcli slower).",
         f"- **Memory**: `chatcli talk` peaks at {f_mib(m['chatcli_talk_rss'])} = "
         f"{f_x(m['chatcli_talk_rss'] / (m['model_file_bytes'] + m['kv_bytes']))} model + KV "
         f"({f_mib(m['model_file_bytes'] + m['kv_bytes'])}); bare `Llama` peaks at {f_mib(m['llama_rss'])}.",
@@ -117,7 +122,8 @@ def markdown(res: dict[str, Any], s: dict[str, Any], charts: list[str]) -> str:
     w = out.append
     w("# chatcli benchmark results\n")
     w(f"Model **{b['model_name']}** ({f_mib(b['model_file_bytes'])}), n_ctx {b['n_ctx']}, {b['threads']} threads, "
-      f"greedy decoding; {c['reps']} repetition(s) per figure, medians shown. "
+      f"greedy decoding; {c['reps']} repetition(s) of each measurement and {c.get('reingest_reps', c['reps'])} of each "
+      "full re-ingest baseline, medians shown. "
       f"{'Quick variant. ' if c['quick'] else ''}Run {time.strftime('%Y-%m-%d %H:%M')} in {res['seconds'] / 60:.1f} min "
       f"on {mach['cpus']} CPUs ({mach['platform']}, Python {mach['python']}, llama-cpp-python "
       f"{mach.get('llama_cpp_python', '?')}); load average {mach['load_start'][0]:.1f} at start, "
@@ -130,8 +136,9 @@ def markdown(res: dict[str, Any], s: dict[str, Any], charts: list[str]) -> str:
     w("")
 
     w("## 1. Resume: time to the first token of the next reply, in a new process (ms)\n")
-    w("Each method restores the conversation in a fresh process (model already loaded), reads the same next "
-      "message and samples its first token.\n")
+    w("Each method restores the conversation in a fresh process (model already loaded), evaluates the same next "
+      "message and samples its first token. Cold re-ingest = a fresh context evaluates the whole history and "
+      "the message (one pass measures every length: see the README).\n")
     w("| target | tokens | chatcli resume | cold re-ingest | llama-cpp-python load_state | LlamaDiskCache | "
       "cold ÷ chatcli | load_state ÷ chatcli | DiskCache ÷ chatcli |")
     w("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -200,20 +207,30 @@ def markdown(res: dict[str, Any], s: dict[str, Any], charts: list[str]) -> str:
           f"{f_x(r['regen_re'] / r['regen'])} | {f_ms(r['edit'])} | {f_ms(r['edit_re'])} | "
           f"{f_x(r['edit_re'] / r['edit'])} |")
     w("")
-    w("Re-ingest = clear the context, evaluate every token up to the end of the (regenerated or edited) user "
-      "message, sample. chatcli's /edit evaluates only the new message.\n")
+    w("chatcli: a fresh copy of the conversation opened in one process, `conv.regen()` then "
+      "`conv.edit(None, text)` of the last message, each timed to its first token. Re-ingest = a fresh context "
+      "evaluates every token up to the end of the user message being answered (the original one for /regen, "
+      "the edited one for /edit) and samples; tokens evaluated (/regen, /edit): "
+      + ", ".join(f"{r['regen_tokens']:,.0f}/{r['edit_tokens']:,.0f}" for r in s["rows"])
+      + ". chatcli's /regen evaluates nothing (the logits after the user message are saved); its /edit "
+      "evaluates only the new message.\n")
 
     t = s["thr"]
     w("## 4. Throughput: chatcli's engine vs a bare llama-cpp-python loop (tokens/s)\n")
-    w("| | chatcli | bare llama_decode loop | overhead |")
-    w("|---|---:|---:|---:|")
-    w(f"| prompt eval ({t['prompt_tokens']} tokens) | {t['chatcli_prompt']:,.1f} | {t['bare_prompt']:,.1f} | "
-      f"{t['prompt_overhead']:+.1f} % |")
-    w(f"| decode ({t['decode_tokens']:.0f} tokens, greedy) | {t['chatcli_decode']:,.1f} | {t['bare_decode']:,.1f} | "
-      f"{t['decode_overhead']:+.1f} % |")
+    w("| | chatcli | bare llama_decode loop | overhead | chatcli per CPU-s | bare per CPU-s | overhead (CPU) |")
+    w("|---|---:|---:|---:|---:|---:|---:|")
+    for kind, label in (("prompt", f"prompt eval ({t['prompt_tokens']} tokens)"),
+                        ("decode", f"decode ({t['decode_tokens']:.0f} tokens, greedy)")):
+        w(f"| {label} | {t['chatcli_' + kind]:,.1f} | {t['bare_' + kind]:,.1f} | {t[kind + '_overhead']:+.1f} % | "
+          f"{t['chatcli_' + kind + '_cpu']:,.1f} | {t['bare_' + kind + '_cpu']:,.1f} | "
+          f"{t[kind + '_cpu_overhead']:+.1f} % |")
     w("")
-    w(f"Same process, same model file, identical context parameters; {t['pairs']} alternating pair(s) after a "
-      "warm-up, overhead = 1 − median of the per-pair ratios (goal: within 3 %).\n")
+    w(f"Same process, same model file, identical context parameters; {t['pairs']} pair(s) after a short warm-up, "
+      "order flipped every pair. Prompt eval: the same tokens from an empty context, the two sides one after "
+      "the other. Decode: both contexts decode greedily from the same prompt *one token each in turn*, so both "
+      "see the same machine load; each side's time is the sum of its own steps. Per CPU-s = tokens per second "
+      "of this process's CPU time (all threads): on a busy machine the wall clock also counts time other "
+      "processes held the cores. Overhead = 1 − median of the per-pair ratios (goal: within 3 %).\n")
 
     m = res["memory"]
     mk = m["model_file_bytes"] + m["kv_bytes"]
@@ -221,6 +238,10 @@ def markdown(res: dict[str, Any], s: dict[str, Any], charts: list[str]) -> str:
     w("| | bytes | ÷ (model + KV) |")
     w("|---|---:|---:|")
     w(f"| `chatcli {m['cmd']}` (stdin `hi`) | {f_mib(m['chatcli_talk_rss'])} | {f_x(m['chatcli_talk_rss'] / mk)} |")
+    if m.get("chatcli_resume_rss"):
+        w(f"| `chatcli resume` of the {m['resume_tokens']:,}-token conversation (state.kv "
+          f"{f_mib(m['resume_state_bytes'])}), stdin `hi` | {f_mib(m['chatcli_resume_rss'])} | "
+          f"{f_x(m['chatcli_resume_rss'] / mk)} |")
     w(f"| llama-cpp-python `Llama` + one chat completion | {f_mib(m['llama_rss'])} | {f_x(m['llama_rss'] / mk)} |")
     if m.get("python_imports_rss"):
         w(f"| Python importing chatcli (no model) | {f_mib(m['python_imports_rss'])} | |")
@@ -228,8 +249,9 @@ def markdown(res: dict[str, Any], s: dict[str, Any], charts: list[str]) -> str:
     w(f"| KV cache: {m['n_ctx']} × {m['kv_bytes_per_token']:,} B/token | {f_mib(m['kv_bytes'])} | |")
     w(f"| model + KV | {f_mib(mk)} | 1.00× |")
     w("")
-    w("Peak RSS of that one child (`os.wait4`), in bytes. KV bytes per token from the GGUF metadata "
-      "(layers × KV heads × (K + V head size) × 2 bytes, f16).\n")
+    w("Peak RSS of that one child (`os.wait4`). KV bytes per token from the GGUF metadata (layers × KV heads × "
+      f"(K + V head size) × 2 bytes, f16); `Engine.save_cells` gives {res['build']['kv_bytes_per_token_saved']:,} "
+      "B/token (the same plus llama.cpp's per-cell position and sequence ids).\n")
 
     p = s["persona"]
     w("## 6. Persona prefix cache: new conversation to first token (ms)\n")

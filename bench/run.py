@@ -30,9 +30,9 @@ from bench.common import PERSONA_FACTS, REPO, RESULT_PREFIX  # noqa: E402
 WORKERS = Path(__file__).resolve().parent / "workers.py"
 
 FULL = dict(lengths=[500, 1000, 2000, 3500], reps=3, reingest_reps=1, reply_tokens=48, msg_tokens=300,
-            prompt_tokens=512, decode_tokens=96, pairs=3, persona_tokens=1000, rss_max_tokens=32)
-QUICK = dict(lengths=[250, 500], reps=1, reingest_reps=1, reply_tokens=8, msg_tokens=120, prompt_tokens=64,
-             decode_tokens=12, pairs=1, persona_tokens=150, rss_max_tokens=4)
+            prompt_tokens=256, decode_tokens=96, pairs=4, persona_tokens=1000, rss_max_tokens=32)
+QUICK = dict(lengths=[250, 500], reps=1, reingest_reps=1, reply_tokens=6, msg_tokens=150, prompt_tokens=48,
+             decode_tokens=8, pairs=1, persona_tokens=100, rss_max_tokens=2)
 
 VEGETABLES = [
     ("tomato", "March", 50, 12), ("basil", "April", 25, 8), ("pepper", "February", 45, 16), ("runner bean", "May", 20, 10),
@@ -50,8 +50,13 @@ VEGETABLES = [
 
 def persona_toml(n_tokens: int) -> str:
     """A persona whose system prompt is about ``n_tokens`` long (4 characters a token, roughly)."""
-    lines = list(PERSONA_FACTS)
-    lines.append("Reference notes you can rely on:")
+    lines: list[str] = []
+    for fact in PERSONA_FACTS:
+        if sum(len(x) + 1 for x in lines) >= 4 * n_tokens:
+            break
+        lines.append(fact)
+    if sum(len(x) + 1 for x in lines) < 4 * n_tokens:
+        lines.append("Reference notes you can rely on:")
     i = 0
     while sum(len(x) + 1 for x in lines) < 4 * n_tokens:
         name, month, cm, weeks = VEGETABLES[i % len(VEGETABLES)]
@@ -100,13 +105,24 @@ class Bench:
         arg_file.write_text(json.dumps(args))
         env = dict(self.env)
         env["CHATCLI_HOME"] = str(home or self.work / "home-scratch")
-        proc = subprocess.run([sys.executable, str(WORKERS), mode, f"@{arg_file}"], env=env, cwd=str(REPO),
-                              capture_output=True, text=True, timeout=self.o.timeout)
-        (self.work / "logs" / f"{tag}.err").write_text(proc.stderr)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
-        if proc.returncode != 0 or not lines:
-            tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-            raise RuntimeError(f"worker {mode} failed (exit {proc.returncode}):\n{tail}")
+        err_path = self.work / "logs" / f"{tag}.err"
+        out_path = self.work / "logs" / f"{tag}.out"
+        t0 = time.perf_counter()
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            p = subprocess.Popen([sys.executable, str(WORKERS), mode, f"@{arg_file}"], env=env, cwd=str(REPO),
+                                 stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+            try:
+                p.wait(timeout=self.o.timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                raise RuntimeError(f"worker {mode} timed out after {self.o.timeout:.0f} s; see {err_path}") from None
+        with open(self.work / "logs" / "timing.tsv", "a") as fh:
+            fh.write(f"{tag}\t{time.perf_counter() - t0:.2f}\n")
+        lines = [ln for ln in out_path.read_text().splitlines() if ln.startswith(RESULT_PREFIX)]
+        if p.returncode != 0 or not lines:
+            tail = "\n".join(err_path.read_text(errors="replace").strip().splitlines()[-15:])
+            raise RuntimeError(f"worker {mode} failed (exit {p.returncode}):\n{tail}")
         return json.loads(lines[-1][len(RESULT_PREFIX):])
 
     def peak_rss(self, cmd: list[str], stdin: bytes, home: Path) -> tuple[int, int]:
@@ -151,7 +167,7 @@ class Bench:
         model_path = b["model_path"]
 
         self.log("resume in a new process vs cold re-ingest vs llama-cpp-python save/load_state and LlamaDiskCache")
-        modes = ["resume", "cold", "llama_state", "llama_diskcache"]
+        modes = ["resume", "llama_state", "llama_diskcache"]
         resume: dict[str, dict[str, list[Any]]] = {str(ck["target"]): {m: [] for m in modes} for ck in cks}
         run_dir = self.work / "run"
         for rep in range(c["reps"]):
@@ -167,8 +183,6 @@ class Bench:
                         home = run_dir / "home"
                         shutil.copytree(ck["home"], home)
                         args["home"] = str(home)
-                    elif mode == "cold":
-                        args["home"] = str(run_dir / "cold-home")
                     elif mode == "llama_state":
                         args["path"] = ck["llama_state_path"]
                     else:
@@ -179,7 +193,13 @@ class Bench:
             self.log(f"  rep {rep + 1}/{c['reps']} done")
         res["resume"] = resume
 
-        self.log("/regen and /edit vs re-ingest")
+        self.log("re-ingest baselines (cold resume, /regen, /edit): one pass over the conversation per repetition")
+        ri_args = {**self.base(), "model_path": model_path, "tokens": cks[-1]["tokens"],
+                   "checkpoints": [{k: ck[k] for k in ("target", "n_tokens", "tokens", "next_tokens", "user_p0",
+                                                        "reply_p0", "edit_tokens")} for ck in cks]}
+        res["reingest"] = [self.worker("reingest", ri_args)["reingest"] for _ in range(c["reingest_reps"])]
+
+        self.log("/regen and /edit in chatcli")
         rb_cks = []
         for ck in cks:
             home = self.work / "rollback" / f"L{ck['target']}"
@@ -187,8 +207,7 @@ class Bench:
                 shutil.rmtree(home)
             shutil.copytree(ck["home"], home)
             rb_cks.append({"home": str(home), "conv_id": ck["conv_id"], "target": ck["target"]})
-        res["rollback"] = self.worker("rollback", {**self.base(), "checkpoints": rb_cks, "reps": c["reps"],
-                                                   "reingest_reps": min(c["reingest_reps"], c["reps"])},
+        res["rollback"] = self.worker("rollback", {**self.base(), "checkpoints": rb_cks, "reps": c["reps"]},
                                       home=Path(rb_cks[0]["home"]))["rollback"]
 
         self.log("decode / prompt-eval throughput: chatcli engine vs bare llama-cpp-python loop")
@@ -203,7 +222,13 @@ class Bench:
                 "--max-tokens", str(c["rss_max_tokens"])]
         if self.o.model:
             cmd += ["--model", self.o.model]
-        code, rss = self.peak_rss(cmd, b"hi\n", self.work / "rss-home")
+        # The persona prefix cache the build left is copied in: the steady state of a returning user, and it
+        # spares re-evaluating the prefix (peak memory is the model and the KV either way).
+        rss_home = self.work / "rss-home"
+        build_cache = self.work / "build-home" / "cache"
+        if build_cache.exists():
+            shutil.copytree(build_cache, rss_home / "cache", dirs_exist_ok=True)
+        code, rss = self.peak_rss(cmd, b"hi\n", rss_home)
         if code != 0:
             raise RuntimeError(f"chatcli talk exited with {code}; see {self.work / 'logs'}")
         args_file = self.work / "logs" / "llama_rss.json"
@@ -214,7 +239,21 @@ class Bench:
             raise RuntimeError(f"llama_rss worker exited with {code2}; see {self.work / 'logs'}")
         code3, rss3 = self.peak_rss([sys.executable, "-c", "import chatcli.cli, chatcli.engine, chatcli.repl"], b"",
                                     self.work / "rss-home3")
+        # And resuming the longest conversation: restoring its state file adds buffers of its own.
+        last = cks[-1]
+        rhome = self.work / "rss-resume-home"
+        if rhome.exists():
+            shutil.rmtree(rhome)
+        shutil.copytree(last["home"], rhome)
+        cmd_r = cmd[:1] if cmd[0] != sys.executable else cmd[:3]
+        cmd_r += ["resume", last["conv_id"], "--temperature", "0", "--threads", str(self.o.threads),
+                  "--max-tokens", str(c["rss_max_tokens"])] + (["--model", self.o.model] if self.o.model else [])
+        code4, rss4 = self.peak_rss(cmd_r, b"hi\n", rhome)
+        if code4 != 0:
+            raise RuntimeError(f"chatcli resume exited with {code4}; see {self.work / 'logs'}")
         res["memory"] = {"chatcli_talk_rss": rss, "llama_rss": rss2, "python_imports_rss": rss3 if code3 == 0 else None,
+                         "chatcli_resume_rss": rss4, "resume_tokens": last["n_tokens"],
+                         "resume_state_bytes": last["state_bytes"],
                          "model_file_bytes": b["model_file_bytes"], "kv_bytes_per_token": b["kv_bytes_per_token"],
                          "kv_bytes": b["kv_bytes_per_token"] * b["n_ctx"], "n_ctx": b["n_ctx"], "cmd": " ".join(cmd[1:])}
 
@@ -223,7 +262,8 @@ class Bench:
         pdir = phome / "config" / "personas"
         pdir.mkdir(parents=True, exist_ok=True)
         (pdir / "long.toml").write_text(persona_toml(c["persona_tokens"]))
-        res["persona"] = self.worker("persona", {**self.base(), "home": str(phome), "reps": c["reps"]}, home=phome)
+        res["persona"] = self.worker("persona", {**self.base(), "home": str(phome), "reps": c["reps"],
+                                                 "reingest_reps": c["reingest_reps"]}, home=phome)
 
         res["machine"]["load_end"] = os.getloadavg()
         res["seconds"] = time.perf_counter() - self.t_start
@@ -237,8 +277,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lengths", help="comma-separated conversation lengths in tokens (default 500,1000,2000,3500)")
     ap.add_argument("--reps", type=int, help="repetitions of each timed measurement (default 3, quick 1)")
     ap.add_argument("--reingest-reps", type=int,
-                    help="repetitions of the re-ingest baselines of /regen and /edit (default 1: each is a full "
-                         "evaluation of the conversation)")
+                    help="repetitions of the baselines that evaluate everything (the re-ingest pass, uncached "
+                         "persona); default 1")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads for every method (default 2)")
     ap.add_argument("--n-ctx", type=int, default=4096, help="context size for every method (default 4096)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="results directory")

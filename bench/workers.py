@@ -86,12 +86,12 @@ def build(a: dict[str, Any]) -> dict[str, Any]:
     ckpt_root = Path(a["ckpt_root"])
     i = 0
     for target in a["lengths"]:
+        # At least one exchange per checkpoint (so /regen has a reply), then until within ~2 % of the target: the
+        # last message is sized to land on it (user glue ~10 tokens, the reply up to reply_tokens).
         first = True
-        while first or eng.n_past < target:
-            room = target - eng.n_past - a["reply_tokens"] - 16
-            if room < 16 and not first:
-                break
+        while first or eng.n_past < target - max(8, target // 50):
             first = False
+            room = target - eng.n_past - a["reply_tokens"] - 16
             n_msg = max(16, min(a["msg_tokens"], room))
             size0 = state_path.stat().st_size
             extract["s"] = 0.0
@@ -129,10 +129,15 @@ def build(a: dict[str, Any]) -> dict[str, Any]:
         history = [*r.persona_messages, *(m.as_message() for m in r.active)]
         assert r.tokens() == eng.tokens, "transcript tokens differ from the context"
         next_tokens = eng.tokenize(session.template.user_turn(history, NEXT_MSG), add_special=False)
+        # What /regen and /edit of the last exchange would have to re-ingest without chatcli's state.
+        last_user = [m for m in r.active if m.role == "user"][-1]
+        before_user = [*r.persona_messages, *(m.as_message() for m in r.active if m.p0 < last_user.p0)]
+        edit_tokens = eng.tokenize(session.template.user_turn(before_user, EDIT_MSG), add_special=False)
         ck: dict[str, Any] = {
             "target": target, "n_tokens": eng.n_past, "conv_id": conv.id, "home": str(chome),
             "state_bytes": (chome / "data" / "conversations" / conv.id / "state.kv").stat().st_size,
             "next_tokens": next_tokens, "tokens": list(eng.tokens), "turns": conv.n_turns,
+            "user_p0": last_user.p0, "reply_p0": last_user.p1, "edit_tokens": edit_tokens,
         }
         if llm is not None:
             have = llm.n_tokens
@@ -226,22 +231,49 @@ def resume(a: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def cold(a: dict[str, Any]) -> dict[str, Any]:
-    """A fresh context evaluates the whole history plus the next message, then samples the first token."""
-    from chatcli.engine import Sampling
+def reingest(a: dict[str, Any]) -> dict[str, Any]:
+    """Every re-ingest baseline (cold resume, /regen, /edit, at every length) in one pass over the conversation.
 
-    session = build_session(a["home"], model=a["model"], n_ctx=a["n_ctx"], threads=a["threads"], max_tokens=16)
-    eng = session.engine
-    tokens = list(a["tokens"]) + list(a["next_tokens"])
+    The checkpoints are prefixes of one conversation, so a fresh context evaluates the longest one from
+    position 0 in chunks that stop at each point a baseline needs: the start of the last user message
+    (/edit: evaluate the edited message), the start of the last reply (/regen: the user message is in),
+    the end of the checkpoint (cold resume: evaluate the next message). There the branch is evaluated and
+    the first token sampled -- timed -- then the branch is truncated away and the pass goes on. The time to
+    first token of a baseline = the pass's evaluation time up to that point + its branch: exactly what a
+    fresh context evaluating those tokens from scratch does (only the 512-token batch boundaries after the
+    first stop differ).
+    """
+    from chatcli.engine import Engine, Sampling
+
+    eng = Engine(a["model_path"], n_ctx=a["n_ctx"], n_threads=a["threads"])
+    tokens = list(a["tokens"])
+    stops: list[tuple[int, int, str, str, list[int]]] = []
+    for ck in a["checkpoints"]:
+        assert tokens[:ck["n_tokens"]] == ck["tokens"], "checkpoints are not prefixes of one conversation"
+        key = str(ck["target"])
+        stops += [(ck["user_p0"], 0, key, "edit", ck["edit_tokens"]), (ck["reply_p0"], 1, key, "regen", []),
+                  (ck["n_tokens"], 2, key, "cold", ck["next_tokens"])]
+    stops.sort()
     sampling = Sampling(temperature=0.0)
-    t0 = _pc()
-    eng.eval(tokens)
-    t_eval = _pc()
-    gen = eng.generate(sampling, seed=1, max_tokens=4)
-    next(gen)
-    t_first = _pc()
-    gen.close()
-    return {"ttft_ms": ms * (t_first - t0), "eval_ms": ms * (t_eval - t0), "n_eval": len(tokens)}
+    eng.eval(tokens[:8])  # warm-up (first-decode allocations), then an empty context again
+    eng.clear()
+    out: dict[str, dict[str, Any]] = {str(ck["target"]): {} for ck in a["checkpoints"]}
+    main = 0.0
+    for pos, _, key, kind, branch in stops:
+        t = _pc()
+        eng.eval(tokens[eng.n_past:pos])
+        main += _pc() - t
+        t = _pc()
+        eng.eval(branch)
+        gen = eng.generate(sampling, seed=1, max_tokens=4)
+        next(gen)
+        dt = _pc() - t
+        gen.close()
+        eng.truncate(pos)
+        out[key][f"{kind}_ms"] = ms * (main + dt)
+        out[key][f"{kind}_tokens"] = pos + len(branch)
+    eng.close()
+    return {"reingest": out}
 
 
 def llama_state(a: dict[str, Any]) -> dict[str, Any]:
@@ -300,54 +332,29 @@ def llama_diskcache(a: dict[str, Any]) -> dict[str, Any]:
 
 
 def rollback(a: dict[str, Any]) -> dict[str, Any]:
-    """Per checkpoint and rep: chatcli's /regen and /edit to the first new token, then the same by re-ingest."""
-    from chatcli.engine import Sampling
+    """Per checkpoint and rep: chatcli's /regen, then /edit of the last message, each to its first new token."""
+    from chatcli.store import ConversationStore
+
+    from bench.common import make_paths
 
     out: dict[str, Any] = {}
     session = build_session(a["checkpoints"][0]["home"], model=a["model"], n_ctx=a["n_ctx"], threads=a["threads"],
                             max_tokens=16)
-    eng = session.engine
-    sampling = Sampling(temperature=0.0)
-
-    def reingest(tokens: list[int]) -> float:
-        eng.clear()
-        t0 = _pc()
-        eng.eval(tokens)
-        gen = eng.generate(sampling, seed=1, max_tokens=4)
-        next(gen)
-        dt = _pc() - t0
-        gen.close()
-        return dt
-
     for ck in a["checkpoints"]:
-        # Each checkpoint is its own CHATCLI_HOME copy: point the session's store at it.
-        from chatcli.store import ConversationStore
-
-        from bench.common import make_paths
-
+        # Each checkpoint is its own CHATCLI_HOME copy: point the session's store at it (same engine).
         session.paths = make_paths(ck["home"])
         session.store = ConversationStore(session.paths.conversations_dir)
-        rows: dict[str, list[float]] = {"regen_ms": [], "edit_ms": [], "regen_reingest_ms": [], "edit_reingest_ms": [],
-                                         "regen_tokens": [], "edit_tokens": []}
-        for rep in range(a["reps"]):
+        rows: dict[str, list[float]] = {"regen_ms": [], "edit_ms": []}
+        for _ in range(a["reps"]):
             conv, report, _, _ = drain(session.open_conversation(ck["conv_id"]))
             assert report.reevaluated == 0, report.reason
-            last = conv.r.active[-1]
-            regen_tokens = eng.tokens[:last.p0]  # history through the last user message
             t0 = _pc()
             t1, _ = first_token(conv, conv.regen())
             rows["regen_ms"].append(ms * (t1 - t0))
             t0 = _pc()
             t1, _ = first_token(conv, conv.edit(None, EDIT_MSG))
             rows["edit_ms"].append(ms * (t1 - t0))
-            user = conv.user_messages()[-1]
-            edit_tokens = eng.tokens[:user.p1]  # history before the edited message + the new message
             conv.close()
-            pair = [("regen", regen_tokens), ("edit", edit_tokens)]
-            if rep < a["reingest_reps"]:
-                for name, toks in (pair if rep % 2 == 0 else pair[::-1]):
-                    rows[f"{name}_reingest_ms"].append(ms * reingest(toks))
-                    rows[f"{name}_tokens"].append(len(toks))
         out[str(ck["target"])] = rows
     return {"rollback": out}
 
@@ -408,35 +415,60 @@ def throughput(a: dict[str, Any]) -> dict[str, Any]:
                 raise RuntimeError("bare llama_decode failed")
             done += len(part)
 
-    def run_chatcli_prompt() -> float:
+    def clocks() -> tuple[float, float]:
+        # Wall time, and this process's CPU time (all threads): on a busy machine the wall clock also counts
+        # the time other processes held the cores, CPU time only the work done.
+        return _pc(), time.process_time()
+
+    def timed(fn: Callable[[], Any]) -> tuple[float, float]:
+        w, c = clocks()
+        fn()
+        w2, c2 = clocks()
+        return w2 - w, c2 - c
+
+    def chatcli_prompt() -> tuple[float, float]:
         eng.clear()
-        t = _pc()
-        eng.eval(prompt)
-        return _pc() - t
+        return timed(lambda: eng.eval(prompt))
 
-    def run_bare_prompt() -> float:
+    def bare_prompt() -> tuple[float, float]:
         llama_cpp.llama_memory_clear(mem, True)
-        t = _pc()
-        bare_eval(prompt)
-        return _pc() - t
+        return timed(lambda: bare_eval(prompt))
 
-    def run_chatcli_decode() -> tuple[float, int]:
+    def decode_pair(chatcli_first: bool) -> tuple[list[float], list[float], int]:
+        """Greedy decoding on both contexts, one token each in turn, so both see the same machine load.
+
+        chatcli: each ``next()`` of ``Engine.generate`` samples (from its own copy of the logits) and decodes
+        the previous token; the call that ends the generator decodes the last one. Bare: sample with
+        ``llama_sampler_sample`` + ``llama_decode``. Returns (chatcli wall, cpu), (bare wall, cpu), tokens.
+        """
         eng.clear()
         eng.eval(count_prompt)
-        n = 0
-        t = _pc()
-        for _ in eng.generate(greedy, seed=1, max_tokens=a["decode_tokens"]):
-            n += 1
-        return _pc() - t, n
-
-    def run_bare_decode(n: int) -> float:
         llama_cpp.llama_memory_clear(mem, True)
         bare_eval(count_prompt)
         smpl = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         llama_cpp.llama_sampler_chain_add(smpl, llama_cpp.llama_sampler_init_greedy())
+        gen = eng.generate(greedy, seed=1, max_tokens=a["decode_tokens"])
         pos = len(count_prompt)
-        t = _pc()
-        for _ in range(n):
+        c_tot = [0.0, 0.0]
+        b_steps: list[tuple[float, float]] = []
+        n = 0
+        done = False
+
+        def c_step() -> None:
+            nonlocal n, done
+            w, c = clocks()
+            try:
+                next(gen)
+                n += 1
+            except StopIteration:
+                done = True
+            w2, c2 = clocks()
+            c_tot[0] += w2 - w
+            c_tot[1] += c2 - c
+
+        def b_step() -> None:
+            nonlocal pos
+            w, c = clocks()
             tok = llama_cpp.llama_sampler_sample(smpl, ctx, -1)
             batch.n_tokens = 1
             batch.token[0] = tok
@@ -447,40 +479,39 @@ def throughput(a: dict[str, Any]) -> dict[str, Any]:
             if llama_cpp.llama_decode(ctx, batch) != 0:
                 raise RuntimeError("bare llama_decode failed")
             pos += 1
-        dt = _pc() - t
-        llama_cpp.llama_sampler_free(smpl)
-        return dt
+            w2, c2 = clocks()
+            b_steps.append((w2 - w, c2 - c))
 
-    res: dict[str, list[float]] = {k: [] for k in ("chatcli_prompt_tps", "bare_prompt_tps", "chatcli_decode_tps",
-                                                   "bare_decode_tps", "decode_n")}
-    # Short warm-ups (first-decode allocations), then pairs whose order flips every time. chatcli's first decode
-    # run fixes how many tokens a greedy reply has (it stops at the end of turn); the bare loop then decodes
-    # exactly as many.
+        while not done:
+            if chatcli_first:
+                c_step()
+                if not done:
+                    b_step()
+            else:
+                b_step()
+                c_step()
+        llama_cpp.llama_sampler_free(smpl)
+        b_steps = b_steps[:n]  # a bare step taken before chatcli's generator said it was over does not count
+        return c_tot, [sum(x[0] for x in b_steps), sum(x[1] for x in b_steps)], n
+
+    res: dict[str, list[float]] = {k: [] for k in (
+        "chatcli_prompt_tps", "bare_prompt_tps", "chatcli_prompt_cpu_tps", "bare_prompt_cpu_tps",
+        "chatcli_decode_tps", "bare_decode_tps", "chatcli_decode_cpu_tps", "bare_decode_cpu_tps", "decode_n")}
+    # Short warm-ups (first-decode allocations), then pairs whose order flips every time.
     eng.eval(prompt[:32])
     bare_eval(prompt[:32])
-    n_dec = 0
     for p in range(a["pairs"]):
-        def chatcli_decode() -> None:
-            nonlocal n_dec
-            dt, n = run_chatcli_decode()
-            assert n_dec in (0, n), "greedy decoding gave a different length"
-            n_dec = n
-            res["chatcli_decode_tps"].append(n / dt)
-
-        def bare_decode() -> None:
-            res["bare_decode_tps"].append(n_dec / run_bare_decode(n_dec))
-
-        def chatcli_prompt() -> None:
-            res["chatcli_prompt_tps"].append(len(prompt) / run_chatcli_prompt())
-
-        def bare_prompt() -> None:
-            res["bare_prompt_tps"].append(len(prompt) / run_bare_prompt())
-
-        steps = [chatcli_prompt, bare_prompt, chatcli_decode, bare_decode] if p % 2 == 0 else \
-            [bare_prompt, chatcli_prompt, bare_decode, chatcli_decode]
-        for step in steps:
-            step()
-        res["decode_n"].append(n_dec)
+        order = [("chatcli", chatcli_prompt), ("bare", bare_prompt)]
+        for name, fn in (order if p % 2 == 0 else order[::-1]):
+            w, c = fn()
+            res[f"{name}_prompt_tps"].append(len(prompt) / w)
+            res[f"{name}_prompt_cpu_tps"].append(len(prompt) / c)
+        (cw, cc), (bw, bc), n = decode_pair(chatcli_first=p % 2 == 0)
+        res["chatcli_decode_tps"].append(n / cw)
+        res["chatcli_decode_cpu_tps"].append(n / cc)
+        res["bare_decode_tps"].append(n / bw)
+        res["bare_decode_cpu_tps"].append(n / bc)
+        res["decode_n"].append(n)
     llama_cpp.llama_batch_free(batch)
     llama_cpp.llama_free(ctx)
     llama_cpp.llama_model_free(model)
@@ -524,8 +555,10 @@ def persona(a: dict[str, Any]) -> dict[str, Any]:
     session.engine.eval(session.engine.tokenize("Hello there, how are you?"))
     session.engine.clear()
     res: dict[str, Any] = {"uncached_ms": [], "cached_ms": [], "hits": [], "misses": []}
-    for p in range(a["reps"]):
-        for cached in ((False, True) if p % 2 == 0 else (True, False)):
+    # Uncached runs evaluate the whole persona: they repeat reingest_reps times, cached ones reps times.
+    for p in range(max(a["reps"], a["reingest_reps"])):
+        pair = [c for c, k in ((False, a["reingest_reps"]), (True, a["reps"])) if p < k]
+        for cached in (pair if p % 2 == 0 else pair[::-1]):
             dt, n_prefix, hit = one(cached)
             res["cached_ms" if cached else "uncached_ms"].append(dt)
             (res["hits"] if cached else res["misses"]).append(hit)
@@ -535,7 +568,7 @@ def persona(a: dict[str, Any]) -> dict[str, Any]:
 
 
 MODES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "build": build, "resume": resume, "cold": cold, "llama_state": llama_state, "llama_diskcache": llama_diskcache,
+    "build": build, "resume": resume, "reingest": reingest, "llama_state": llama_state, "llama_diskcache": llama_diskcache,
     "rollback": rollback, "throughput": throughput, "llama_rss": llama_rss, "persona": persona,
 }
 

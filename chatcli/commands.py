@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -194,11 +195,17 @@ def _alt(repl: Repl, arg: str) -> None:
     alts = sorted(conv.r.alternatives(last.turn), key=lambda e: int(e.get("alt", 0)))
     current = next(i for i, e in enumerate(alts) if int(e["mid"]) == last.mid)
     if not arg:
+        texts = [" ".join(str(e.get("text", "")).split()) for e in alts]
+        # Alternatives often open alike: show each from a little before where they part ways.
+        common = len(os.path.commonprefix(texts)) if len(texts) > 1 else 0
+        start = max(0, common - 15) if common > 30 else 0
         rows = []
-        for i, e in enumerate(alts):
-            text = " ".join(str(e.get("text", "")).split())
-            rows.append({"#": f"{i + 1}{' *' if i == current else ''}", "reply": text[:70] + ("…" if len(text) > 70 else "")})
-        repl.renderer.table(rows, ["#", "reply"], to_err=True)
+        for i, text in enumerate(texts):
+            part = text[start:start + 70]
+            shown = ("…" if start and part else "") + part + ("…" if len(text) > start + 70 else "")
+            rows.append({"#": f"{i + 1}{' *' if i == current else ''}", "reply": shown or "(same as above)",
+                         "tokens": str(len(alts[i].get("tokens", [])))})
+        repl.renderer.table(rows, ["#", "reply", "tokens"], to_err=True)
         return
     if arg in ("next", "prev") and len(alts) == 1:
         raise CommandError("this reply has no alternatives yet: /regen makes one")

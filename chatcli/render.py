@@ -103,6 +103,21 @@ class _Waiting:
             yield self.spinner
 
 
+_FENCE = re.compile(r"^ {0,3}(```|~~~)", re.M)
+
+
+def _drop_dangling_fence(text: str) -> str:
+    """A fence that opens nothing at the very end of a reply (small models often close a block they never
+    opened; a streaming reply has just opened one) would render as an empty box: leave it out."""
+    body = text.rstrip()
+    fences = _FENCE.findall(body)
+    if len(fences) % 2 == 1:
+        last = body.rsplit("\n", 1)[-1]
+        if _FENCE.match(last):
+            return body[: len(body) - len(last)].rstrip("\n")
+    return text
+
+
 def _rstrip(line: list[Segment]) -> list[Segment]:
     """Drop trailing padding so copied text and captures have no trailing blanks (code keeps its background)."""
     out = list(line)
@@ -297,7 +312,7 @@ class Renderer:
     def markdown_lines(self, text: str) -> list[list[Segment]]:
         width = max(10, min(self.console.width, self.max_width))
         options = self.console.options.update(width=width)
-        lines = self.console.render_lines(Markdown(text), options, pad=False)
+        lines = self.console.render_lines(Markdown(_drop_dangling_fence(text)), options, pad=False)
         return [_rstrip(line) for line in lines]
 
     # -- one-off output ------------------------------------------------------------------------------

@@ -233,13 +233,14 @@ class Repl:
         state = f"state {human_bytes(conv.state_bytes())}"
         keys = self.hint or "/help · Ctrl-D exit"
         keys_markup = f"<b>{esc(self.hint)}</b>" if self.hint else esc(keys)
+        # In display order; the priorities decide what stays when the terminal is narrow.
         return [
             (9, persona, f"<b>{esc(persona)}</b>"),
-            (8, ctx, ctx_markup),
-            (7 if self.hint else 4, keys, keys_markup),
-            (6, conv.id, esc(conv.id)),
             (5, model, esc(model)),
+            (6, conv.id, esc(conv.id)),
+            (8, ctx, ctx_markup),
             (3, state, esc(state)),
+            (7 if self.hint else 4, keys, keys_markup),
         ]
 
     def toolbar(self, width: int | None = None) -> HTML:
@@ -283,10 +284,12 @@ class Repl:
                             dispatch(self, line.strip())
                         else:
                             text = line[1:] if line.startswith("//") else line
+                            n_users = len(self.conv.user_messages())
                             try:
                                 self.run_reply(self.conv.send(text))
                             except USER_ERRORS:
-                                pending = line  # nothing the user wrote is lost: it comes back in the prompt
+                                if len(self.conv.user_messages()) == n_users:
+                                    pending = line  # refused, so it comes back in the prompt: nothing is lost
                                 raise
                 except ReplExit:
                     break

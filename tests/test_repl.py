@@ -11,6 +11,7 @@ import io
 import os
 import re
 import signal
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -217,9 +218,22 @@ def drive(keys: str, conv: FakeConversation | None = None, *, session: Any = Non
                         plain=plain, err=err)
     with create_pipe_input() as pipe:
         pipe.send_text(keys)
-        repl = Repl(session or FakeSession(), conv, renderer,
-                    lambda r: TerminalIO(r, input=pipe, output=DummyOutput()))
-        assert repl.run() == 0
+        # A test whose keys do not end the session would wait for input forever: end it after a while.
+        fired = threading.Event()
+
+        def stop() -> None:
+            fired.set()
+            pipe.send_text("\x03\x03\x03")
+
+        watchdog = threading.Timer(60, stop)
+        watchdog.start()
+        try:
+            repl = Repl(session or FakeSession(), conv, renderer,
+                        lambda r: TerminalIO(r, input=pipe, output=DummyOutput()))
+            assert repl.run() == 0
+        finally:
+            watchdog.cancel()
+        assert not fired.is_set(), "the keys sent did not end the session"
     return repl, out.getvalue(), err.getvalue()
 
 
@@ -365,7 +379,7 @@ def test_edit_offers_the_old_message_for_editing_and_continues_from_it() -> None
     drive("first\rsecond\r/edit 1\r\x15changed\r\x04", conv)
     assert [m.text for m in conv.messages] == ["changed", "C."]
     conv = FakeConversation(replies=["A."])
-    _, out, _ = drive("first\r/edit\r\x03\x04", conv)  # Ctrl-C at the edit prompt: nothing changes
+    _, out, _ = drive("first\r/edit\r\x03\r\x04", conv)  # cleared with Ctrl-C and sent empty: nothing changes
     assert "edit cancelled" in out and [m.text for m in conv.messages] == ["first", "A."]
 
 
@@ -390,9 +404,8 @@ def test_an_error_in_the_middle_of_a_reply_keeps_what_was_shown() -> None:
 
     conv = FakeConversation(replies=["one two three four five six"], on_piece=boom)
     _, out, _ = drive("go\r\x04", conv)
-    assert "one two three" in out
     assert "error: llama_decode failed (1): out of memory" in out
-    assert out.index("one two three") < out.index("error: llama_decode")
+    assert out.index("one two") < out.index("error: llama_decode")  # the words shown stay on screen
 
 
 def test_errors_are_one_line_and_the_message_comes_back_to_the_prompt() -> None:
@@ -521,6 +534,16 @@ def test_live_display_on_a_real_terminal_screen_shows_the_final_markdown() -> No
     assert rows == want
 
 
+def test_a_fence_closing_nothing_at_the_end_is_not_drawn_as_an_empty_code_block() -> None:
+    renderer, out = rich_renderer(width=60)
+    renderer.reply_text('def f(x):\n    return x\n\n# Example\nprint(f(1))\n```')  # as small models write
+    lines = out.getvalue().splitlines()
+    assert lines[-1] == "print(f(1))" and "```" not in out.getvalue()
+    renderer, out = rich_renderer(width=60)
+    renderer.reply_text("```python\nx = 1\n```")
+    assert "x = 1" in out.getvalue()  # a complete block is untouched
+
+
 def test_plain_renderer_strips_escape_codes_only_on_a_terminal() -> None:
     class Tty(io.StringIO):
         def isatty(self) -> bool:
@@ -546,7 +569,7 @@ def real_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     try:
         from tests.drive import build_session
 
-        session = build_session(max_tokens=24)
+        session = build_session(max_tokens=12, threads=1)  # one thread: steady on a busy 2-core box
     finally:
         if old is None:
             os.environ.pop("CHATCLI_HOME", None)
@@ -597,7 +620,7 @@ def test_ctrl_c_on_the_real_model_keeps_the_partial_reply_and_a_consistent_conte
     reply = conv.messages[-1]
     assert reply.role == "assistant" and reply.stop == "cancelled"
     assert 0 < len(reply.tokens) < 20
-    assert "stopped by Ctrl-C: partial reply kept" in out.getvalue()
+    assert "stopped by Ctrl-C: partial reply kept" in " ".join(out.getvalue().split())
     assert list(conv.engine.tokens) == conv.r.tokens()
     # The conversation goes on from the partial reply.
     conv2, report = open_events(real_session.open_conversation(conv.id), Renderer(Console(file=io.StringIO())))

@@ -98,7 +98,9 @@ class Terminal:
 @pytest.fixture
 def term_env(chatcli_home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "COLUMNS", "LINES")}
-    env.update(CHATCLI_HOME=str(chatcli_home), TERM="xterm-256color", LANG="C.UTF-8")
+    # One llama.cpp thread: with a thread per core, a busy 2-core machine makes every token wait for
+    # preempted threads (seconds per reply instead of ~30 tokens/s).
+    env.update(CHATCLI_HOME=str(chatcli_home), TERM="xterm-256color", LANG="C.UTF-8", CHATCLI_THREADS="1")
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
