@@ -30,7 +30,7 @@ from bench.common import PERSONA_FACTS, REPO, RESULT_PREFIX  # noqa: E402
 WORKERS = Path(__file__).resolve().parent / "workers.py"
 
 FULL = dict(lengths=[500, 1000, 2000, 3500], reps=3, reingest_reps=1, reply_tokens=48, msg_tokens=300,
-            prompt_tokens=256, decode_tokens=96, pairs=4, persona_tokens=1000, rss_max_tokens=32)
+            prompt_tokens=128, decode_tokens=64, pairs=6, persona_tokens=1000, rss_max_tokens=32)
 QUICK = dict(lengths=[250, 500], reps=1, reingest_reps=1, reply_tokens=6, msg_tokens=150, prompt_tokens=48,
              decode_tokens=8, pairs=1, persona_tokens=100, rss_max_tokens=2)
 

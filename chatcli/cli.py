@@ -488,8 +488,6 @@ def personas(
         rows = []
         for p in chosen:
             if warm and session is not None:
-                from chatcli.repl import open_events
-
                 renderer = _renderer(settings, sys.stderr.isatty())
                 renderer.stream(warm_prefix(session, p))
             status = prefix_status(settings, paths, p, session)

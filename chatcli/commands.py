@@ -23,6 +23,10 @@ class CommandError(ValueError):
     """Bad use of a command: shown as one line, the loop goes on."""
 
 
+class UnknownCommand(CommandError):
+    """No such command (maybe a message that starts with "/"): the line comes back to the prompt."""
+
+
 Handler = Callable[["Repl", str], None]
 
 
@@ -73,8 +77,8 @@ class Registry:
         if len(matches) == 1:
             return next(iter(matches.values()))
         if matches:
-            raise CommandError(f"/{word} could be " + ", ".join("/" + n for n in sorted(matches)))
-        raise CommandError(f"unknown command /{word} (try /help)")
+            raise UnknownCommand(f"/{word} could be " + ", ".join("/" + n for n in sorted(matches)))
+        raise UnknownCommand(f"unknown command /{word} (try /help; //text sends a message starting with /)")
 
     def names(self) -> list[str]:
         return sorted(self._by_alias)
@@ -334,4 +338,4 @@ def _save(repl: Repl, arg: str) -> None:
     repl.renderer.notice(f"saved {repl.conv.n_turns} exchange(s) to {path}")
 
 
-__all__ = ["REGISTRY", "CommandError", "ConversationError", "ReplExit", "dispatch"]
+__all__ = ["REGISTRY", "CommandError", "ConversationError", "ReplExit", "UnknownCommand", "dispatch"]

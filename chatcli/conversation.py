@@ -14,7 +14,6 @@ Operations are generators of events (``Notice``, ``Progress``, ``ReplyStart``, `
 from __future__ import annotations
 
 import codecs
-import json
 import hashlib
 import time
 from dataclasses import dataclass, field

@@ -24,7 +24,7 @@ from prompt_toolkit.history import FileHistory, InMemoryHistory
 from prompt_toolkit.input import Input
 from prompt_toolkit.output import Output
 
-from chatcli.commands import REGISTRY, CommandError, ReplExit, dispatch
+from chatcli.commands import REGISTRY, CommandError, ReplExit, UnknownCommand, dispatch
 from chatcli.conversation import Conversation, ConversationError, Event, ResumeReport
 from chatcli.engine import ContextFullError, EngineError
 from chatcli.personas import PersonaError
@@ -88,6 +88,11 @@ class TerminalIO:
         if history_file is not None:
             try:
                 history_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                # Everything the user typed is in there: private from the start (FileHistory would
+                # create it with the umask's 0644), and made private if an older version left it open.
+                os.close(os.open(history_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+                if history_file.stat().st_mode & 0o077:
+                    os.chmod(history_file, 0o600)
                 history = FileHistory(str(history_file))
             except OSError:
                 pass
@@ -281,7 +286,11 @@ class Repl:
                 try:
                     with self._busy():
                         if line.startswith("/") and not line.startswith("//"):
-                            dispatch(self, line.strip())
+                            try:
+                                dispatch(self, line.strip())
+                            except UnknownCommand:
+                                pending = line  # a typo, or a message meant to start with "/": keep it
+                                raise
                         else:
                             text = line[1:] if line.startswith("//") else line
                             n_users = len(self.conv.user_messages())

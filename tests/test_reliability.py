@@ -179,10 +179,14 @@ def install(golden: dict[str, Any], which: str = "main") -> str:
 # ================================================================================================ crashes
 
 
+# bench/faults.py's session without its last line: it still compacts and shifts, a little faster.
+CRASH_SCRIPT = faults.SCRIPT[:-1]
+
+
 @pytest.fixture(scope="module")
 def fault_ref(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """bench/faults.py's scripted session, uninterrupted (with turns, /undo compaction and a context shift)."""
-    return faults.reference(tmp_path_factory.mktemp("faults"))
+    """The scripted session, uninterrupted (with turns, /undo compaction and a context shift)."""
+    return faults.reference(tmp_path_factory.mktemp("faults"), CRASH_SCRIPT)
 
 
 KILL_POINTS = {
@@ -194,9 +198,7 @@ KILL_POINTS = {
     "mid-compaction": ("write:state_tmp", "torn", "truncate:undo", 1, 0),
     # SIGKILL after the oldest exchange left the context, before the snapshot that follows it is written.
     "after-shift": ("shift", "after", "shift:", 1, 0),
-    # SIGKILL half-way through writing the fourth reply to the transcript: a torn last line.
-    "torn-transcript": ("write:transcript", "torn", "message:user", 4, 0),
-}
+}  # (torn transcript lines: bench/faults.py and test_torn_last_transcript_line_is_dropped_reported_and_repaired)
 
 
 @pytest.mark.parametrize("name", list(KILL_POINTS))
@@ -206,11 +208,11 @@ def test_sigkill_loses_at_most_the_reply_in_flight(name: str, fault_ref: Any, tm
         point = faults.KillPoint(f"shift #1 {phase}", {"event": "shift", "n": 1, "phase": phase})
     else:
         point = faults.point_after(fault_ref, event, phase, note, k, skip)
-    out = faults.run_point(fault_ref, point, tmp_path)
+    out = faults.run_point(fault_ref, point, tmp_path, CRASH_SCRIPT)
     assert out.killed, point.label
     assert out.problems == [], (point.label, out.problems)
     assert out.lost == 0
-    if name in ("mid-reply", "mid-compaction", "torn-transcript"):
+    if name in ("mid-reply", "mid-compaction"):
         # The state on disk was complete for everything the transcript holds: restored, not re-evaluated,
         # and the conversation continues exactly as if it had never been killed.
         assert out.intact and out.identical, point.label
@@ -220,7 +222,7 @@ def test_sigkill_loses_at_most_the_reply_in_flight(name: str, fault_ref: Any, tm
 
 def test_remaining_lines_after_a_kill(fault_ref: Any) -> None:
     """The harness itself: which scripted lines a resume must still send."""
-    script = faults.SCRIPT
+    script = CRASH_SCRIPT
     assert faults.remaining_lines(fault_ref, script, 0) == (script, False)
     first_user_only = fault_ref.line_spans[0][0] + 1
     assert faults.remaining_lines(fault_ref, script, first_user_only) == (script[1:], True)
@@ -461,7 +463,7 @@ def test_random_bit_flips_in_transcript_never_crash_or_desync(sess: Any, golden:
     original = (golden["main"]["path"] / "transcript.jsonl").read_bytes()
     reported = 0
     # The first flip always breaks a line (the "{" opening the first message); the others land anywhere.
-    flips = [(original.index(b"\n") + 1, 0x10)] + [(rng.randrange(len(original)), 1 << rng.randrange(8)) for _ in range(11)]
+    flips = [(original.index(b"\n") + 1, 0x10)] + [(rng.randrange(len(original)), 1 << rng.randrange(8)) for _ in range(7)]
     for i, (pos, bit) in enumerate(flips):
         cid = install(golden)
         data = bytearray(original)
@@ -770,9 +772,8 @@ def test_every_directory_chatcli_creates_is_private(private_run: dict[str, Path]
     assert all(m == 0o700 for m in dirs.values()), dirs
 
 
-@pytest.mark.xfail(strict=True, reason="repl.py TerminalIO: prompt_toolkit's FileHistory creates the history file "
-                   "(everything the user typed) with the umask's 0644")
 def test_prompt_history_file_is_private() -> None:
+    """The terminal prompt's history holds everything the user typed."""
     from prompt_toolkit.input import create_pipe_input
     from prompt_toolkit.output import DummyOutput
 

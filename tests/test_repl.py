@@ -417,10 +417,13 @@ def test_errors_are_one_line_and_the_message_comes_back_to_the_prompt() -> None:
     _, out, _ = drive("keep me\r\r\x03\x04", conv)
     assert out.count("error: the last message has no reply yet") == 2  # the text was offered again and re-sent
     assert "second line" not in out
-    _, out, _ = drive("/nope\r/undo 9\r/alt x\r\x04")
-    assert "error: unknown command /nope (try /help)" in out
-    assert "error: only 0 exchange(s) to undo" in out
-    assert "error: no reply yet" in out
+    conv = FakeConversation()
+    # An unknown command comes back to the prompt: Home, "/" and Enter send it as a message.
+    _, out, _ = drive("/etc/hosts?\r\x01/\r/undo 9\r/alt x\r\x04", conv)
+    assert "error: unknown command /etc/hosts? (try /help" in out
+    assert conv.sent == ["/etc/hosts?"]
+    assert "error: only 1 exchange(s) to undo" in out
+    assert "error: alternative must be a number, not 'x'" in out
 
 
 def test_system_copy_and_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -648,7 +651,8 @@ def test_persona_switch_on_the_real_model(real_session: Any) -> None:
 
 
 def test_piped_talk_prints_only_the_reply_on_stdout_and_stats_on_stderr() -> None:
-    result = CliRunner().invoke(app, ["talk", "--temperature", "0", "--max-tokens", "16"], input="Hi!\n/stats\n")
+    result = CliRunner().invoke(app, ["talk", "--temperature", "0", "--max-tokens", "16", "--threads", "1"],
+                                input="Hi!\n/stats\n")
     assert result.exit_code == 0, (result.stdout, result.stderr)
     from chatcli.settings import get_paths
     from chatcli.store import ConversationStore
