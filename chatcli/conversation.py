@@ -132,6 +132,8 @@ class Replay:
     redo: list[list[int]] = field(default_factory=list)
     undone: set[int] = field(default_factory=set)
     next_mid: int = 0
+    max_turn: int = -1  # turn ids are never reused: after /undo or a shift a new turn gets a new id
+    has_prefix: bool = False
     problems: list[str] = field(default_factory=list)
 
     def tokens(self) -> list[int]:
@@ -146,10 +148,12 @@ class Replay:
             self.prefix_tokens = [int(t) for t in ev["tokens"]]
             self.persona = str(ev.get("persona", ""))
             self.persona_messages = [Message(m["role"], m["content"]) for m in ev.get("messages", [])]
+            self.has_prefix = True
         elif kind == "message":
             mid = int(ev["mid"])
             self.all[mid] = ev
             self.next_mid = max(self.next_mid, mid + 1)
+            self.max_turn = max(self.max_turn, int(ev.get("turn", 0)))
             self._push(ev, int(ev["span"][0]))
             self.redo.clear()
         elif kind == "activate":
@@ -351,6 +355,7 @@ class Conversation:
         max_tokens: int = 1024,
         reserve: int = 256,
         lock: bool = True,
+        persona_messages: list[Message] | None = None,
     ) -> Iterator[Event | ResumeReport | Conversation]:
         """Resume a conversation: restore its KV from the state file, evaluating only what is missing."""
         conv = store.resolve(ref)
@@ -364,6 +369,17 @@ class Conversation:
         replay = replay_events(tr.events)
         for p in replay.problems:
             yield Notice(p, "warn")
+        if not replay.has_prefix:
+            if replay.all or persona_messages is None:
+                raise ConversationError(f"conversation {conv.id}: its transcript lost the persona prefix record")
+            # Killed before the first transcript line was written: start the prefix now from the persona.
+            text = template.prefix(persona_messages)
+            toks = engine.tokenize(text, add_special=engine.add_bos) if text else []
+            ev = {"type": "prefix", "persona": meta.get("persona", ""), "persona_hash": meta.get("persona_hash", ""),
+                  "messages": [m.as_dict() for m in persona_messages], "tokens": toks, "span": [0, len(toks)]}
+            conv.append_event(ev)
+            replay.apply(ev)
+            yield Notice("the conversation had no transcript yet: started it from its persona", "warn")
         self = cls(engine, template, conv, meta, replay, sampling, identity=identity,
                    max_tokens=max_tokens, reserve=reserve)
         report = ResumeReport()
@@ -374,6 +390,14 @@ class Conversation:
     def _restore(self, report: ResumeReport) -> Iterator[Event]:
         eng = self.engine
         eng.clear()
+        for i, m in enumerate(self.r.active):
+            if any(not 0 <= t < eng.n_vocab for t in m.tokens):
+                # A damaged message cannot be evaluated: keep everything before it, say what was dropped.
+                dropped = self.r.active[i:]
+                self.r.active = self.r.active[:i]
+                yield Notice(f"transcript message {m.mid} holds invalid token ids: it and {len(dropped) - 1} "
+                             "later message(s) were left out of the context", "warn")
+                break
         want = self.r.tokens()
         if len(want) + 1 > eng.n_ctx:
             raise ConversationError(
@@ -469,7 +493,7 @@ class Conversation:
         glue = self.template.user_turn(self.history(), text)
         tokens = self.engine.tokenize(glue, add_special=False)
         yield from self._make_room(len(tokens), stats)
-        turn = self.n_turns
+        turn = self.r.max_turn + 1
         p0 = self.engine.n_past
         # Transcript first: whatever happens next, the user's words are on disk.
         mid = self._write_message("user", text, tokens, p0, turn)
@@ -550,7 +574,14 @@ class Conversation:
         stats.gen_seconds = res.seconds
         stats.stop_reason = res.stop_reason
         stats.n_eval += stats.n_prompt + len(reply_tokens)
-        mid = self._write_message("assistant", text, reply_tokens, p0, turn, alt=alt, stop=res.stop_reason)
+        try:
+            mid = self._write_message("assistant", text, reply_tokens, p0, turn, alt=alt, stop=res.stop_reason)
+        except OSError:
+            # Not in the transcript means not in the conversation: the context must not keep it either.
+            eng.truncate(p0)
+            if self.turn_logits and self.turn_logits[0] == p0:
+                eng.set_logits(self.turn_logits[1])
+            raise
         msg = ActiveMessage(mid, "assistant", text, reply_tokens, p0, turn, alt, res.stop_reason)
         self.r.active.append(msg)
         kv = eng.save_cells(p0, eng.n_past)
@@ -787,6 +818,7 @@ class Conversation:
             ev["stop"] = stop
         self.dir.append_event(ev)
         self.r.all[mid] = {**ev}
+        self.r.max_turn = max(self.r.max_turn, turn)
         self.r.redo.clear()
         return mid
 

@@ -115,6 +115,7 @@ class Session:
             self.store, conv_dir.id, self.engine, self.template, identity=self.identity(),
             sampling=sampling_from(self.settings, persona, self.explicit),
             max_tokens=self._max_tokens(persona), reserve=self.settings.reserve,
+            persona_messages=persona.messages() if persona is not None else None,
         )
 
     def close(self) -> None:

@@ -90,7 +90,15 @@ def get_paths(env: Mapping[str, str] | None = None) -> Paths:
 
 def ensure_dir(path: Path) -> Path:
     """Create `path` (and parents) and make it private (0700): conversations are nobody else's business."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # Parents we create are private too (mkdir(parents=True) would make them 0755).
+    missing = []
+    p = path
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        d.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(d, 0o700)
     # mkdir's mode is filtered by the umask and ignored for an existing dir, so set it explicitly; only
     # for dirs we own, since chmod on someone else's (e.g. a shared CHATCLI_HOME parent) would fail.
     st = path.stat()

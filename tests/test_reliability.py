@@ -3,9 +3,6 @@
 docs/PROMISES.md lists every promise with the test that proves it. Crash tests reuse bench/faults.py (which
 runs many more kill points); the corruption and disk-full tests drive the core API in-process on one engine,
 against copies of one two-exchange conversation made once per module.
-
-Tests marked ``xfail(strict=True)`` pin a known bug in a module this file's author does not own (see each
-reason): they fail loudly once the bug is fixed, so the marker gets removed and the promise is kept.
 """
 
 from __future__ import annotations
@@ -421,9 +418,6 @@ def test_unreadable_transcript_is_reported_and_loads_no_cells(content: str, sess
         conv.close()
 
 
-@pytest.mark.xfail(strict=True, reason="conversation.py Conversation.open: a transcript without a readable 'prefix' "
-                   "event (killed right after `create` wrote meta.json, or destroyed) opens as an empty chat with no "
-                   "persona and no BOS, and new events are appended after the garbage")
 def test_transcript_without_its_prefix_keeps_the_persona_or_refuses(sess: Any, golden: dict[str, Any]) -> None:
     cid = install(golden)
     (conv_path(cid) / "transcript.jsonl").write_bytes(b"")
@@ -437,9 +431,6 @@ def test_transcript_without_its_prefix_keeps_the_persona_or_refuses(sess: Any, g
         conv.close()
 
 
-@pytest.mark.xfail(strict=True, reason="conversation.py Replay/_restore: token ids are not checked against the "
-                   "vocabulary, so one flipped digit (e.g. 12345 -> 92345) makes llama_decode fail and the whole "
-                   "conversation unopenable (EngineError) instead of skipping the damaged message")
 def test_out_of_vocabulary_token_in_transcript_skips_that_message(sess: Any, golden: dict[str, Any]) -> None:
     cid = install(golden)
     lines = _transcript_lines(cid)
@@ -574,9 +565,6 @@ def test_disk_full_while_writing_the_transcript_changes_nothing(sess: Any, golde
         conv.close()
 
 
-@pytest.mark.xfail(strict=True, reason="conversation.py Conversation._reply: if writing the reply to the transcript "
-                   "fails (ENOSPC), the reply's tokens stay in the engine; /regen then generates after them and "
-                   "writes a message whose span the transcript cannot place (it is skipped on the next resume)")
 def test_disk_full_while_writing_a_reply_then_regen(sess: Any, golden: dict[str, Any]) -> None:
     cid = install(golden)
     conv, _, _ = open_conv(sess, cid)
@@ -603,10 +591,6 @@ def test_disk_full_while_writing_a_reply_then_regen(sess: Any, golden: dict[str,
     assert conv.messages[-1].role == "assistant"
 
 
-@pytest.mark.xfail(strict=True, reason="conversation.py Replay.alternatives / Conversation.send: turn indexes repeat "
-                   "after /undo or a context shift, so the reply to an undone message counts as an alternative of "
-                   "the new one (/alt puts it under the new message; /regen after a crash numbers it alt 1 and "
-                   "reseeds differently from the uninterrupted session)")
 def test_alternatives_belong_to_their_own_user_message(sess: Any, golden: dict[str, Any]) -> None:
     cid = install(golden)
     conv, _, _ = open_conv(sess, cid)
@@ -764,8 +748,6 @@ def test_data_is_private_and_nothing_is_written_elsewhere(private_run: dict[str,
     assert any(p.endswith("transcript.jsonl") for p in files)
 
 
-@pytest.mark.xfail(strict=True, reason="settings.py ensure_dir: mkdir(parents=True) creates the missing parents "
-                   "(CHATCLI_HOME itself, CHATCLI_HOME/cache) with the umask's 0755; only the leaf gets 0700")
 def test_every_directory_chatcli_creates_is_private(private_run: dict[str, Path]) -> None:
     home = private_run["chatcli_home"]
     dirs = {p: m for p, m in _modes(home).items() if (home / p).is_dir()}
