@@ -485,6 +485,7 @@ class Conversation:
 
     def send(self, text: str, *, seed: int | None = None) -> Iterator[Event]:
         """Add a user message and stream the reply."""
+        self.engine.reset_cancel()
         if self.pending_user:
             raise ConversationError("the last message has no reply yet: /regen to generate it")
         if not text.strip():
@@ -616,6 +617,7 @@ class Conversation:
 
     def regen(self, *, seed: int | None = None) -> Iterator[Event]:
         """Sample a new reply to the last user message; the old one stays as an alternative."""
+        self.engine.reset_cancel()
         if not self.r.active:
             raise ConversationError("nothing to regenerate yet")
         stats = TurnStats()

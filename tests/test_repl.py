@@ -24,7 +24,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from chatcli.cli import app
-from chatcli.commands import REGISTRY, CommandError, dispatch
+from chatcli.commands import REGISTRY, CommandError
 from chatcli.conversation import (
     ActiveMessage, Conversation, ConversationError, Notice, Progress, Replay, ReplyEnd, ReplyStart, ReplyText,
     TurnStats,

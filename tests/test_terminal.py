@@ -114,7 +114,7 @@ def test_a_whole_session_in_a_real_terminal(term_env: dict[str, str], tmp_path: 
         banner = next(ln for ln in t.lines() if ln.startswith("conversation "))
         conv_id = re.match(r"conversation (\w+) · persona alice", banner).group(1)  # type: ignore[union-attr]
         toolbar = t.display()[-1]
-        for needle in ("alice", f"ctx ", "/4096", conv_id, "state ", "/help"):
+        for needle in ("alice", "ctx ", "/4096", conv_id, "state ", "/help"):
             assert needle in toolbar, (needle, toolbar)
 
         # Two messages: each reply is followed by its stats line and a fresh prompt.
