@@ -302,6 +302,10 @@ class Repl:
                                 raise
                 except ReplExit:
                     break
+                except BrokenPipeError:
+                    # Whoever read our output is gone (`chatcli talk | head`): end quietly; what is saved stays.
+                    self._quiet_exit = True
+                    break
                 except USER_ERRORS as exc:
                     self.renderer.error(_one_line(exc))
                 except UnicodeError as exc:
@@ -311,7 +315,8 @@ class Repl:
             if old_hup is not None:
                 signal.signal(signal.SIGHUP, old_hup)
             self.conv.close()
-            self.renderer.notice(f"conversation {self.conv.id} saved · resume with: chatcli resume {self.conv.id}")
+            if not getattr(self, "_quiet_exit", False):
+                self.renderer.notice(f"conversation {self.conv.id} saved · resume with: chatcli resume {self.conv.id}")
         return 0
 
     @contextlib.contextmanager
