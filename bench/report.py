@@ -227,9 +227,10 @@ def markdown(res: dict[str, Any], s: dict[str, Any], charts: list[str]) -> str:
           f"{t[kind + '_cpu_overhead']:+.1f} % |")
     w("")
     w(f"Same process, same model file, identical context parameters; {t['pairs']} pair(s) after a short warm-up, "
-      "order flipped every pair. Prompt eval: the same tokens from an empty context, the two sides one after "
-      "the other. Decode: both contexts decode greedily from the same prompt *one token each in turn*, so both "
-      "see the same machine load; each side's time is the sum of its own steps. Per CPU-s = tokens per second "
+      "order flipped every pair. Prompt eval: both contexts evaluate the same tokens from empty, "
+      f"{res['config'].get('prompt_chunk', '?')} tokens at a time, taking turns; decode: both decode greedily "
+      "from the same prompt, one token each in turn. So both sides see the same machine load; each side's time "
+      "is the sum of its own steps. Per CPU-s = tokens per second "
       "of this process's CPU time (all threads): on a busy machine the wall clock also counts time other "
       "processes held the cores. Rates are pooled over all pairs; overhead = 1 − median of the per-pair ratios "
       "(goal: within 3 %), which cancels load changes between pairs.\n")

@@ -30,8 +30,8 @@ from bench.common import PERSONA_FACTS, REPO, RESULT_PREFIX  # noqa: E402
 WORKERS = Path(__file__).resolve().parent / "workers.py"
 
 FULL = dict(lengths=[500, 1000, 2000, 3500], reps=3, reingest_reps=1, reply_tokens=48, msg_tokens=300,
-            prompt_tokens=128, decode_tokens=64, pairs=6, persona_tokens=1000, rss_max_tokens=32)
-QUICK = dict(lengths=[250, 500], reps=1, reingest_reps=1, reply_tokens=6, msg_tokens=150, prompt_tokens=48,
+            prompt_tokens=512, prompt_chunk=128, decode_tokens=64, pairs=6, persona_tokens=1000, rss_max_tokens=32)
+QUICK = dict(lengths=[250, 500], reps=1, reingest_reps=1, reply_tokens=6, msg_tokens=150, prompt_tokens=48, prompt_chunk=16,
              decode_tokens=8, pairs=1, persona_tokens=100, rss_max_tokens=2)
 
 VEGETABLES = [
@@ -213,6 +213,7 @@ class Bench:
         self.log("decode / prompt-eval throughput: chatcli engine vs bare llama-cpp-python loop")
         res["throughput"] = self.worker("throughput", {**self.base(), "model_path": model_path,
                                                        "prompt_tokens": c["prompt_tokens"],
+                                                       "prompt_chunk": c["prompt_chunk"],
                                                        "decode_tokens": c["decode_tokens"], "pairs": c["pairs"]})
 
         self.log("peak RSS: chatcli talk vs bare llama-cpp-python")
@@ -245,8 +246,8 @@ class Bench:
         if rhome.exists():
             shutil.rmtree(rhome)
         shutil.copytree(last["home"], rhome)
-        cmd_r = cmd[:1] if cmd[0] != sys.executable else cmd[:3]
-        cmd_r += ["resume", last["conv_id"], "--temperature", "0", "--threads", str(self.o.threads),
+        prog = 1 if cmd[0] != sys.executable else 3  # the chatcli script, or python -m chatcli
+        cmd_r = cmd[:prog] + ["resume", last["conv_id"], "--temperature", "0", "--threads", str(self.o.threads),
                   "--max-tokens", str(c["rss_max_tokens"])] + (["--model", self.o.model] if self.o.model else [])
         code4, rss4 = self.peak_rss(cmd_r, b"hi\n", rhome)
         if code4 != 0:
@@ -255,7 +256,7 @@ class Bench:
                          "chatcli_resume_rss": rss4, "resume_tokens": last["n_tokens"],
                          "resume_state_bytes": last["state_bytes"],
                          "model_file_bytes": b["model_file_bytes"], "kv_bytes_per_token": b["kv_bytes_per_token"],
-                         "kv_bytes": b["kv_bytes_per_token"] * b["n_ctx"], "n_ctx": b["n_ctx"], "cmd": " ".join(cmd[1:])}
+                         "kv_bytes": b["kv_bytes_per_token"] * b["n_ctx"], "n_ctx": b["n_ctx"], "cmd": " ".join(cmd[prog:])}
 
         self.log(f"persona prefix cache: new conversation with a ~{c['persona_tokens']}-token persona")
         phome = self.work / "persona-home"
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["CHATCLI_HOME"] = str(bench.work / "home-orchestrator")
     try:
         res = bench.run()
-        res["command"] = "python -m bench.run " + " ".join(argv if argv is not None else sys.argv[1:])
+        res["command"] = " ".join(["python -m bench.run", *(argv if argv is not None else sys.argv[1:])])
         out = Path(o.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(res, indent=1))

@@ -400,14 +400,14 @@ def throughput(a: dict[str, Any]) -> dict[str, Any]:
                                 "<|im_start|>assistant\n1, 2, 3, 4, 5,", add_special=False)
     greedy = Sampling(temperature=0.0, repeat_penalty=1.0)
 
-    def bare_eval(tokens: list[int]) -> None:
+    def bare_eval(tokens: list[int], start: int = 0) -> None:
         done = 0
         while done < len(tokens):
             part = tokens[done:done + eng.n_batch]
             batch.n_tokens = len(part)
             for i, tok in enumerate(part):
                 batch.token[i] = tok
-                batch.pos[i] = done + i
+                batch.pos[i] = start + done + i
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = 0
                 batch.logits[i] = i == len(part) - 1 and done + len(part) == len(tokens)
@@ -426,13 +426,21 @@ def throughput(a: dict[str, Any]) -> dict[str, Any]:
         w2, c2 = clocks()
         return w2 - w, c2 - c
 
-    def chatcli_prompt() -> tuple[float, float]:
+    def prompt_pair(chatcli_first: bool) -> tuple[tuple[float, float], tuple[float, float]]:
+        """Both contexts evaluate the prompt from empty, in chunks of ``prompt_chunk`` tokens taken in turn
+        (so both see the same machine load). Returns (chatcli wall, cpu), (bare wall, cpu)."""
         eng.clear()
-        return timed(lambda: eng.eval(prompt))
-
-    def bare_prompt() -> tuple[float, float]:
         llama_cpp.llama_memory_clear(mem, True)
-        return timed(lambda: bare_eval(prompt))
+        tot = {"chatcli": [0.0, 0.0], "bare": [0.0, 0.0]}
+        step = a["prompt_chunk"]
+        for i in range(0, len(prompt), step):
+            part = prompt[i:i + step]
+            sides = [("chatcli", lambda: eng.eval(part)), ("bare", lambda: bare_eval(part, start=i))]
+            for name, fn in (sides if chatcli_first else sides[::-1]):
+                w, c = timed(fn)
+                tot[name][0] += w
+                tot[name][1] += c
+        return (tot["chatcli"][0], tot["chatcli"][1]), (tot["bare"][0], tot["bare"][1])
 
     def decode_pair(chatcli_first: bool) -> tuple[list[float], list[float], int]:
         """Greedy decoding on both contexts, one token each in turn, so both see the same machine load.
@@ -501,9 +509,7 @@ def throughput(a: dict[str, Any]) -> dict[str, Any]:
     eng.eval(prompt[:32])
     bare_eval(prompt[:32])
     for p in range(a["pairs"]):
-        order = [("chatcli", chatcli_prompt), ("bare", bare_prompt)]
-        for name, fn in (order if p % 2 == 0 else order[::-1]):
-            w, c = fn()
+        for name, (w, c) in zip(("chatcli", "bare"), prompt_pair(chatcli_first=p % 2 == 0)):
             res[f"{name}_prompt_tps"].append(len(prompt) / w)
             res[f"{name}_prompt_cpu_tps"].append(len(prompt) / c)
         (cw, cc), (bw, bc), n = decode_pair(chatcli_first=p % 2 == 0)

@@ -413,7 +413,11 @@ def test_unreadable_transcript_is_reported_and_loads_no_cells(content: str, sess
     conv, report, notices = open_conv(sess, cid)
     try:
         assert any("unreadable" in n for n in notices), notices
-        assert report.restored_tokens == 0 and sess.engine.tokens == conv.r.tokens() == []
+        # Nothing readable is left but the persona: the conversation restarts from it (its cells still match
+        # the state file's first record, so they load), and no message of the lost text is invented.
+        assert conv.messages == []
+        assert sess.engine.tokens == conv.r.tokens() == conv.r.prefix_tokens != []
+        assert report.restored_tokens == len(conv.r.prefix_tokens)
     finally:
         conv.close()
 
