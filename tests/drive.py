@@ -53,6 +53,22 @@ def say(conv: Conversation, text: str) -> tuple[list[int], np.ndarray]:
     return ends[-1].message.tokens, conv.turn_logits[1].copy()
 
 
+def run_process(*args: str, logits: Path | None = None, timeout: float = 900) -> dict[str, Any]:
+    """Run this script in a new process (the current CHATCLI_HOME) and return its JSON result."""
+    import os
+    import subprocess
+
+    cmd = [sys.executable, __file__, *args] + (["--logits", str(logits)] if logits else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def says(msgs: list[str]) -> list[str]:
+    """``--say`` arguments for messages."""
+    return [a for m in msgs for a in ("--say", m)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     g = ap.add_mutually_exclusive_group(required=True)

@@ -14,22 +14,11 @@ import pytest
 
 from chatcli import statefile as sf
 from chatcli.gguf import read_gguf
+from tests.drive import run_process as drive
+from tests.drive import says
 
 DRIVE = str(Path(__file__).parent / "drive.py")
 MSGS = ["Hi! What is your name?", "What is the capital of France?", "And of Italy?"]
-
-
-def drive(*args: str, logits: Path | None = None) -> dict[str, Any]:
-    cmd = [sys.executable, DRIVE, *args]
-    if logits is not None:
-        cmd += ["--logits", str(logits)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def says(msgs: list[str]) -> list[str]:
-    return [a for m in msgs for a in ("--say", m)]
 
 
 @pytest.fixture(scope="module")

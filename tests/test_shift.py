@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +11,8 @@ import pytest
 
 from chatcli.conversation import Notice
 from chatcli.engine import ContextFullError
-from tests.drive import build_session, drain, say
+from tests.drive import build_session, drain, run_process, say
 
-DRIVE = str(Path(__file__).parent / "drive.py")
 N_CTX = 512
 
 
@@ -59,11 +55,7 @@ def test_three_contexts_worth_of_chat_never_re_evaluates() -> None:
 
 
 def _drive(*args: str, logits: Path | None = None) -> dict[str, Any]:
-    cmd = [sys.executable, DRIVE, "--n-ctx", str(N_CTX), "--max-tokens", "40", *args]
-    cmd += ["--logits", str(logits)] if logits else []
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), timeout=900)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_process("--n-ctx", str(N_CTX), "--max-tokens", "40", *args, logits=logits)
 
 
 def test_resume_after_shift_continues_exactly(tmp_path: Path) -> None:
