@@ -542,12 +542,15 @@ class Conversation:
         use_seed = reply_seed(self.seed if seed is None else seed, turn, alt)
         p0 = eng.n_past
         res = GenerationResult()
-        yield ReplyStart(turn, alt)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         text = ""
         gen = eng.generate(self.sampling, seed=use_seed, max_tokens=self.max_tokens, result=res,
                            stop_strings=self._stop_strings, reserve=0)
+        # If our consumer stops listening (closes us, or dies with an error), the reply produced so far is
+        # still recorded like a Ctrl-C'd one: the context and the transcript must never disagree.
+        abandoned = False
         try:
+            yield ReplyStart(turn, alt)
             for ev in gen:
                 piece = decoder.decode(ev.piece)
                 if piece:
@@ -556,8 +559,12 @@ class Conversation:
                     if shown is not None:
                         break
                     yield ReplyText(piece)
+        except GeneratorExit:
+            abandoned = True
         finally:
             gen.close()
+        if abandoned and res.stop_reason in ("", "eog", "stop", "length"):
+            res.stop_reason = res.stop_reason or "cancelled"
         text += decoder.decode(b"", final=True)
         cut = _cut_stop(text, self._stop_strings)
         if cut is not None:
@@ -596,6 +603,8 @@ class Conversation:
         self.session_stats["n_eval"] += stats.n_eval
         self.session_stats["n_generated"] += stats.n_generated
         self.session_stats["gen_seconds"] += stats.gen_seconds
+        if abandoned:
+            return  # a closed generator must not yield again
         yield ReplyEnd(msg, stats)
 
     def _closing_tokens(self, text: str, reply_tokens: list[int], stop: str) -> list[int]:

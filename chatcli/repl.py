@@ -361,6 +361,9 @@ class Repl:
             end = self.renderer.stream(self._cancellable(events), label="thinking")
         finally:
             self._generating = False
+            close = getattr(events, "close", None)
+            if close is not None:
+                close()  # if rendering failed mid-reply, the conversation records what was produced, now
         if end is not None:
             self.renderer.stats(end.stats)
         if self.conv.save_error:
