@@ -167,3 +167,29 @@ def test_many_rollbacks_keep_the_state_file_bounded_and_exact(tmp_path: Path) ->
     there = drive("--resume", "copyxx", "--temperature", "0.9", "--seed", "11", *says(M[2:]), logits=tmp_path / "c.npy")
     assert there["report"]["reevaluated"] == 0
     assert np.array_equal(np.load(tmp_path / "c.npy")[0], here)
+
+
+def test_a_reply_whose_reader_goes_away_is_kept_consistent() -> None:
+    """Closing the event stream mid-reply (a renderer error, a closed pipe) records the partial reply like
+    a Ctrl-C'd one: the context and the transcript never disagree, now or after a resume."""
+    from chatcli.conversation import ReplyText
+
+    session = build_session()
+    conv, _, _ = drain(session.new_conversation("alice"))
+    assert conv is not None
+    say(conv, M[0])
+    events = conv.send("Tell me a long story about a dragon.")
+    for ev in events:
+        if isinstance(ev, ReplyText):
+            break
+    events.close()
+    assert session.engine.tokens == conv.r.tokens()
+    assert conv.messages[-1].role == "assistant" and conv.messages[-1].stop == "cancelled"
+    drain(conv.regen())
+    assert session.engine.tokens == conv.r.tokens()
+    conv.close()
+    again, report, _ = drain(session.open_conversation(conv.id))
+    assert again is not None and report is not None
+    assert report.reevaluated == 0 and report.reason == "" and again.r.problems == []
+    again.close()
+    session.close()
