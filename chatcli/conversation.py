@@ -539,7 +539,9 @@ class Conversation:
         if self.turn_logits and self.turn_logits[0] == eng.n_past and not eng.has_logits:
             eng.set_logits(self.turn_logits[1])
         stats.reevaluated = (stats.reevaluated or 0) + eng.ensure_logits()
-        use_seed = reply_seed(self.seed if seed is None else seed, turn, alt)
+        # No --seed: each alternative gets its own seed (a new reply every /regen). An explicit --seed makes
+        # the reply reproducible: the same seed gives the same reply whichever alternative it becomes.
+        use_seed = reply_seed(self.seed, turn, alt) if seed is None else reply_seed(seed, turn, 0)
         p0 = eng.n_past
         res = GenerationResult()
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

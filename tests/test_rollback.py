@@ -193,3 +193,17 @@ def test_a_reply_whose_reader_goes_away_is_kept_consistent() -> None:
     assert report.reevaluated == 0 and report.reason == "" and again.r.problems == []
     again.close()
     session.close()
+
+
+def test_regen_with_an_explicit_seed_is_reproducible() -> None:
+    session = build_session(temperature=1.0, seed=21)
+    conv, _, _ = drain(session.new_conversation("alice"))
+    assert conv is not None
+    say(conv, M[0])
+    replies = []
+    for seed in (5, 5, 6):
+        _, _, ends = drain(conv.regen(seed=seed))
+        replies.append(ends[-1].message.tokens)
+    assert replies[0] == replies[1] != replies[2]
+    conv.close()
+    session.close()
