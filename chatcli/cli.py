@@ -57,7 +57,10 @@ def _err_console() -> Console:
 
 
 def fail(message: str, code: int = 1) -> None:
-    _err_console().print(f"[bold red]error:[/] {message}", markup=True) if _color() else print(f"error: {message}", file=sys.stderr)
+    if _color():
+        _err_console().print(f"[bold red]error:[/] {message}", markup=True)
+    else:
+        print(f"error: {message}", file=sys.stderr)
     raise typer.Exit(code)
 
 

@@ -28,9 +28,6 @@ from chatcli.engine import ContextFullError, Engine, GenerationResult, Sampling
 from chatcli.store import ConversationDir, ConversationStore
 from chatcli.template import ChatTemplate, Message
 
-STATE_RECORD_LOGITS = True
-
-
 class ConversationError(ValueError):
     """A request the conversation cannot honour (one line for the user); nothing was changed."""
 
@@ -333,15 +330,6 @@ class Conversation:
         self.writer.rewrite(records)
         self.state = sf.scan(self.dir.state_path)
 
-    def _eval_with_progress(self, tokens: list[int], label: str) -> Iterator[tuple[int, int]]:
-        done = 0
-        step = self.engine.n_batch
-        while done < len(tokens):
-            part = tokens[done:done + step]
-            self.engine.eval(part)
-            done += len(part)
-            yield done, len(tokens)
-
     @classmethod
     def open(
         cls,
@@ -449,7 +437,7 @@ class Conversation:
         tail = want[n_ok:]
         if tail:
             t1 = time.perf_counter()
-            for done, total in self._eval_with_progress(tail, "rebuilding"):
+            for done, total in eng.eval_steps(tail):
                 yield Progress("rebuilding context from the transcript", done, total, time.perf_counter() - t1)
             report.reevaluated = len(tail)
         # Bring the state file in line with the context (one rewrite; the common case writes nothing).
@@ -499,11 +487,9 @@ class Conversation:
         # Transcript first: whatever happens next, the user's words are on disk.
         mid = self._write_message("user", text, tokens, p0, turn)
         t0 = time.perf_counter()
-        if len(tokens) > self.engine.n_batch:
-            for done, total in self._eval_with_progress(tokens, "prompt"):
+        for done, total in self.engine.eval_steps(tokens):
+            if total > self.engine.n_batch:  # a bar only for messages that take more than one batch
                 yield Progress("reading your message", done, total, time.perf_counter() - t0)
-        else:
-            self.engine.eval(tokens)
         stats.prompt_seconds = time.perf_counter() - t0
         stats.n_prompt = len(tokens)
         self._after_user_eval(p0, tokens, stats)
@@ -613,12 +599,10 @@ class Conversation:
         closing = self.template.closing([*self.history(), Message("assistant", text)])
         if stop == "eog" and reply_tokens:
             eog_text = self.engine.piece(reply_tokens[-1], special=True).decode("utf-8", "replace")
+            # A model may end with a token the template does not write (e.g. EOS after ChatML): then the
+            # template's whole closing still follows, so the next turn reads as the template expects.
             if eog_text and closing.startswith(eog_text):
                 closing = closing[len(eog_text):]
-            elif eog_text and not closing.startswith(eog_text):
-                # The model ended with a token the template does not write (e.g. EOS after ChatML): the
-                # template's own closing still follows so the next turn reads as the template expects.
-                pass
         return self.engine.tokenize(closing, add_special=False) if closing else []
 
     def cancel(self) -> None:
@@ -814,7 +798,7 @@ class Conversation:
                 yield Notice("this model's memory cannot be shifted: rebuilding the kept context instead", "warn")
                 self._warned_no_shift = True
             t0 = time.perf_counter()
-            for done, total in self._eval_with_progress(kept, "rebuilding"):
+            for done, total in eng.eval_steps(kept):
                 yield Progress("rebuilding context", done, total, time.perf_counter() - t0)
             stats.reevaluated = (stats.reevaluated or 0) + len(kept)
         self.turn_logits = None
@@ -852,11 +836,8 @@ class Conversation:
             self.state = sf.ScanResult(header=None)
             return 0
         self.save_error = ""
-        for raw in records:
-            kind, p0, p1, length = _peek(raw)
-            self.state.records.append(sf.Record(kind, p0, p1, offset, length))
-            offset += len(raw)
-        self.state.valid_bytes = offset
+        added, self.state.valid_bytes = sf.records_at(records, offset)
+        self.state.records.extend(added)
         if stats is not None:
             stats.save_ms += 1000 * (time.perf_counter() - t0)
         return n
@@ -878,13 +859,8 @@ class Conversation:
             self.state = sf.ScanResult(header=None)
             return kv
         self.save_error = ""
-        offset = 0
         st = sf.ScanResult(header={"identity": self.state_identity()})
-        for raw in recs:
-            kind, p0, p1, length = _peek(raw)
-            st.records.append(sf.Record(kind, p0, p1, offset, length))
-            offset += len(raw)
-        st.valid_bytes = offset
+        st.records, st.valid_bytes = sf.records_at(recs, 0)
         self.state = st
         return kv
 
@@ -907,13 +883,6 @@ class Conversation:
 
     def close(self) -> None:
         self.dir.unlock()
-
-
-def _peek(raw: bytes) -> tuple[int, int, int, int]:
-    import struct
-
-    _, kind, _, _, p0, p1, length = struct.unpack_from("<4sBBHiiQ", raw, 0)
-    return kind, p0, p1, length
 
 
 def _cut_stop(text: str, stops: Sequence[str]) -> str | None:

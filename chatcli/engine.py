@@ -33,8 +33,6 @@ import llama_cpp  # noqa: E402  (the only import of llama_cpp in chatcli)
 SEQ = 0  # the conversation
 SCRATCH = 1  # staging area for saving/restoring cell ranges
 
-ProgressFn = Callable[[int, int], None]
-
 
 class EngineError(RuntimeError):
     """llama.cpp refused an operation (model load, decode, state restore)."""
@@ -255,22 +253,29 @@ class Engine:
     def n_past(self) -> int:
         return len(self.tokens)
 
-    def eval(self, tokens: Sequence[int], progress: ProgressFn | None = None) -> EvalStats:
+    def eval(self, tokens: Sequence[int]) -> EvalStats:
         """Evaluate ``tokens`` after the current ones; only they are computed."""
+        t0 = time.perf_counter()
+        n = 0
+        for n, _total in self.eval_steps(tokens):
+            pass
+        return EvalStats(n_eval=n, seconds=time.perf_counter() - t0)
+
+    def eval_steps(self, tokens: Sequence[int]) -> Iterator[tuple[int, int]]:
+        """Evaluate ``tokens`` one batch at a time, yielding (done, total) after each: for progress bars.
+
+        Logits are computed for the last token only. The batch boundaries (every ``n_batch`` tokens) are the
+        same however the tokens are evaluated, so the cells are too.
+        """
         tokens = list(tokens)
-        if not tokens:
-            return EvalStats()
         if self.n_past + len(tokens) > self.n_ctx:
             raise ContextFullError(f"{len(tokens)} tokens do not fit: {self.n_past}/{self.n_ctx} in use")
-        t0 = time.perf_counter()
         done = 0
         while done < len(tokens):
             part = tokens[done:done + self.n_batch]
             self._decode(part, last_logits=done + len(part) == len(tokens))
             done += len(part)
-            if progress is not None:
-                progress(done, len(tokens))
-        return EvalStats(n_eval=len(tokens), seconds=time.perf_counter() - t0)
+            yield done, len(tokens)
 
     def _decode(self, part: list[int], *, last_logits: bool) -> None:
         b = self._batch

@@ -65,12 +65,8 @@ def load_or_build(
                 yield Notice(f"persona cache entry unusable ({exc}); evaluating the prefix", "warn")
     if n:
         t0 = time.perf_counter()
-        done = 0
-        while done < n:
-            part = prefix_tokens[done:done + engine.n_batch]
-            engine.eval(part)
-            done += len(part)
-            yield Progress("evaluating persona prefix", done, n, time.perf_counter() - t0)
+        for done, total in engine.eval_steps(prefix_tokens):
+            yield Progress("evaluating persona prefix", done, total, time.perf_counter() - t0)
     kv = engine.save_cells(0, n)
     records = [header, sf.encode_record(sf.CELLS, 0, n, sf.cells_payload(prefix_tokens, kv))]
     if cache_file is not None and n:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from chatcli.conversation import Conversation, Event, ResumeReport
@@ -121,7 +120,3 @@ class Session:
     def close(self) -> None:
         self.engine.close()
 
-
-def default_model_path_of(meta: dict[str, Any]) -> Path | None:
-    path = (meta.get("model") or {}).get("path")
-    return Path(path) if path else None

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from chatcli.fsutil import append_durably, atomic_write_bytes, fsync_dir
+from chatcli.fsutil import append_durably, atomic_write_bytes
 
 MAGIC = b"CKV1"
 FORMAT_VERSION = 1
@@ -61,6 +61,16 @@ def encode_record(kind: int, p0: int, p1: int, payload: bytes) -> bytes:
     head = struct.pack("<4sBBHiiQ", MAGIC, kind, 0, 0, p0, p1, len(payload))
     crc = zlib.crc32(payload, zlib.crc32(head))
     return head + struct.pack("<I", crc) + payload
+
+
+def records_at(raws: list[bytes], offset: int) -> tuple[list[Record], int]:
+    """Index encoded records written at ``offset``: their headers, and the offset after the last one."""
+    out = []
+    for raw in raws:
+        _, kind, _, _, p0, p1, length, _ = _HDR.unpack_from(raw, 0)
+        out.append(Record(kind, p0, p1, offset, length))
+        offset += len(raw)
+    return out, offset
 
 
 def cells_payload(tokens: list[int], kv: bytes) -> bytes:
@@ -260,6 +270,6 @@ class StateWriter:
 
 __all__ = [
     "CELLS", "HEADER", "LOGITS", "SNAPSHOT", "TRUNCATE", "LiveChunk", "Record", "ScanResult", "StateFileError",
-    "StateWriter", "cells_payload", "encode_record", "fsync_dir", "header_payload", "read_payload",
+    "StateWriter", "cells_payload", "encode_record", "header_payload", "read_payload", "records_at",
     "record_size_for_cells", "scan", "split_cells",
 ]

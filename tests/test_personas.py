@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import pytest
@@ -24,12 +23,8 @@ SHIPPED = {"alice", "coder", "pirate", "tutor"}
 
 
 @pytest.fixture(autouse=True)
-def user_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The user's personas directory under a private CHATCLI_HOME."""
-    for var in list(os.environ):
-        if var.startswith("CHATCLI_"):
-            monkeypatch.delenv(var)
-    monkeypatch.setenv("CHATCLI_HOME", str(tmp_path / "home"))
+def user_dir(chatcli_home: Path) -> Path:
+    """The user's personas directory under conftest's private CHATCLI_HOME."""
     directory = get_paths().personas_dir
     directory.mkdir(parents=True)
     return directory

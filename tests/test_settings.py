@@ -27,15 +27,10 @@ from chatcli.settings import (
 )
 
 
-@pytest.fixture(autouse=True)
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A private CHATCLI_HOME and no stray CHATCLI_* variables from the developer's shell."""
-    for var in list(os.environ):
-        if var.startswith("CHATCLI_"):
-            monkeypatch.delenv(var)
-    home = tmp_path / "home"
-    monkeypatch.setenv("CHATCLI_HOME", str(home))
-    return home
+@pytest.fixture
+def home(chatcli_home: Path) -> Path:
+    """The private CHATCLI_HOME of conftest's autouse fixture (no stray CHATCLI_* variables either)."""
+    return chatcli_home
 
 
 @pytest.fixture
