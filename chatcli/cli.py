@@ -58,7 +58,10 @@ def _err_console() -> Console:
 
 def fail(message: str, code: int = 1) -> None:
     if _color():
-        _err_console().print(f"[bold red]error:[/] {message}", markup=True)
+        from rich.markup import escape
+
+        # The message quotes user input (ids, paths): it is text, never markup.
+        _err_console().print(f"[bold red]error:[/] {escape(message)}", markup=True)
     else:
         print(f"error: {message}", file=sys.stderr)
     raise typer.Exit(code)
