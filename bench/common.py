@@ -75,7 +75,7 @@ def emit(result: dict[str, Any]) -> None:
 
 
 def make_paths(home: str | Path) -> Any:
-    from chatcli.settings import get_paths
+    from chatcli.config.settings import get_paths
 
     return get_paths({"CHATCLI_HOME": str(home)})
 
@@ -83,9 +83,9 @@ def make_paths(home: str | Path) -> Any:
 def build_session(home: str | Path, *, model: str | None, n_ctx: int, threads: int, max_tokens: int,
                   persona: str = "alice", reserve: int = 256) -> Any:
     """A chatcli Session rooted at ``home`` with greedy decoding (what ``chatcli talk --temperature 0`` builds)."""
-    from chatcli.models import resolve_model
+    from chatcli.models.resolve import resolve_model
     from chatcli.session import Session
-    from chatcli.settings import load_settings
+    from chatcli.config.settings import load_settings
 
     paths = make_paths(home)
     flags = {"temperature": 0.0, "seed": 1234, "n_ctx": n_ctx, "reserve": reserve, "max_tokens": max_tokens,
@@ -98,7 +98,7 @@ def build_session(home: str | Path, *, model: str | None, n_ctx: int, threads: i
 
 def drain(gen: Iterator[Any]) -> tuple[Any, Any, list[Any], list[Any]]:
     """Run a chatcli event generator to its end: (conversation, resume report, reply ends, notices)."""
-    from chatcli.conversation import Conversation, Notice, ReplyEnd, ResumeReport
+    from chatcli.core.conversation import Conversation, Notice, ReplyEnd, ResumeReport
 
     conv = report = None
     ends: list[Any] = []
@@ -121,7 +121,7 @@ def first_token(conv: Any, gen: Iterator[Any]) -> tuple[float, Any]:
     Cancelling through ``conv.cancel()`` is chatcli's own Ctrl-C path: the (one- or two-token) reply is
     still recorded, so the conversation stays consistent for the next measurement.
     """
-    from chatcli.conversation import ReplyEnd, ReplyText
+    from chatcli.core.conversation import ReplyEnd, ReplyText
 
     t_first = 0.0
     end = None

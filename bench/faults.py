@@ -127,7 +127,7 @@ def _path_kind(path: Any) -> str | None:
 
 def _install_hooks(spec: dict[str, Any] | None, trace_path: str | None) -> None:
     """Wrap os.write / os.replace / Engine._decode / Engine.shift: count them, SIGKILL at the chosen one."""
-    import chatcli.engine as engine_mod
+    import chatcli.backends.llamacpp as engine_mod
 
     counts: dict[str, int] = {}
     trace: list[str] = []
@@ -319,7 +319,7 @@ _VOLATILE = ("ts", "v")
 
 def normalised_events(conv: Path) -> tuple[list[dict[str, Any]], list[str]]:
     """The transcript's events after the prefix, without timestamps; and the problems reading it."""
-    from chatcli.store import ConversationDir
+    from chatcli.core.store import ConversationDir
 
     tr = ConversationDir(conv).read_transcript()
     evs = [{k: v for k, v in e.items() if k not in _VOLATILE} for e in tr.events if e.get("type") != "prefix"]
@@ -457,9 +457,9 @@ def remaining_lines(ref: Reference, script: list[str], have: int) -> tuple[list[
 
 def check_disk(conv: Path) -> list[str]:
     """The folder after a clean end: state scans clean and holds exactly the transcript's tokens; no litter."""
-    from chatcli import statefile as sf
-    from chatcli.conversation import replay_events
-    from chatcli.store import ConversationDir
+    from chatcli.core import statefile as sf
+    from chatcli.core.conversation import replay_events
+    from chatcli.core.store import ConversationDir
 
     problems = []
     d = ConversationDir(conv)

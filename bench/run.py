@@ -238,7 +238,7 @@ class Bench:
                                     self.work / "rss-home2")
         if code2 != 0:
             raise RuntimeError(f"llama_rss worker exited with {code2}; see {self.work / 'logs'}")
-        code3, rss3 = self.peak_rss([sys.executable, "-c", "import chatcli.cli, chatcli.engine, chatcli.repl"], b"",
+        code3, rss3 = self.peak_rss([sys.executable, "-c", "import chatcli.cli, chatcli.backends.llamacpp, chatcli.repl.loop"], b"",
                                     self.work / "rss-home3")
         # And resuming the longest conversation: restoring its state file adds buffers of its own.
         last = cks[-1]

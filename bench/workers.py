@@ -39,8 +39,8 @@ def build(a: dict[str, Any]) -> dict[str, Any]:
     tokens are given to llama-cpp-python's ``Llama`` to produce its ``save_state()`` file and a
     ``LlamaDiskCache`` entry. Per turn, chatcli's append is compared with rewriting the whole state.
     """
-    from chatcli import statefile as sf
-    from chatcli.conversation import replay_events
+    from chatcli.core import statefile as sf
+    from chatcli.core.conversation import replay_events
 
     home = Path(a["home"])
     session = build_session(home, model=a["model"], n_ctx=a["n_ctx"], threads=a["threads"], max_tokens=a["reply_tokens"])
@@ -243,7 +243,7 @@ def reingest(a: dict[str, Any]) -> dict[str, Any]:
     fresh context evaluating those tokens from scratch does (only the 512-token batch boundaries after the
     first stop differ).
     """
-    from chatcli.engine import Engine, Sampling
+    from chatcli.backends.llamacpp import Engine, Sampling
 
     eng = Engine(a["model_path"], n_ctx=a["n_ctx"], n_threads=a["threads"])
     tokens = list(a["tokens"])
@@ -333,7 +333,7 @@ def llama_diskcache(a: dict[str, Any]) -> dict[str, Any]:
 
 def rollback(a: dict[str, Any]) -> dict[str, Any]:
     """Per checkpoint and rep: chatcli's /regen, then /edit of the last message, each to its first new token."""
-    from chatcli.store import ConversationStore
+    from chatcli.core.store import ConversationStore
 
     from bench.common import make_paths
 
@@ -388,7 +388,7 @@ def _bare_context(model_path: str, n_ctx: int, threads: int, n_batch: int) -> tu
 def throughput(a: dict[str, Any]) -> dict[str, Any]:
     import llama_cpp
 
-    from chatcli.engine import Engine, Sampling
+    from chatcli.backends.llamacpp import Engine, Sampling
 
     eng = Engine(a["model_path"], n_ctx=a["n_ctx"], n_threads=a["threads"])
     model, ctx, batch = _bare_context(a["model_path"], a["n_ctx"], a["threads"], eng.n_batch)

@@ -74,14 +74,14 @@ def _color() -> bool:
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Core errors become one line and an exit code, never a traceback."""
-    from chatcli.conversation import ConversationError
-    from chatcli.engine import EngineError
-    from chatcli.gguf import GGUFError
-    from chatcli.models import ModelError
-    from chatcli.personas import PersonaError
-    from chatcli.settings import SettingsError
-    from chatcli.store import LockedError, StoreError
-    from chatcli.template import TemplateError
+    from chatcli.core.conversation import ConversationError
+    from chatcli.backends.llamacpp import EngineError
+    from chatcli.models.gguf import GGUFError
+    from chatcli.models.resolve import ModelError
+    from chatcli.config.personas import PersonaError
+    from chatcli.config.settings import SettingsError
+    from chatcli.core.store import LockedError, StoreError
+    from chatcli.core.template import TemplateError
 
     try:
         yield
@@ -149,7 +149,7 @@ PlainOpt = Annotated[Optional[bool], typer.Option("--plain/--rich", help="Plain 
 
 
 def _settings(flags: dict[str, Any]) -> tuple[Any, Any, set[str]]:
-    from chatcli.settings import get_paths, load_settings
+    from chatcli.config.settings import get_paths, load_settings
 
     paths = get_paths()
     settings = load_settings(flags, paths=paths)
@@ -160,7 +160,7 @@ def _settings(flags: dict[str, Any]) -> tuple[Any, Any, set[str]]:
 
 
 def _build_session(settings: Any, paths: Any, explicit: set[str], *, model_path: str | None = None, quiet: bool = False) -> Any:
-    from chatcli.models import resolve_model
+    from chatcli.models.resolve import resolve_model
     from chatcli.session import Session
 
     ref = resolve_model(model_path or settings.model)
@@ -174,7 +174,7 @@ def _build_session(settings: Any, paths: Any, explicit: set[str], *, model_path:
 
 
 def _renderer(settings: Any, interactive: bool) -> Any:
-    from chatcli.render import Renderer
+    from chatcli.repl.render import Renderer
 
     plain = bool(settings.plain) or not interactive or bool(os.environ.get("NO_COLOR"))
     console = Console(highlight=False, no_color=plain, force_terminal=None if not plain else False, soft_wrap=False)
@@ -182,7 +182,7 @@ def _renderer(settings: Any, interactive: bool) -> Any:
 
 
 def _run_repl(session: Any, conv: Any, renderer: Any, interactive: bool) -> int:
-    from chatcli.repl import LineIO, Repl, TerminalIO
+    from chatcli.repl.loop import LineIO, Repl, TerminalIO
 
     if interactive:
         factory = lambda repl: TerminalIO(repl, history_file=session.paths.history_file)  # noqa: E731
@@ -217,14 +217,14 @@ def talk(
     Examples: chatcli talk --persona alice · chatcli talk -m ~/models/qwen.gguf --n-ctx 8192 ·
     echo 'Name a colour' | chatcli talk --temperature 0
     """
-    from chatcli.repl import open_events
+    from chatcli.repl.loop import open_events
 
     flags = dict(model=model, n_ctx=n_ctx, threads=threads, seed=seed, temperature=temperature, top_p=top_p,
                  top_k=top_k, repeat_penalty=repeat_penalty, max_tokens=max_tokens, reserve=reserve, plain=plain,
                  persona=persona)
     with user_errors():
         settings, paths, explicit = _settings(flags)
-        from chatcli.personas import get_persona
+        from chatcli.config.personas import get_persona
 
         get_persona(settings.persona, paths.personas_dir)  # fail fast, before loading a model
         interactive = _interactive()
@@ -267,10 +267,10 @@ def resume(
 def _open(settings: Any, paths: Any, explicit: set[str], conv_id: str | None, model_flag: str | None,
           n_ctx_flag: int | None, *, show_history: bool = True) -> tuple[Any, Any, Any, bool]:
     """Resolve the conversation first (cheap errors before loading a model), then restore it."""
-    from chatcli.render import human_bytes
-    from chatcli.repl import open_events
-    from chatcli.settings import get_paths
-    from chatcli.store import ConversationStore
+    from chatcli.repl.render import human_bytes
+    from chatcli.repl.loop import open_events
+    from chatcli.config.settings import get_paths
+    from chatcli.core.store import ConversationStore
 
     store = ConversationStore(get_paths().conversations_dir)
     conv_dir = store.resolve(conv_id)
@@ -341,9 +341,9 @@ def fork(
     at: Annotated[Optional[int], typer.Option("--at", help="Keep exchanges 1..TURN (default: all).")] = None,
 ) -> None:
     """Start a new conversation sharing the history up to a turn (its KV is copied, not re-evaluated)."""
-    from chatcli.forking import fork_conversation
-    from chatcli.settings import get_paths
-    from chatcli.store import ConversationStore
+    from chatcli.core.forking import fork_conversation
+    from chatcli.config.settings import get_paths
+    from chatcli.core.store import ConversationStore
 
     with user_errors():
         store = ConversationStore(get_paths().conversations_dir)
@@ -354,9 +354,9 @@ def fork(
 @app.command("ls")
 def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
     """List conversations, most recent first."""
-    from chatcli.render import Renderer, human_bytes
-    from chatcli.settings import get_paths
-    from chatcli.store import ConversationStore
+    from chatcli.repl.render import Renderer, human_bytes
+    from chatcli.config.settings import get_paths
+    from chatcli.core.store import ConversationStore
 
     with user_errors():
         store = ConversationStore(get_paths().conversations_dir)
@@ -387,9 +387,9 @@ def show(
     as_json: Annotated[bool, typer.Option("--json", help="The transcript's events as JSON.")] = False,
 ) -> None:
     """Print a conversation's transcript (messages that left the model's context are marked)."""
-    from chatcli.conversation import replay_events
-    from chatcli.settings import get_paths
-    from chatcli.store import ConversationStore
+    from chatcli.core.conversation import replay_events
+    from chatcli.config.settings import get_paths
+    from chatcli.core.store import ConversationStore
 
     with user_errors():
         store = ConversationStore(get_paths().conversations_dir)
@@ -430,10 +430,10 @@ def export(
     fmt: Annotated[str, typer.Option("--format", "-f", help="md, or json: an OpenAI messages list (system first).")] = "md",
 ) -> None:
     """Write a conversation to stdout as Markdown or JSON."""
-    from chatcli.conversation import replay_events
-    from chatcli.export import to_markdown, to_messages
-    from chatcli.settings import get_paths
-    from chatcli.store import ConversationStore
+    from chatcli.core.conversation import replay_events
+    from chatcli.core.export import to_markdown, to_messages
+    from chatcli.config.settings import get_paths
+    from chatcli.core.store import ConversationStore
 
     with user_errors():
         if fmt not in ("md", "json"):
@@ -455,8 +455,8 @@ def rm(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,
 ) -> None:
     """Delete conversations."""
-    from chatcli.settings import get_paths
-    from chatcli.store import ConversationStore
+    from chatcli.config.settings import get_paths
+    from chatcli.core.store import ConversationStore
 
     with user_errors():
         store = ConversationStore(get_paths().conversations_dir)
@@ -480,9 +480,9 @@ def personas(
     model: ModelOpt = None, n_ctx: NCtxOpt = None,
 ) -> None:
     """List personas and whether their prefix is cached for the current model."""
-    from chatcli.personas import get_persona, load_personas, persona_problems
-    from chatcli.prefixcache import prefix_status, warm_prefix
-    from chatcli.render import Renderer
+    from chatcli.config.personas import get_persona, load_personas, persona_problems
+    from chatcli.core.prefixcache import prefix_status, warm_prefix
+    from chatcli.repl.render import Renderer
 
     with user_errors():
         settings, paths, explicit = _settings(dict(model=model, n_ctx=n_ctx))
@@ -507,7 +507,7 @@ def personas(
 @config_app.command("path")
 def config_path() -> None:
     """Print the config file's path."""
-    from chatcli.settings import get_paths
+    from chatcli.config.settings import get_paths
 
     print(get_paths().config_file)
 
@@ -515,7 +515,7 @@ def config_path() -> None:
 @config_app.command("show")
 def config_show() -> None:
     """Show every setting, its value and where it came from."""
-    from chatcli.settings import describe_settings
+    from chatcli.config.settings import describe_settings
 
     with user_errors():
         for name, value, origin in describe_settings():
@@ -529,7 +529,7 @@ def config_edit() -> None:
     import shlex
     import subprocess
 
-    from chatcli.settings import ensure_dir, get_paths
+    from chatcli.config.settings import ensure_dir, get_paths
 
     with user_errors():
         path = get_paths().config_file
@@ -541,7 +541,7 @@ def config_edit() -> None:
         rc = subprocess.call([*shlex.split(editor), str(path)])
         if rc != 0:
             raise CliError(f"{editor} exited with {rc}")
-        from chatcli.settings import SettingsError, describe_settings
+        from chatcli.config.settings import SettingsError, describe_settings
 
         try:
             describe_settings()  # a mistake is reported now, not at the next chat

@@ -10,14 +10,14 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from chatcli.conversation import Conversation, Event, ResumeReport
-from chatcli.engine import Engine, Sampling
-from chatcli.models import ModelRef, resolve_model
-from chatcli.personas import Persona, get_persona, load_personas
-from chatcli.prefixcache import effective_n_ctx
-from chatcli.settings import Paths, Settings, ensure_dir
-from chatcli.store import ConversationStore
-from chatcli.template import ChatTemplate
+from chatcli.core.conversation import Conversation, Event, ResumeReport
+from chatcli.backends.llamacpp import Engine, Sampling
+from chatcli.models.resolve import ModelRef, resolve_model
+from chatcli.config.personas import Persona, get_persona, load_personas
+from chatcli.core.prefixcache import effective_n_ctx
+from chatcli.config.settings import Paths, Settings, ensure_dir
+from chatcli.core.store import ConversationStore
+from chatcli.core.template import ChatTemplate
 
 
 def sampling_from(settings: Settings, persona: Persona | None = None, explicit: set[str] | None = None) -> Sampling:

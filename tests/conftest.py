@@ -8,7 +8,7 @@ from typing import Iterator
 
 import pytest
 
-from chatcli.models import bundled_model_path
+from chatcli.models.resolve import bundled_model_path
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +33,7 @@ def model_path() -> Path:
 @pytest.fixture(scope="session")
 def engine(model_path: Path) -> Iterator["Engine"]:  # noqa: F821
     """The real SmolLM2, one context for the whole test session (tests clear it as they need)."""
-    from chatcli.engine import Engine
+    from chatcli.backends.llamacpp import Engine
 
     eng = Engine(model_path, n_ctx=2048, n_threads=2)
     yield eng

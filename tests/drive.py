@@ -18,10 +18,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from chatcli.conversation import Conversation, ReplyEnd, ResumeReport  # noqa: E402
-from chatcli.models import resolve_model  # noqa: E402
+from chatcli.core.conversation import Conversation, ReplyEnd, ResumeReport  # noqa: E402
+from chatcli.models.resolve import resolve_model  # noqa: E402
 from chatcli.session import Session  # noqa: E402
-from chatcli.settings import get_paths, load_settings  # noqa: E402
+from chatcli.config.settings import get_paths, load_settings  # noqa: E402
 
 
 def build_session(*, temperature: float = 0.0, seed: int | None = 1234, n_ctx: int = 2048, model: str | None = None,

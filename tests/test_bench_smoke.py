@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from chatcli.models import bundled_model_path
+from chatcli.models.resolve import bundled_model_path
 
 REPO = Path(__file__).resolve().parent.parent
 

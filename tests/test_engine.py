@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from chatcli.engine import Engine, GenerationResult, Sampling
-from chatcli.template import ChatTemplate, Message
+from chatcli.backends.llamacpp import Engine, GenerationResult, Sampling
+from chatcli.core.template import ChatTemplate, Message
 
 GREEDY = Sampling(temperature=0.0)
 
@@ -34,7 +34,7 @@ def _chat_turns(engine: Engine, template: ChatTemplate, texts: list[str]) -> tup
 
 
 def test_each_turn_evaluates_only_its_new_tokens(engine: Engine, model_path) -> None:
-    from chatcli.gguf import read_gguf
+    from chatcli.models.gguf import read_gguf
 
     template = ChatTemplate(read_gguf(model_path).chat_template)
     evaluated, new = _chat_turns(engine, template, ["Hi there!", "What is 2+2?", "Name a colour.", "Thanks."])
@@ -45,7 +45,7 @@ def test_each_turn_evaluates_only_its_new_tokens(engine: Engine, model_path) -> 
 
 
 def test_incremental_logits_match_a_single_pass(engine: Engine, model_path) -> None:
-    from chatcli.gguf import read_gguf
+    from chatcli.models.gguf import read_gguf
 
     template = ChatTemplate(read_gguf(model_path).chat_template)
     _chat_turns(engine, template, ["Hello!", "Tell me a fact.", "Another one."])
@@ -69,7 +69,7 @@ def test_incremental_logits_match_a_single_pass(engine: Engine, model_path) -> N
 def test_replaying_the_same_batches_is_bit_identical(engine: Engine, model_path) -> None:
     """With the same batch boundaries a fresh context computes exactly the same logits: nothing from
     earlier turns leaks into the context beyond its tokens."""
-    from chatcli.gguf import read_gguf
+    from chatcli.models.gguf import read_gguf
 
     template = ChatTemplate(read_gguf(model_path).chat_template)
     history = [Message("system", "Be brief.")]

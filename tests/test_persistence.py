@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from chatcli import statefile as sf
-from chatcli.gguf import read_gguf
+from chatcli.core import statefile as sf
+from chatcli.models.gguf import read_gguf
 from tests.drive import run_process as drive
 from tests.drive import says
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from chatcli.personas import (
+from chatcli.config.personas import (
     Persona,
     PersonaError,
     get_persona,
@@ -16,8 +16,8 @@ from chatcli.personas import (
     packaged_personas_dir,
     persona_problems,
 )
-from chatcli.settings import Settings, get_paths
-from chatcli.template import Message
+from chatcli.config.settings import Settings, get_paths
+from chatcli.core.template import Message
 
 SHIPPED = {"alice", "coder", "pirate", "tutor"}
 

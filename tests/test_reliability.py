@@ -27,12 +27,12 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from chatcli import statefile as sf
+from chatcli.core import statefile as sf
 from chatcli.cli import app
-from chatcli.conversation import Conversation, ConversationError, Notice, ReplyEnd, ResumeReport
-from chatcli.engine import EngineError
-from chatcli.settings import get_paths
-from chatcli.store import ConversationDir, ConversationStore, LockedError, StoreError
+from chatcli.core.conversation import Conversation, ConversationError, Notice, ReplyEnd, ResumeReport
+from chatcli.backends.llamacpp import EngineError
+from chatcli.config.settings import get_paths
+from chatcli.core.store import ConversationDir, ConversationStore, LockedError, StoreError
 
 REPO = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("chatcli_faults", REPO / "bench" / "faults.py")
@@ -573,7 +573,7 @@ def test_disk_full_while_writing_a_reply_then_regen(sess: Any, golden: dict[str,
     cid = install(golden)
     conv, _, _ = open_conv(sess, cid)
     try:
-        import chatcli.store as store_mod
+        import chatcli.core.store as store_mod
 
         real = store_mod.append_line_durably
 
@@ -763,8 +763,8 @@ def test_prompt_history_file_is_private() -> None:
     from prompt_toolkit.input import create_pipe_input
     from prompt_toolkit.output import DummyOutput
 
-    from chatcli.repl import TerminalIO
-    from chatcli.settings import ensure_dir
+    from chatcli.repl.loop import TerminalIO
+    from chatcli.config.settings import ensure_dir
 
     class AnyRepl:  # TerminalIO only asks the REPL for callbacks (toolbar, hints)
         def __getattr__(self, name: str) -> Any:

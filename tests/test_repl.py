@@ -24,14 +24,14 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from chatcli.cli import app
-from chatcli.commands import REGISTRY, CommandError
-from chatcli.conversation import (
+from chatcli.repl.commands import REGISTRY, CommandError
+from chatcli.core.conversation import (
     ActiveMessage, Conversation, ConversationError, Notice, Progress, Replay, ReplyEnd, ReplyStart, ReplyText,
     TurnStats,
 )
-from chatcli.render import Renderer, stats_line
-from chatcli.repl import LineIO, Repl, SlashCompleter, TerminalIO, context_bar, copy_to_clipboard, open_events
-from chatcli.template import Message
+from chatcli.repl.render import Renderer, stats_line
+from chatcli.repl.loop import LineIO, Repl, SlashCompleter, TerminalIO, context_bar, copy_to_clipboard, open_events
+from chatcli.core.template import Message
 
 CODE_REPLY = "Here you are:\n\n```python\ndef add(a, b):\n    return a + b\n```\n\nThat is **all**."
 
@@ -396,7 +396,7 @@ def test_ctrl_c_during_an_operation_that_cannot_stop_lets_it_finish() -> None:
 
 
 def test_an_error_in_the_middle_of_a_reply_keeps_what_was_shown() -> None:
-    from chatcli.engine import EngineError
+    from chatcli.backends.llamacpp import EngineError
 
     def boom(conv: FakeConversation, shown: str) -> None:
         if shown.count(" ") == 2:
@@ -654,11 +654,11 @@ def test_piped_talk_prints_only_the_reply_on_stdout_and_stats_on_stderr() -> Non
     result = CliRunner().invoke(app, ["talk", "--temperature", "0", "--max-tokens", "16", "--threads", "1"],
                                 input="Hi!\n/stats\n")
     assert result.exit_code == 0, (result.stdout, result.stderr)
-    from chatcli.settings import get_paths
-    from chatcli.store import ConversationStore
+    from chatcli.config.settings import get_paths
+    from chatcli.core.store import ConversationStore
 
     (conv_dir, meta), = ConversationStore(get_paths().conversations_dir).list()
-    r = __import__("chatcli.conversation", fromlist=["replay_events"]).replay_events(conv_dir.read_transcript().events)
+    r = __import__("chatcli.core.conversation", fromlist=["replay_events"]).replay_events(conv_dir.read_transcript().events)
     reply = r.active[-1].text
     assert result.stdout == reply + "\n"  # nothing but the reply: no prompt, no colours, no stats
     assert "\x1b" not in result.stdout and "\x1b" not in result.stderr

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from chatcli import statefile as sf
+from chatcli.core import statefile as sf
 from tests.drive import build_session, drain, say, says
 from tests.drive import run_process as drive
 
@@ -129,9 +129,9 @@ def test_alternatives_survive_resume(tmp_path: Path) -> None:
 
 
 def test_fork_continues_like_the_parent(tmp_path: Path) -> None:
-    from chatcli.forking import fork_conversation
-    from chatcli.settings import get_paths
-    from chatcli.store import ConversationStore
+    from chatcli.core.forking import fork_conversation
+    from chatcli.config.settings import get_paths
+    from chatcli.core.store import ConversationStore
 
     parent = drive("--new", *says(M), logits=tmp_path / "parent.npy")
     child_id, copied = fork_conversation(ConversationStore(get_paths().conversations_dir), parent["id"], 2)
@@ -172,7 +172,7 @@ def test_many_rollbacks_keep_the_state_file_bounded_and_exact(tmp_path: Path) ->
 def test_a_reply_whose_reader_goes_away_is_kept_consistent() -> None:
     """Closing the event stream mid-reply (a renderer error, a closed pipe) records the partial reply like
     a Ctrl-C'd one: the context and the transcript never disagree, now or after a resume."""
-    from chatcli.conversation import ReplyText
+    from chatcli.core.conversation import ReplyText
 
     session = build_session()
     conv, _, _ = drain(session.new_conversation("alice"))

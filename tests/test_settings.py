@@ -12,8 +12,8 @@ from pathlib import Path
 import platformdirs
 import pytest
 
-from chatcli import settings as settings_mod
-from chatcli.settings import (
+from chatcli.config import settings as settings_mod
+from chatcli.config.settings import (
     SETTING_NAMES,
     Paths,
     Settings,

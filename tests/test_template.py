@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from chatcli.gguf import read_gguf
-from chatcli.template import CHATML, ChatTemplate, Message, TemplateError
+from chatcli.models.gguf import read_gguf
+from chatcli.core.template import CHATML, ChatTemplate, Message, TemplateError
 
 
 @pytest.fixture(scope="module")

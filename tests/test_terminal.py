@@ -135,7 +135,7 @@ def test_a_whole_session_in_a_real_terminal(term_env: dict[str, str], tmp_path: 
         t.send("/help\r")
         t.wait("/persona NAME")
         t.wait(t.prompt_ready)
-        from chatcli.commands import REGISTRY
+        from chatcli.repl.commands import REGISTRY
 
         for cmd in REGISTRY.commands.values():
             assert sum(ln.startswith(cmd.usage + " ") for ln in t.lines()) == 1, cmd.usage

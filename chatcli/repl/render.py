@@ -26,7 +26,7 @@ from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
-from chatcli.conversation import ActiveMessage, Event, Notice, Progress, ReplyEnd, ReplyStart, ReplyText, TurnStats
+from chatcli.core.conversation import ActiveMessage, Event, Notice, Progress, ReplyEnd, ReplyStart, ReplyText, TurnStats
 
 # Prose is hard to read in very wide lines: replies are laid out at most this wide.
 MAX_REPLY_WIDTH = 100

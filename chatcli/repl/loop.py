@@ -24,12 +24,12 @@ from prompt_toolkit.history import FileHistory, InMemoryHistory
 from prompt_toolkit.input import Input
 from prompt_toolkit.output import Output
 
-from chatcli.commands import REGISTRY, CommandError, ReplExit, UnknownCommand, dispatch
-from chatcli.conversation import Conversation, ConversationError, Event, ResumeReport
-from chatcli.engine import ContextFullError, EngineError
-from chatcli.personas import PersonaError
-from chatcli.render import Renderer, human_bytes
-from chatcli.template import TemplateError
+from chatcli.repl.commands import REGISTRY, CommandError, ReplExit, UnknownCommand, dispatch
+from chatcli.core.conversation import Conversation, ConversationError, Event, ResumeReport
+from chatcli.backends.llamacpp import ContextFullError, EngineError
+from chatcli.config.personas import PersonaError
+from chatcli.repl.render import Renderer, human_bytes
+from chatcli.core.template import TemplateError
 
 USER_ERRORS = (CommandError, ConversationError, ContextFullError, PersonaError, TemplateError, EngineError, OSError)
 
@@ -82,7 +82,7 @@ class TerminalIO:
         input: Input | None = None,
         output: Output | None = None,
     ) -> None:
-        from chatcli.keys import chat_key_bindings
+        from chatcli.repl.keys import chat_key_bindings
 
         history = InMemoryHistory()
         if history_file is not None:

@@ -22,11 +22,11 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from chatcli import prefixcache
-from chatcli import statefile as sf
-from chatcli.engine import ContextFullError, Engine, GenerationResult, Sampling
-from chatcli.store import ConversationDir, ConversationStore
-from chatcli.template import ChatTemplate, Message
+from chatcli.core import prefixcache
+from chatcli.core import statefile as sf
+from chatcli.backends.llamacpp import ContextFullError, Engine, GenerationResult, Sampling
+from chatcli.core.store import ConversationDir, ConversationStore
+from chatcli.core.template import ChatTemplate, Message
 
 class ConversationError(ValueError):
     """A request the conversation cannot honour (one line for the user); nothing was changed."""

@@ -13,14 +13,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generator
 
-from chatcli import statefile as sf
-from chatcli.engine import KV_PARAMS, Engine
+from chatcli.core import statefile as sf
+from chatcli.backends.llamacpp import KV_PARAMS, Engine
 
 if TYPE_CHECKING:
-    from chatcli.conversation import Event
-    from chatcli.personas import Persona
+    from chatcli.core.conversation import Event
+    from chatcli.config.personas import Persona
     from chatcli.session import Session
-    from chatcli.settings import Paths, Settings
+    from chatcli.config.settings import Paths, Settings
 
 
 def state_identity(model_identity: dict[str, Any], n_ctx: int) -> dict[str, Any]:
@@ -43,7 +43,7 @@ def load_or_build(
 
     Returns the records a conversation's state file starts with, and whether the cache was used.
     """
-    from chatcli.conversation import Notice, Progress
+    from chatcli.core.conversation import Notice, Progress
 
     header = sf.encode_record(sf.HEADER, 0, 0, sf.header_payload(identity))
     n = len(prefix_tokens)
@@ -80,8 +80,8 @@ def load_or_build(
 
 def prefix_status(settings: Settings, paths: Paths, persona: Persona, session: Session | None = None) -> str:
     """"cached" or "not cached" for the current model, without loading it."""
-    from chatcli.models import resolve_model
-    from chatcli.template import ChatTemplate
+    from chatcli.models.resolve import resolve_model
+    from chatcli.core.template import ChatTemplate
 
     if session is not None:
         ref, n_ctx, tmpl = session.model, session.engine.n_ctx, session.template.source
@@ -102,7 +102,7 @@ def effective_n_ctx(requested: int, trained: int | None) -> int:
 
 
 def warm_prefix(session: Session, persona: Persona) -> Generator[Event, None, None]:
-    from chatcli.conversation import Notice
+    from chatcli.core.conversation import Notice
 
     engine = session.engine
     engine.clear()

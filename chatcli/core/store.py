@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from chatcli.fsutil import append_line_durably, atomic_write_text, fsync_dir
+from chatcli.core.fsutil import append_line_durably, atomic_write_text, fsync_dir
 
 META_VERSION = 1
 TRANSCRIPT_VERSION = 1

@@ -15,8 +15,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
 
-from chatcli.settings import SettingsError, check_setting, toml_error_message
-from chatcli.template import Message
+from chatcli.config.settings import SettingsError, check_setting, toml_error_message
+from chatcli.core.template import Message
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -77,7 +77,7 @@ def packaged_personas_dir() -> Path:
     # Only a real directory can be globbed; zipped installs are not supported for personas.
     if isinstance(shipped, Path) and shipped.is_dir():
         return shipped
-    return Path(__file__).resolve().parent.parent / "personas"
+    return Path(__file__).resolve().parents[2] / "personas"
 
 
 def _type_word(value: Any) -> str:

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from chatcli.conversation import ConversationError
+from chatcli.core.conversation import ConversationError
 
 if TYPE_CHECKING:
-    from chatcli.repl import Repl
+    from chatcli.repl.loop import Repl
 
 
 class ReplExit(Exception):
@@ -236,7 +236,7 @@ def _title(repl: Repl, arg: str) -> None:
 
 @REGISTRY.register("stats", "details of the last turn and of this session")
 def _stats(repl: Repl, arg: str) -> None:
-    from chatcli.render import human_bytes
+    from chatcli.repl.render import human_bytes
 
     conv = repl.conv
     eng = conv.engine
@@ -326,7 +326,7 @@ def _copy(repl: Repl, arg: str) -> None:
 
 @REGISTRY.register("save", "write this conversation as Markdown (default: ./chatcli-ID.md)", args="[PATH]")
 def _save(repl: Repl, arg: str) -> None:
-    from chatcli.export import to_markdown
+    from chatcli.core.export import to_markdown
 
     path = Path(arg).expanduser() if arg else Path(f"chatcli-{repl.conv.id}.md")
     if path.is_dir():

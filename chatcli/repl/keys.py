@@ -28,7 +28,7 @@ def chat_key_bindings(hint: Callable[[str], None] | None = None) -> KeyBindings:
     def _send(event: KeyPressEvent) -> None:
         """Enter sends the message. With a completion selected in the menu it takes it; a command that
         needs an argument then waits for it, anything else is sent at once."""
-        from chatcli.commands import REGISTRY
+        from chatcli.repl.commands import REGISTRY
 
         buf = event.current_buffer
         state = buf.complete_state

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from chatcli import statefile as sf
-from chatcli.conversation import ConversationError, replay_events
-from chatcli.store import ConversationStore
+from chatcli.core import statefile as sf
+from chatcli.core.conversation import ConversationError, replay_events
+from chatcli.core.store import ConversationStore
 
 
 def fork_conversation(store: ConversationStore, ref: str, at: int | None) -> tuple[str, int]:

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from chatcli.fsutil import append_durably, atomic_write_bytes
+from chatcli.core.fsutil import append_durably, atomic_write_bytes
 
 MAGIC = b"CKV1"
 FORMAT_VERSION = 1

@@ -1,0 +1,1 @@
+"""Inference backends: what evaluates tokens and holds KV cells."""

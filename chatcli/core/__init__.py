@@ -1,0 +1,1 @@
+"""The conversation core: turns, transcript, state log, store. Never prints; imports no UI or HTTP code."""

@@ -1,0 +1,1 @@
+"""Finding and reading GGUF model files."""

@@ -1,0 +1,1 @@
+"""The interactive front end: loop, slash commands, keys, rendering."""
