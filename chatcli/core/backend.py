@@ -1,0 +1,159 @@
+"""What the conversation core needs from an inference engine: the ``Backend`` protocol.
+
+One Backend is one *sequence*: an ordered list of token ids whose KV cells the engine holds, and which
+the conversation extends, truncates, shifts, saves and restores. The conversation never sees llama.cpp,
+HTTP, or any other detail of how the engine computes.
+
+Two granularities of persistence exist, declared by ``caps``:
+
+- ``cells``: the engine can export and import any position range of its cells (the local llama.cpp
+  backend: ``llama_state_seq_get/set_data`` through a scratch sequence). The conversation appends each
+  turn's cells to its own state log and restores by reading them back.
+- ``checkpoint``: the engine saves and restores its whole sequence under a name, on its own side (a remote
+  llama-server: ``POST /slots/{id}?action=save|restore``). The conversation records which checkpoint holds
+  which tokens; it never sees the bytes.
+
+``logits``: the backend can hand out the next-token logits and take them back later (so regenerate
+evaluates nothing). ``local_sampling``: tokens are sampled in this process (``generate`` is exact and
+deterministic here); otherwise the engine samples server-side and only promises what it promises.
+
+This module imports nothing heavy (no numpy, no llama_cpp): front ends and the store may import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
+
+if TYPE_CHECKING:  # numpy only for type checking: importing this module must stay cheap
+    import numpy as np
+    import numpy.typing as npt
+
+    Logits = npt.NDArray[np.float32]
+else:
+    Logits = Any
+
+
+class BackendError(RuntimeError):
+    """The engine refused or failed an operation (model load, decode, restore, connection)."""
+
+
+class ContextFullError(BackendError):
+    """The tokens to evaluate do not fit in the remaining context."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters of one reply. ``temperature <= 0`` means greedy."""
+
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 40
+    repeat_penalty: float = 1.1
+    repeat_last_n: int = 64
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    cells: bool  # export/import of any position range (save_cells / load_cells)
+    checkpoint: bool  # whole-sequence save/restore under a name (checkpoint / restore_checkpoint)
+    logits: bool  # logits() / set_logits(): regenerate without evaluating anything
+    local_sampling: bool  # sampling happens in this process (bit-exact determinism is ours to keep)
+    shift: bool  # positions can be moved down without re-evaluating (context shift)
+
+
+@dataclass
+class TokenEvent:
+    """One sampled token, as it streams out of ``Backend.generate``."""
+
+    token: int
+    piece: bytes
+    is_eog: bool
+    t_since_start: float
+
+
+@dataclass
+class GenerationResult:
+    """How a generation ended; filled in by ``Backend.generate`` as it goes."""
+
+    tokens: list[int] = field(default_factory=list)
+    stop_reason: str = ""  # "eog" | "length" | "cancelled" | "stop" | "context"
+    ttft: float = 0.0
+    seconds: float = 0.0
+    n_decoded: int = 0
+    # Engines that evaluate prompts lazily (a remote server) report what the prompt cost them here.
+    n_prompt_evaluated: int | None = None
+    n_prompt_cached: int | None = None
+
+
+class Backend(Protocol):
+    """One sequence of an inference engine. ``tokens`` always equals what the engine's KV holds."""
+
+    caps: Capabilities
+    n_ctx: int  # positions available to this sequence
+    n_vocab: int
+    n_batch: int
+    tokens: list[int]
+
+    @property
+    def n_past(self) -> int: ...
+
+    def identity(self) -> dict[str, Any]:
+        """What saved state must match to be loaded here (model identity, context size, KV format)."""
+        ...
+
+    # -- vocabulary --
+    def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]: ...
+    def piece(self, token: int, *, special: bool = True) -> bytes: ...
+    def is_eog(self, token: int) -> bool: ...
+    @property
+    def bos_token(self) -> int: ...
+    @property
+    def eos_token(self) -> int: ...
+    @property
+    def add_bos(self) -> bool: ...
+
+    # -- evaluation and sampling --
+    def eval_steps(self, tokens: Sequence[int]) -> Iterator[tuple[int, int]]:
+        """Append ``tokens``, yielding (done, total) per batch. Raises ContextFullError if they don't fit."""
+        ...
+
+    def generate(
+        self, sampling: Sampling, *, seed: int, max_tokens: int, result: GenerationResult | None = None,
+        stop_strings: Sequence[str] = (),
+    ) -> Iterator[TokenEvent]:
+        """Sample a reply; each token joins ``tokens`` before the next is yielded. Closing early keeps it."""
+        ...
+
+    def cancel(self) -> None: ...
+    def reset_cancel(self) -> None: ...
+
+    # -- memory --
+    def truncate(self, n: int) -> int: ...
+    def shift(self, keep: int, drop: int) -> None:
+        """Drop positions [keep, keep+drop) and move the rest down (only when ``caps.shift``)."""
+        ...
+
+    def clear(self) -> None: ...
+
+    # -- logits (caps.logits) --
+    @property
+    def has_logits(self) -> bool: ...
+    def logits(self) -> Logits: ...
+    def set_logits(self, logits: Logits) -> None: ...
+    def ensure_logits(self) -> int: ...
+
+    # -- cells (caps.cells) --
+    def save_cells(self, p0: int, p1: int) -> bytes: ...
+    def load_cells(self, p0: int, p1: int, data: bytes | memoryview, tokens: Sequence[int]) -> None: ...
+
+    # -- checkpoints (caps.checkpoint) --
+    def checkpoint(self, name: str) -> int:
+        """Save the whole sequence under ``name`` on the engine's side; returns bytes written (0 if unknown)."""
+        ...
+
+    def restore_checkpoint(self, name: str, tokens: Sequence[int]) -> bool:
+        """Restore ``name`` if it holds exactly ``tokens``; False when it is missing or does not match."""
+        ...
+
+    def close(self) -> None: ...
