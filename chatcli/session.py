@@ -16,6 +16,7 @@ from chatcli.config.settings import Paths, Settings, ensure_dir
 from chatcli.core.backend import Sampling
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import Event, ResumeReport
+from chatcli.core.opening import create_conversation, open_conversation
 from chatcli.core.prefixcache import effective_n_ctx
 from chatcli.core.store import ConversationStore
 from chatcli.core.template import ChatTemplate
@@ -89,7 +90,7 @@ class Session:
     def new_conversation(self, persona_name: str, *, seed: int | None = None) -> Iterator[Event | Conversation]:
         persona = get_persona(persona_name, self.paths.personas_dir)
         s = self.settings
-        yield from Conversation.create(
+        yield from create_conversation(
             self.store, self.engine, self.template,
             persona_name=persona.name, persona_messages=persona.messages(), persona_hash=persona.text_hash(),
             identity=self.identity(), model_path=str(self.model.path),
@@ -112,7 +113,7 @@ class Session:
             persona = get_persona(str(meta.get("persona", "")), self.paths.personas_dir)
         except Exception:
             persona = None  # a deleted persona file must not make a conversation unopenable
-        yield from Conversation.open(
+        yield from open_conversation(
             self.store, conv_dir.id, self.engine, self.template, identity=self.identity(),
             sampling=sampling_from(self.settings, persona, self.explicit),
             max_tokens=self._max_tokens(persona), reserve=self.settings.reserve,

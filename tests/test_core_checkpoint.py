@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from chatcli.core.backend import Capabilities
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import ResumeReport
+from chatcli.core.opening import create_conversation, open_conversation
 from chatcli.core.statelog import CheckpointLog
 from chatcli.session import Session, sampling_from
 from tests.drive import build_session, drain
@@ -51,7 +52,7 @@ class CheckpointEngine:
 
 
 def _create(session: Session, backend: Any) -> Conversation:
-    conv, _, _ = drain(Conversation.create(
+    conv, _, _ = drain(create_conversation(
         session.store, backend, session.template, persona_name="alice", persona_messages=[],
         persona_hash="none", identity=session.identity(), model_path=str(session.model.path),
         sampling=sampling_from(session.settings), seed=7, max_tokens=24, reserve=32))
@@ -60,7 +61,7 @@ def _create(session: Session, backend: Any) -> Conversation:
 
 
 def _open(session: Session, backend: Any, cid: str) -> tuple[Conversation, ResumeReport]:
-    conv, report, _ = drain(Conversation.open(
+    conv, report, _ = drain(open_conversation(
         session.store, cid, backend, session.template, identity=session.identity(),
         sampling=sampling_from(session.settings), max_tokens=24, reserve=32))
     assert conv is not None and report is not None

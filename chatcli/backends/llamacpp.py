@@ -52,12 +52,14 @@ EngineError = BackendError  # llama.cpp refused an operation (model load, decode
 _LOG: collections.deque[str] = collections.deque(maxlen=50)
 
 
-@llama_cpp.llama_log_callback
-def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+def _log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     try:
         _LOG.append(text.decode("utf-8", errors="replace"))
     except Exception:  # never raise into C
         pass
+
+
+_log_callback = llama_cpp.llama_log_callback(_log)  # kept referenced: C holds only a pointer to it
 
 
 llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))

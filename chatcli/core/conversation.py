@@ -18,27 +18,12 @@ from typing import Any, Iterator, Sequence
 from chatcli.core import prefixcache
 from chatcli.core.backend import Backend, ContextFullError, Sampling
 from chatcli.core.events import (
-    ConversationError,
-    Event,
-    Notice,
-    Progress,
-    ReplyEnd,
-    ReplyStart,
-    ReplyText,
-    ResumeReport,
-    SessionStats,
-    TurnStats,
+    ConversationError, Event, Notice, Progress, ReplyEnd, ReplyStart, ReplyText, ResumeReport, SessionStats, TurnStats,
 )
-from chatcli.core.reply import (
-    Draft,
-    closing_tokens,
-    make_title,
-    reply_seed,
-    stream_reply,
-)
+from chatcli.core.reply import Draft, closing_tokens, make_title, reply_seed, stream_reply
 from chatcli.core.statelog import StateLog, make_state_log
-from chatcli.core.store import ConversationDir, ConversationStore
-from chatcli.core.template import ChatTemplate, Message
+from chatcli.core.store import ConversationDir
+from chatcli.core.template import ChatTemplate
 from chatcli.core.transcript import ActiveMessage, Replay, Transcript, replay_events
 from chatcli.core.views import Alternative, ConversationViews
 
@@ -73,79 +58,23 @@ class Conversation(ConversationViews):
         self._stop_strings = template.reply_stop_strings()
         self._warned_no_shift = False
         self._meta_error = ""
+        self._failures: list[str] = []  # save failures not yet reported (the log keeps its own)
 
-    # -- construction ------------------------------------------------------------------------------
-
-    @classmethod
-    def create(
-        cls, store: ConversationStore, engine: Backend, template: ChatTemplate, *, persona_name: str,
-        persona_messages: list[Message], persona_hash: str, identity: dict[str, Any], model_path: str,
-        sampling: Sampling, seed: int, prefix_cache_dir: Path | None = None, max_tokens: int = 1024,
-        reserve: int = 256,
-    ) -> Iterator[Event | Conversation]:
-        """Start a conversation from a persona; yields progress, then the Conversation itself."""
-        meta = {
-            "title": "", "persona": persona_name, "persona_hash": persona_hash, "model": {"path": model_path, **identity},
-            "params": engine.identity(), "seed": seed, "turns": 0, "tokens": 0,
-        }
-        conv = store.create(meta)
-        conv.lock()
-        meta = conv.read_meta()
-        prefix_tokens = prefixcache.persona_prefix_tokens(engine, template, persona_messages)
-        conv.append_event({
-            "type": "prefix", "persona": persona_name, "persona_hash": persona_hash,
-            "messages": [m.as_dict() for m in persona_messages], "tokens": prefix_tokens, "span": [0, len(prefix_tokens)],
-        })
-        replay = replay_events(conv.read_transcript().events)
-        self = cls(engine, template, conv, meta, replay, sampling, identity=identity,
-                   max_tokens=max_tokens, reserve=reserve)
-        engine.clear()
-        cache_file = None
-        if prefix_cache_dir is not None:
-            cache_file = prefixcache.cache_path(prefix_cache_dir, self.state_identity(), persona_hash, template.source)
-        yield from self.log.start(prefix_tokens, cache_file)
-        if self.log.meta_changed:
-            self._touch_meta()
-        yield self
+    # -- loading the backend (see opening.py for creating and opening) ---------------------------------
 
     def state_identity(self) -> dict[str, Any]:
         return prefixcache.state_identity(self.identity, self.backend.identity())
 
-    @classmethod
-    def open(
-        cls, store: ConversationStore, ref: str | None, engine: Backend, template: ChatTemplate, *,
-        identity: dict[str, Any], sampling: Sampling, max_tokens: int = 1024, reserve: int = 256, lock: bool = True,
-        persona_messages: list[Message] | None = None,
-    ) -> Iterator[Event | ResumeReport | Conversation]:
-        """Resume a conversation: restore its KV from what was saved, evaluating only what is missing."""
-        conv = store.resolve(ref)
-        if lock:
-            conv.lock()
-        meta = conv.read_meta()
-        tr = conv.read_transcript()
-        conv.repair_transcript_tail()
-        for p in tr.problems:
-            yield Notice(p, "warn")
-        replay = replay_events(tr.events)
-        for p in replay.problems:
-            yield Notice(p, "warn")
-        t = Transcript(conv, replay)
-        if not replay.has_prefix:
-            if replay.all or persona_messages is None:
-                raise ConversationError(f"conversation {conv.id}: its transcript lost the persona prefix record")
-            # Killed before the first transcript line was written: start the prefix now from the persona.
-            toks = prefixcache.persona_prefix_tokens(engine, template, persona_messages)
-            t.append({"type": "prefix", "persona": meta.get("persona", ""), "persona_hash": meta.get("persona_hash", ""),
-                      "messages": [m.as_dict() for m in persona_messages], "tokens": toks, "span": [0, len(toks)]})
-            yield Notice("the conversation had no transcript yet: started it from its persona", "warn")
-        self = cls(engine, template, conv, meta, replay, sampling, identity=identity,
-                   max_tokens=max_tokens, reserve=reserve)
-        report = ResumeReport()
-        yield from self._restore(report)
-        yield report
-        yield self
+    def start(self, cache_file: Path | None) -> Iterator[Event]:
+        """Put a new conversation's persona prefix in the backend (from the prefix cache when it can)."""
+        self.backend.clear()
+        yield from self.log.start(self.r.prefix_tokens, cache_file)
+        if self.log.meta_changed:
+            self._touch_meta()
+        yield from self._notices()
 
-    def _restore(self, report: ResumeReport) -> Iterator[Event]:
+    def restore(self, report: ResumeReport) -> Iterator[Event]:
+        """Make the backend hold this conversation again, loading what was saved, evaluating the rest."""
         eng = self.backend
         eng.clear()
         for i, m in enumerate(self.r.active):
@@ -158,11 +87,12 @@ class Conversation(ConversationViews):
                 break
         want = self.r.tokens()
         if len(want) + 1 > eng.n_ctx:
-            raise ConversationError(
-                f"conversation holds {len(want)} tokens but the context is {eng.n_ctx}: resume with --n-ctx {len(want) + self.reserve}")
+            raise ConversationError(f"conversation holds {len(want)} tokens but the context is {eng.n_ctx}: "
+                                    f"resume with --n-ctx {len(want) + self.reserve}")
         yield from self.log.restore(want, report)
         if self.log.meta_changed:
             self._touch_meta()
+        yield from self._notices()
 
     def __enter__(self) -> Conversation:
         return self
@@ -177,14 +107,21 @@ class Conversation(ConversationViews):
 
     def send(self, text: str, *, seed: int | None = None) -> Iterator[Event]:
         """Add a user message and stream the reply."""
-        self.backend.reset_cancel()
         if self.pending_user:
             raise ConversationError("the last message has no reply yet: /regen to generate it")
+        yield from self._send(text, self._user_tokens(self.r.active, text), seed)
+
+    def _user_tokens(self, before: list[ActiveMessage], text: str) -> list[int]:
+        """The tokens of a new user message after ``before``; refuses empty text."""
         if not text.strip():
             raise ConversationError("empty message")
+        history = [*self.r.persona_messages, *(m.as_message() for m in before)]
+        return self.backend.tokenize(self.template.user_turn(history, text), add_special=False)
+
+    def _send(self, text: str, tokens: list[int], seed: int | None) -> Iterator[Event]:
+        self.backend.reset_cancel()
         stats = TurnStats()
         eng = self.backend
-        tokens = eng.tokenize(self.template.user_turn(self.history(), text), add_special=False)
         yield from self._make_room(len(tokens), stats)
         turn = self.r.max_turn + 1
         p0 = eng.n_past
@@ -206,6 +143,7 @@ class Conversation(ConversationViews):
         stats.prompt_seconds = time.perf_counter() - t0
         stats.n_prompt = len(tokens)
         self.log.user_evaluated(p0, tokens, stats)
+        yield from self._notices()
         if not self.title:
             self.meta["title"] = make_title(text)
         yield from self._reply(turn, alt=0, stats=stats, seed=seed)
@@ -243,7 +181,8 @@ class Conversation(ConversationViews):
         stats.stop_reason = res.stop_reason
         stats.n_eval += stats.n_prompt + len(reply_tokens)
         try:
-            msg = self.transcript.message("assistant", draft.text, reply_tokens, p0, turn, alt=alt, stop=res.stop_reason)
+            msg = self.transcript.message("assistant", draft.text, reply_tokens, p0, turn, alt=alt,
+                                          stop=res.stop_reason)
         except OSError:
             # Not in the transcript means not in the conversation: the context must not keep it either.
             eng.truncate(p0)
@@ -256,7 +195,8 @@ class Conversation(ConversationViews):
         self.last_stats = stats
         self.session_stats.add(stats)
         if abandoned:
-            return  # a closed generator must not yield again
+            return  # a closed generator must not yield again (a save failure is said by the next operation)
+        yield from self._notices()
         yield ReplyEnd(msg, stats)
 
     def cancel(self) -> None:
@@ -277,12 +217,20 @@ class Conversation(ConversationViews):
             if user_msg is None or user_msg.role != "user":
                 raise ConversationError("the last reply is part of the persona and cannot be regenerated")
             stats.dropped = self._truncate(last.p0, "regen")
+            yield from self._notices()
         else:
             stats.dropped = 0
         stats.kept = self.backend.n_past
         alt = len(self.r.alternatives(turn))
         stats.reevaluated = 0
         yield from self._reply(turn, alt=alt, stats=stats, seed=seed)
+
+    def _settled(self, stats: TurnStats) -> TurnStats:
+        """End of a rollback that returns its result: compact or checkpoint, save meta, report failures."""
+        self.log.settle()
+        self._touch_meta()
+        stats.notices = self._notices()
+        return stats
 
     def _truncate(self, to: int, reason: str) -> int:
         dropped = self.backend.n_past - to
@@ -301,9 +249,7 @@ class Conversation(ConversationViews):
         to = users[-n].p0
         stats = TurnStats(kept=to, reevaluated=0)
         stats.dropped = self._truncate(to, "undo")
-        self.log.settle()
-        self._touch_meta()
-        return stats
+        return self._settled(stats)
 
     def redo(self) -> TurnStats:
         if not self.r.redo:
@@ -319,9 +265,7 @@ class Conversation(ConversationViews):
             self.transcript.append({"type": "activate", "mid": mid, "p0": p0 + len(tokens), "redo": i == 0})
             tokens.extend(int(t) for t in self.r.all[mid]["tokens"])
         stats.n_eval = stats.reevaluated = len(tokens) - self.log.put_back(tokens)
-        self.log.settle()
-        self._touch_meta()
-        return stats
+        return self._settled(stats)
 
     def switch_alt(self, index: int) -> TurnStats:
         """Make alternative ``index`` (0-based) of the last turn the active reply."""
@@ -340,52 +284,69 @@ class Conversation(ConversationViews):
         toks = [int(t) for t in self.r.all[target.mid]["tokens"]]
         stats.reevaluated = 0
         stats.n_eval = len(toks) - self.log.put_back(toks)
-        self.log.settle()
-        self._touch_meta()
-        return stats
+        return self._settled(stats)
 
     def edit(self, n: int | None, text: str, *, seed: int | None = None) -> Iterator[Event]:
-        """Replace user message ``n`` (1-based; default the last) and continue from it."""
+        """Replace user message ``n`` (1-based; default the last) and continue from it.
+
+        Everything is checked before anything changes: the index, the text, and that the new message fits
+        the context once the messages after it are gone (a refused edit leaves the conversation as it was).
+        """
         users = self.user_messages()
         if not users:
             raise ConversationError("no message to edit")
         idx = len(users) if n is None else n
         if not 1 <= idx <= len(users):
             raise ConversationError(f"no message {idx} (there are {len(users)})")
-        if not text.strip():
-            raise ConversationError("empty message")
-        self._truncate(users[idx - 1].p0, "edit")
-        yield from self.send(text, seed=seed)
+        target = users[idx - 1]
+        before = self.r.active[:self.r.active.index(target)]
+        tokens = self._user_tokens(before, text)
+        self._plan_room(target.p0, before, len(tokens))  # raises ContextFullError if it cannot fit
+        self._truncate(target.p0, "edit")
+        yield from self._notices()
+        yield from self._send(text, tokens, seed)
 
     def set_title(self, title: str) -> None:
+        old = self.meta.get("title")
         self.meta["title"] = title.strip()[:120]
         self._touch_meta()
+        if self._meta_error:
+            self.meta["title"] = old
+            self._failures.clear()
+            raise ConversationError(f"the title was not changed: {self._meta_error}")
 
     # -- context shift ------------------------------------------------------------------------------
 
-    def _make_room(self, n_new: int, stats: TurnStats) -> Iterator[Event]:
-        eng = self.backend
-        if eng.n_past + n_new + self.reserve <= eng.n_ctx:
-            return
+    def _plan_room(self, n_past: int, active: list[ActiveMessage], n_new: int) -> tuple[int, int]:
+        """Tokens (and messages) to drop from the oldest exchanges so ``n_new`` tokens fit after
+        ``active`` (which ends at ``n_past``); (0, 0) when they fit as it is. Raises ContextFullError."""
+        n_ctx = self.backend.n_ctx
+        if n_past + n_new + self.reserve <= n_ctx:
+            return 0, 0
         keep = len(self.r.prefix_tokens)
-        budget = eng.n_ctx - self.reserve - n_new
-        if keep + n_new + 1 > eng.n_ctx or budget < keep:
+        budget = n_ctx - self.reserve - n_new
+        if keep + n_new + 1 > n_ctx or budget < keep:
             raise ContextFullError(
-                f"message too long: {n_new} tokens, at most {max(0, eng.n_ctx - keep - self.reserve)} fit "
-                f"(n_ctx {eng.n_ctx}, persona {keep}, reserve {self.reserve})")
+                f"message too long: {n_new} tokens, at most {max(0, n_ctx - keep - self.reserve)} fit "
+                f"(n_ctx {n_ctx}, persona {keep}, reserve {self.reserve})")
         # Drop the oldest whole exchanges until what is left fits.
-        drop = 0
-        i = 0
-        active = self.r.active
-        while eng.n_past - drop > budget and i < len(active):
+        drop = i = 0
+        while n_past - drop > budget and i < len(active):
             drop += len(active[i].tokens)
             i += 1
             while i < len(active) and active[i].role != "user":
                 drop += len(active[i].tokens)
                 i += 1
-        if eng.n_past - drop > budget:
+        if n_past - drop > budget:
             raise ContextFullError("message does not fit even after dropping all earlier turns")
-        n_msgs = i
+        return drop, i
+
+    def _make_room(self, n_new: int, stats: TurnStats) -> Iterator[Event]:
+        eng = self.backend
+        drop, n_msgs = self._plan_room(eng.n_past, self.r.active, n_new)
+        if not drop:
+            return
+        keep = len(self.r.prefix_tokens)
         self.transcript.append({"type": "shift", "keep": keep, "drop": drop})
         if eng.caps.shift:
             eng.shift(keep, drop)
@@ -405,6 +366,13 @@ class Conversation(ConversationViews):
 
     # -- metadata ------------------------------------------------------------------------------------
 
+    def _notices(self) -> list[Notice]:
+        """Save failures since the last call, as warnings: said by the operation that hit them, once."""
+        texts = list(dict.fromkeys([*self.log.failures, *self._failures]))
+        self.log.failures.clear()
+        self._failures.clear()
+        return [Notice(t, "warn") for t in texts]
+
     def _touch_meta(self) -> None:
         self.meta["updated"] = time.time()
         self.meta["turns"] = self.n_turns
@@ -413,6 +381,7 @@ class Conversation(ConversationViews):
             self.dir.write_meta(self.meta)
         except OSError as exc:
             self._meta_error = f"could not update metadata ({exc.strerror or exc})"
+            self._failures.append(self._meta_error)
             return
         self._meta_error = ""
         self.log.meta_changed = False

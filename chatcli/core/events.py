@@ -6,7 +6,7 @@ leaf: it imports nothing from chatcli at run time, so any front end may import i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Union
 
 if TYPE_CHECKING:
@@ -58,6 +58,7 @@ class TurnStats:
     kept: int | None = None  # rollbacks: tokens kept / dropped / re-evaluated
     dropped: int | None = None
     reevaluated: int | None = None
+    notices: list[Notice] = field(default_factory=list)  # what went wrong saving (rollbacks that return stats)
 
     @property
     def tokens_per_second(self) -> float:

@@ -39,6 +39,7 @@ class StateLog(Protocol):
     """The hooks a conversation calls; each keeps the saved state equal to the backend's sequence."""
 
     save_error: str  # the last save failure ("" once a save succeeds): the transcript is intact either way
+    failures: list[str]  # failures not yet reported; the conversation turns them into Notices and clears it
     meta_changed: bool  # the log changed the conversation's metadata: write it
 
     @property
@@ -95,6 +96,7 @@ class CellLog:
         self.writer = sf.StateWriter(path)
         self._turn_logits: tuple[int, Logits] | None = None
         self.save_error = ""
+        self.failures: list[str] = []
         self.meta_changed = False
         self._needs_snapshot = False
 
@@ -116,7 +118,8 @@ class CellLog:
         logits_rec: sf.Record | None = None
         usable = res.header is not None and res.header.get("identity") == self.identity
         if res.header is None:
-            report.reason = "no saved state" if res.problem in ("missing", "empty") else f"state file unusable ({res.problem})"
+            missing = res.problem in ("missing", "empty")
+            report.reason = "no saved state" if missing else f"state file unusable ({res.problem})"
         elif not usable:
             report.reason = "saved state is for another model or context size"
         else:
@@ -197,7 +200,8 @@ class CellLog:
 
     def reply_done(self, p0: int, tokens: list[int], stats: TurnStats) -> None:
         kv = self.eng.save_cells(p0, self.eng.n_past)
-        stats.state_bytes += self._append([sf.encode_record(sf.CELLS, p0, self.eng.n_past, sf.cells_payload(tokens, kv))], stats)
+        rec = sf.encode_record(sf.CELLS, p0, self.eng.n_past, sf.cells_payload(tokens, kv))
+        stats.state_bytes += self._append([rec], stats)
         self.settle()
 
     def truncated(self, to: int, *, persist: bool = True) -> None:
@@ -255,6 +259,13 @@ class CellLog:
         except OSError:
             return 0
 
+    def _failed(self, exc: OSError) -> None:
+        # The transcript is already safe; the state file only caches. Tell the user, keep going; the next
+        # write starts the file over from a snapshot.
+        self.save_error = _save_failed(exc)
+        self.failures.append(self.save_error)
+        self.state = sf.ScanResult(header=None)
+
     def _header(self) -> bytes:
         return sf.encode_record(sf.HEADER, 0, 0, sf.header_payload(self.identity))
 
@@ -270,9 +281,7 @@ class CellLog:
             offset = self.state.valid_bytes
             n = self.writer.append(records)
         except OSError as exc:
-            # The transcript is already safe; the state file only caches. Tell the user, keep going.
-            self.save_error = _save_failed(exc)
-            self.state = sf.ScanResult(header=None)
+            self._failed(exc)
             return 0
         self.save_error = ""
         added, self.state.valid_bytes = sf.records_at(records, offset)
@@ -294,8 +303,7 @@ class CellLog:
         try:
             self.writer.rewrite(recs)
         except OSError as exc:
-            self.save_error = _save_failed(exc)
-            self.state = sf.ScanResult(header=None)
+            self._failed(exc)
             return kv
         self.save_error = ""
         st = sf.ScanResult(header={"identity": self.identity})
@@ -325,6 +333,7 @@ class CheckpointLog:
         info = meta.get("checkpoint")
         self.name = str(info["name"]) if isinstance(info, dict) and info.get("name") else name
         self.save_error = ""
+        self.failures: list[str] = []
         self.meta_changed = False
         self._saved: list[int] | None = None  # the tokens of the last checkpoint this process made
 
@@ -401,6 +410,7 @@ class CheckpointLog:
             n_bytes = eng.checkpoint(self.name)
         except BackendError as exc:
             self.save_error = _save_failed(exc)
+            self.failures.append(self.save_error)
             return
         self.save_error = ""
         self._saved = list(eng.tokens)

@@ -101,8 +101,8 @@ class ConversationViews:
         if last is None or last.role != "assistant":
             return []
         alts = sorted(self.r.alternatives(last.turn), key=lambda e: int(e.get("alt", 0)))
-        return [Alternative(i, int(e["mid"]), str(e.get("text", "")), len(e.get("tokens", [])), int(e["mid"]) == last.mid)
-                for i, e in enumerate(alts)]
+        return [Alternative(i, int(e["mid"]), str(e.get("text", "")), len(e.get("tokens", [])),
+                            int(e["mid"]) == last.mid) for i, e in enumerate(alts)]
 
     @property
     def context(self) -> ContextUsage:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from chatcli.core.events import ConversationError
+from chatcli.core.events import ConversationError, TurnStats
 
 if TYPE_CHECKING:
     from chatcli.repl.loop import Repl
@@ -162,17 +162,24 @@ def _edit(repl: Repl, arg: str) -> None:
     repl.run_reply(repl.conv.edit(n, text))
 
 
+def _warn(repl: Repl, stats: TurnStats) -> None:
+    for n in stats.notices:  # e.g. the state could not be saved: said when it happens
+        repl.renderer.notice(n.text, n.level)
+
+
 @REGISTRY.register("undo", "remove the last N exchanges (default 1); /redo brings them back", args="[N]")
 def _undo(repl: Repl, arg: str) -> None:
     n = _int_arg(arg, "count", 1)
     assert n is not None
     stats = repl.conv.undo(n)
+    _warn(repl, stats)
     repl.renderer.notice(f"undid {n} exchange(s): kept {stats.kept} tokens, dropped {stats.dropped}, re-evaluated 0")
 
 
 @REGISTRY.register("redo", "bring back what /undo removed")
 def _redo(repl: Repl, arg: str) -> None:
     stats = repl.conv.redo()
+    _warn(repl, stats)
     repl.renderer.notice(f"redone: {stats.reevaluated} tokens evaluated, history untouched")
     repl.show_last()
 
@@ -218,6 +225,7 @@ def _alt(repl: Repl, arg: str) -> None:
         assert n is not None
         index = n - 1
     stats = conv.switch_alt(index)
+    _warn(repl, stats)
     repl.renderer.notice(f"alternative {index + 1}/{len(alts)}: kept {stats.kept} tokens, evaluated {stats.n_eval} "
                          f"reply tokens, re-evaluated 0 history tokens")
     repl.show_last()

@@ -367,8 +367,6 @@ class Repl:
                 close()  # if rendering failed mid-reply, the conversation records what was produced, now
         if end is not None:
             self.renderer.stats(end.stats)
-        if self.conv.save_error:
-            self.renderer.notice(self.conv.save_error, "warn")
 
     def _cancellable(self, events: Iterator[Event]) -> Iterator[Event]:
         # A Ctrl-C that lands before sampling starts (while the message is read) would be forgotten when
