@@ -65,8 +65,9 @@ class LlamaServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 120.0) -> LlamaServer:
-        self.port = free_port()
+    def start(self, *, port: int | None = None, timeout: float = 120.0) -> LlamaServer:
+        """Start on ``port`` (a free one by default) and wait until the model is loaded."""
+        self.port = port or free_port()
         args = [str(self.binary), "-m", str(self.model), "-c", str(self.n_ctx), "--host", "127.0.0.1",
                 "--port", str(self.port), "-np", "1", "-t", str(self.threads), "-tb", str(self.threads),
                 "--no-warmup", *self.extra]

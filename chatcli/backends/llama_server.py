@@ -653,9 +653,10 @@ class LlamaServerBackend:
         self.stats.last_save = data
         n_saved = int(data.get("n_saved", -1))
         if n_saved != len(self.tokens):
-            # Someone else used the slot between our two requests: this file does not hold our sequence.
+            # Another client used the slot between our two requests: the file does not hold our sequence.
             self._checkpoints.pop(name, None)
-            return 0
+            raise BackendError(f"llama-server saved {n_saved} tokens instead of {len(self.tokens)}: "
+                               f"is another client using slot {self.config.slot}?")
         self._checkpoints[name] = tuple(self.tokens)
         self._last_checkpoint = name
         return int(data.get("n_written", 0))
