@@ -27,12 +27,12 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import NEXT_MSG, PARAGRAPHS, PERSONA_FACTS  # noqa: E402
-from chatcli.backends.llama_server import LlamaServerBackend, ServerConfig  # noqa: E402
-from chatcli.core.backend import GenerationResult, Sampling  # noqa: E402
-from chatcli.core.template import ChatTemplate, Message  # noqa: E402
-from chatcli.models.resolve import bundled_model_path  # noqa: E402
-from tests.remote_server import SKIP_REASON, LlamaServer, server_binary  # noqa: E402
+from bench.common import NEXT_MSG, PARAGRAPHS, PERSONA_FACTS
+from chatcli.backends.llama_server import LlamaServerBackend, ServerConfig
+from chatcli.core.backend import GenerationResult, Sampling
+from chatcli.core.template import ChatTemplate, Message
+from chatcli.models.resolve import bundled_model_path
+from tests.remote_server import SKIP_REASON, LlamaServer, server_binary
 
 GREEDY = Sampling(temperature=0.0, repeat_penalty=1.0)
 CHECKPOINT = "bench-remote"
@@ -178,7 +178,7 @@ def report(res: dict[str, Any], out: Path) -> list[Path]:
         "prompt cache), then times from the first request to the first token of the reply to the same next "
         f"message ({res['next_tokens']} tokens). The evaluated/cached counts are the server's own `timings`.",
         "",
-        f"| method | history (tokens) | first token (ms) | restore (ms) | server evaluated | server cached |",
+        "| method | history (tokens) | first token (ms) | restore (ms) | server evaluated | server cached |",
         "|---|---:|---:|---:|---:|---:|",
         f"| slot restore (`/slots/0?action=restore`) | {res['tokens']:,} | {s['restore']['ttft_ms']:,.0f} | "
         f"{s['restore']['restore_ms']:,.0f} | {s['restore']['prompt_evaluated']:,.0f} | {s['restore']['prompt_cached']:,.0f} |",

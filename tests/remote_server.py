@@ -13,8 +13,9 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 LLAMA_VERSION = "0.3.36"
 FLAVOUR = "portable"

@@ -10,13 +10,23 @@ from __future__ import annotations
 import os
 import stat
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
-from chatcli.backends.llama_server import LlamaServerBackend, ServerConfig, ServerConnectionError, parse_server_url
-from chatcli.core.backend import BackendError, ContextFullError, GenerationResult, Sampling
+from chatcli.backends.llama_server import (
+    LlamaServerBackend,
+    ServerConfig,
+    ServerConnectionError,
+    parse_server_url,
+)
+from chatcli.core.backend import (
+    BackendError,
+    ContextFullError,
+    GenerationResult,
+    Sampling,
+)
 from tests.remote_server import SKIP_REASON, LlamaServer, free_port, server_binary
 
 pytestmark = pytest.mark.skipif(server_binary() is None, reason=SKIP_REASON)
@@ -212,7 +222,7 @@ def test_checkpoint_survives_a_server_restart(server: LlamaServer, backend: Llam
     backend.clear()
     prompt = chat_prompt(backend, "Remember the number 42.")
     evaluate(backend, prompt)
-    first = reply(backend)
+    reply(backend)
     evaluate(backend, backend.tokenize("\n"))  # the turn's closing tokens: pending until the checkpoint
     held = list(backend.tokens)
     written = backend.checkpoint("conv-restart")

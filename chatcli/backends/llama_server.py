@@ -36,13 +36,13 @@ import http.client
 import json
 import os
 import re
-import socket
 import ssl
 import threading
 import time
 import urllib.parse
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from chatcli.core.backend import (
     BackendError,
@@ -211,7 +211,7 @@ class LlamaServerBackend:
                 if attempt == 0:
                     continue
                 raise ServerConnectionError(f"llama-server at {self.url} closed the connection ({what}): {_why(exc)}") from None
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 self._drop_connection()
                 raise ServerConnectionError(f"llama-server at {self.url} did not answer within "
                                             f"{self.config.read_timeout:g} s ({what})") from None
@@ -238,7 +238,7 @@ class LlamaServerBackend:
             raise BackendError(f"llama-server at {self.url} sent an unreadable answer ({what})")
         return data if isinstance(data, dict) else {"list": data}
 
-    def _stream(self, payload: dict[str, Any], *, what: str, cancellable: bool) -> Iterator[dict[str, Any]]:
+    def _stream(self, payload: dict[str, Any], *, what: str, cancellable: bool) -> Generator[dict[str, Any], None, None]:
         """POST /completion with stream=true; yields each event's JSON. Closing it aborts the request."""
         resp = self._open("POST", "/completion", payload, what=what)
         if resp.status >= 400:
@@ -254,7 +254,7 @@ class LlamaServerBackend:
                     return
                 try:
                     line = resp.readline()
-                except (socket.timeout, TimeoutError):
+                except TimeoutError:
                     raise ServerConnectionError(f"llama-server at {self.url} sent nothing for "
                                                 f"{self.config.read_timeout:g} s ({what})") from None
                 except (OSError, http.client.HTTPException) as exc:
