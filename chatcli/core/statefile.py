@@ -25,7 +25,7 @@ import struct
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -203,7 +203,7 @@ class MappedState:
                 # A caller still holds a payload view: the mapping goes when the last view does.
                 pass
 
-    def __enter__(self) -> MappedState:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -324,8 +324,24 @@ class StateWriter:
 
 
 __all__ = [
-    "CELLS", "HEADER", "LOGITS", "SNAPSHOT", "TRUNCATE", "LiveChunk", "Record", "ScanResult", "StateFileError",
-    "MappedState", "StateWriter", "cells_payload", "encode_record", "header_payload", "map_state", "read_payload",
+    "CELLS",
+    "HEADER",
+    "LOGITS",
+    "SNAPSHOT",
+    "TRUNCATE",
+    "LiveChunk",
+    "MappedState",
+    "Record",
+    "ScanResult",
+    "StateFileError",
+    "StateWriter",
+    "cells_payload",
+    "encode_record",
+    "header_payload",
+    "map_state",
+    "read_payload",
+    "record_size_for_cells",
     "records_at",
-    "record_size_for_cells", "scan", "split_cells",
+    "scan",
+    "split_cells",
 ]

@@ -251,10 +251,12 @@ class _GGUFInitParams(ctypes.Structure):
 _LOG_CB_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
 
 
-@_LOG_CB_TYPE
-def _quiet_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+def _discard_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     # ggml's default logger prints to stderr; a refused file is reported by the Python parser instead.
     pass
+
+
+_quiet_log = _LOG_CB_TYPE(_discard_log)
 
 
 _GGML: ctypes.CDLL | None = None
