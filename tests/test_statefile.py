@@ -31,12 +31,22 @@ def test_mapped_scan_payloads_and_damage(tmp_path: Path) -> None:
         assert bytes(ms.payload(res.records[2])) == logits
         assert bytes(ms.payload(res.records[1])) == sf.read_payload(path, res.records[1])
         del kv
+    with sf.map_state(path, background=True) as ms:
+        assert all(ms.wait_ok(r) for r in ms.records.records)
+        assert ms.result == res
     # A flipped payload byte in the middle record: it and everything after it are dropped, once.
     data = bytearray(path.read_bytes())
     rec = res.records[2]
     data[rec.offset + sf.HEADER_SIZE + 3] ^= 1
     path.write_bytes(bytes(data))
     bad = sf.scan(path)
+    # Checked in the background: the records before the damage are good, the damaged one and later not,
+    # and the final answer is the same as the synchronous scan's.
+    with sf.map_state(path, background=True) as ms:
+        recs = ms.records.records
+        assert len(recs) == 4  # the header index alone cannot see the damage
+        assert ms.wait_ok(recs[1]) and not ms.wait_ok(recs[2]) and not ms.wait_ok(recs[3])
+        assert ms.result == bad
     assert bad.problem == "checksum mismatch"
     assert [r.kind for r in bad.records] == [sf.HEADER, sf.CELLS]
     assert bad.valid_bytes == rec.offset and bad.dropped_bytes == len(data) - rec.offset

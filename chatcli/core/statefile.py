@@ -22,6 +22,7 @@ import json
 import mmap
 import os
 import struct
+import threading
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,16 +157,27 @@ class MappedState:
     the mapping, no copy), and ``cells``/``payload`` hand out views into the mapping that can go straight
     to llama.cpp. Close it (or use it as a context manager) before anything writes to the file: a view read
     after the file shrank would fault.
+
+    ``background=True`` checks the crcs in a second thread, record after record, while the caller already
+    works on the records checked so far (``wait_ok``): a restore then costs about max(crc, load) instead of
+    their sum. ``records`` is the index from the record headers alone; ``result`` (which waits for the
+    checks) is the scan's answer, the same as ``scan()``'s.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, background: bool = False) -> None:
         self.path = path
         self._mm: mmap.mmap | None = None
         self._view: memoryview | None = None
+        self._thread: threading.Thread | None = None
+        self._cond = threading.Condition()
+        self._n_ok = 0  # records[:_n_ok] are checked and good
+        self._bad: int | None = None  # index of the first record whose crc is wrong
+        self._stop = False
+        self._final: ScanResult | None = None
         try:
             fh = path.open("rb")
         except FileNotFoundError:
-            self.result = ScanResult(header=None, problem="missing")
+            self.records = self._final = ScanResult(header=None, problem="missing")
             return
         with fh:
             size = os.fstat(fh.fileno()).st_size
@@ -178,10 +190,60 @@ class MappedState:
                 else:
                     self._mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)
                 self._view = memoryview(self._mm)
-        self.result = _scan_buffer(self._view if self._view is not None else memoryview(b""))
+        buf = self._view if self._view is not None else memoryview(b"")
+        if not background:
+            self.records = self._final = _scan_buffer(buf, check_crc=True)[0]
+            self._n_ok = len(self._final.records)
+            return
+        self.records, self._crcs = _scan_buffer(buf, check_crc=False)
+        self._index = {r.offset: i for i, r in enumerate(self.records.records)}
+        self._thread = threading.Thread(target=self._check_all, name="statefile-crc", daemon=True)
+        self._thread.start()
+
+    def _check_all(self) -> None:
+        view = self._view
+        assert view is not None
+        for i, rec in enumerate(self.records.records):
+            if self._stop:
+                return
+            ok = _record_crc(view, rec) == self._crcs[i]
+            with self._cond:
+                if ok:
+                    self._n_ok = i + 1
+                else:
+                    self._bad = i
+                self._cond.notify_all()
+            if not ok:
+                return
+
+    def wait_ok(self, rec: Record) -> bool:
+        """Whether ``rec`` and every record before it have a good crc (waits for the check)."""
+        if self._thread is None:
+            return rec.offset < self.records.valid_bytes
+        i = self._index[rec.offset]
+        with self._cond:
+            self._cond.wait_for(lambda: self._n_ok > i or self._bad is not None)
+            return self._n_ok > i
+
+    @property
+    def result(self) -> ScanResult:
+        """The scan: records up to the first damaged one, as ``scan()`` reports them."""
+        if self._final is None:
+            assert self._thread is not None
+            self._thread.join()
+            res = self.records
+            if self._bad is None:
+                self._final = res
+            else:
+                cut = res.records[self._bad].offset
+                size = res.valid_bytes + res.dropped_bytes
+                self._final = ScanResult(header=res.header, records=res.records[:self._bad], valid_bytes=cut,
+                                         dropped_bytes=size - cut, problem="checksum mismatch")
+        return self._final
 
     def payload(self, rec: Record) -> memoryview:
-        """The payload of a record the scan checked: a view into the mapping, not a copy."""
+        """The payload of a record (check it with ``wait_ok`` first when checking in the background): a
+        view into the mapping, not a copy."""
         if self._view is None:
             raise StateFileError("state file is closed or empty")
         start = rec.offset + HEADER_SIZE
@@ -192,6 +254,9 @@ class MappedState:
         return split_cells(self.payload(rec), rec.p1 - rec.p0)
 
     def close(self) -> None:
+        if self._thread is not None:
+            self._stop = True
+            self._thread.join()
         view, mm = self._view, self._mm
         self._view = self._mm = None
         if view is not None:
@@ -210,17 +275,20 @@ class MappedState:
         self.close()
 
 
-def map_state(path: Path) -> MappedState:
-    return MappedState(path)
+def map_state(path: Path, *, background: bool = False) -> MappedState:
+    return MappedState(path, background=background)
 
 
-def _scan_buffer(buf: memoryview) -> ScanResult:
+def _scan_buffer(buf: memoryview, *, check_crc: bool) -> tuple[ScanResult, list[int]]:
+    """Index the records; with ``check_crc`` stop at the first bad crc, else return every record's stored
+    crc for a later check (the header record's is always checked: its JSON is parsed here)."""
     size = len(buf)
     res = ScanResult(header=None)
+    crcs: list[int] = []
     offset = 0
     n = 0  # the state's length so far, to check that every CELLS record continues it
     while offset < size:
-        rec, problem = _check_record(buf, offset, size)
+        rec, crc, problem = _check_record(buf, offset, size, check_crc or offset == 0)
         if rec is None:
             res.problem = problem
             break
@@ -250,29 +318,35 @@ def _scan_buffer(buf: memoryview) -> ScanResult:
         elif rec.kind == TRUNCATE:
             n = min(n, rec.p0)
         res.records.append(rec)
+        crcs.append(crc)
         offset += rec.size
     res.valid_bytes = offset if res.header is not None else 0
     res.dropped_bytes = size - res.valid_bytes
     if res.header is None and not res.problem:
         res.problem = "empty"
-    return res
+    return res, crcs
 
 
-def _check_record(buf: memoryview, offset: int, size: int) -> tuple[Record | None, str]:
+def _record_crc(buf: memoryview, rec: Record) -> int:
+    # zlib releases the GIL and reads the mapping directly: one pass, no copy.
+    head = buf[rec.offset:rec.offset + HEADER_SIZE - 4]
+    return zlib.crc32(buf[rec.offset + HEADER_SIZE:rec.offset + rec.size], zlib.crc32(head))
+
+
+def _check_record(buf: memoryview, offset: int, size: int, check_crc: bool) -> tuple[Record | None, int, str]:
     if offset + HEADER_SIZE > size:
-        return None, "truncated record header"
+        return None, 0, "truncated record header"
     magic, kind, _flags, _res, p0, p1, length, crc = _HDR.unpack_from(buf, offset)
     if magic != MAGIC:
-        return None, "bad magic" if offset else "not a chatcli state file"
+        return None, 0, "bad magic" if offset else "not a chatcli state file"
     if kind not in KIND_NAMES or length > _MAX_PAYLOAD or p0 < 0 or p1 < p0:
-        return None, "bad record header"
-    end = offset + HEADER_SIZE + length
-    if end > size:
-        return None, "truncated record"
-    # zlib releases the GIL and reads the mapping directly: one pass, no copy.
-    if zlib.crc32(buf[offset + HEADER_SIZE:end], zlib.crc32(buf[offset:offset + HEADER_SIZE - 4])) != crc:
-        return None, "checksum mismatch"
-    return Record(kind, p0, p1, offset, length), ""
+        return None, 0, "bad record header"
+    if offset + HEADER_SIZE + length > size:
+        return None, 0, "truncated record"
+    rec = Record(kind, p0, p1, offset, length)
+    if check_crc and _record_crc(buf, rec) != crc:
+        return None, 0, "checksum mismatch"
+    return rec, crc, ""
 
 
 def read_payload(path: Path, rec: Record) -> bytes:
