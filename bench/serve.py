@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import os
 import platform
 import re
@@ -26,16 +27,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import NEXT_MSG, PARAGRAPHS, REPO, dir_bytes  # noqa: E402
+from bench.common import NEXT_MSG, PARAGRAPHS, REPO, dir_bytes
 
-FULL = dict(turns=8, msg_tokens=370, reply_tokens=16, clients=4, client_turns=4, client_msg_tokens=300)
-QUICK = dict(turns=3, msg_tokens=120, reply_tokens=4, clients=4, client_turns=2, client_msg_tokens=80)
+FULL = {"turns": 8, "msg_tokens": 370, "reply_tokens": 16, "clients": 4, "client_turns": 4, "client_msg_tokens": 300}
+QUICK = {"turns": 3, "msg_tokens": 120, "reply_tokens": 4, "clients": 4, "client_turns": 2, "client_msg_tokens": 80}
 SYSTEM = "You are a helpful gardening assistant. Answer briefly."
 # The turn after the first short post-restart turn: shows what each server does once it has warmed up again.
 SECOND_SHORT = "And one more tip for the week after, please."
@@ -231,7 +233,7 @@ class Server:
     kind = ""
     label = ""
 
-    def __init__(self, h: "Harness", data: Path) -> None:
+    def __init__(self, h: Harness, data: Path) -> None:
         self.h = h
         self.data = data
         self.data.mkdir(parents=True, exist_ok=True)
@@ -372,6 +374,8 @@ class HearthServer(Server):
         cache = self.data / "cache"
         cache.mkdir(exist_ok=True)
         up = free_port()
+        if not self.h.llama_server:
+            raise RuntimeError("no llama-server binary")
         ls_argv = [self.h.llama_server, "-m", self.h.model, "--host", "127.0.0.1", "--port", str(up),
                    "--slot-save-path", str(cache), "--ctx-size", str(o.n_ctx), "--parallel", "1",
                    "-t", str(o.threads), "-tb", str(o.threads), "-b", "512", "-ub", "512", "-fa", "off",
@@ -490,8 +494,8 @@ class Harness:
             import importlib.metadata as md
 
             res["machine"]["hearth"] = md.version("hearth-llm")
-        except Exception:
-            pass
+        except md.PackageNotFoundError:
+            res["machine"]["hearth"] = None
 
         # -- 1. one conversation growing to ~3k tokens, every server in turn at each length -----------------
         msgs = [sized_text(self.count, c["msg_tokens"], 3 * t, header=f"Part {t + 1} of my garden notes.")
@@ -597,7 +601,7 @@ LABELS = {k: v.label for k, v in SERVERS.items()}
 
 
 def f_s(x: float | None) -> str:
-    if x is None or x != x:
+    if x is None or math.isnan(x):
         return "–"
     return f"{x:.2f}" if x < 10 else f"{x:.1f}"
 
@@ -687,7 +691,7 @@ def markdown(res: dict[str, Any], chart: str | None) -> str:
     w("|---" * (len(kinds) + 1) + "|")
     rs = res["restart"]
     first = rs[kinds[0]]["first"]
-    w(f"| restart: server ready (s) | " + " | ".join(f_s(rs[k]["start_seconds"]) for k in kinds) + " |")
+    w("| restart: server ready (s) | " + " | ".join(f_s(rs[k]["start_seconds"]) for k in kinds) + " |")
     w(f"| short turn after restart: TTFT (s; {first['msg_tokens']}-token message, history "
       f"{first['history_tokens']:,}) | " + " | ".join(f"**{f_s(rs[k]['first']['ttft'])}**" for k in kinds) + " |")
     w("| … tokens evaluated | " + " | ".join(f_tok(rs[k]["first"]["evaluated"]) for k in kinds) + " |")
