@@ -97,26 +97,21 @@ _PREFIX_HIT = re.compile(rb"Llama\.generate: (\d+) prefix-match hit, remaining (
 _PROMPT_EVAL = re.compile(rb"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens")
 
 
-def llama_cpp_evaluated(log: bytes, prev_prompt_evals: int) -> tuple[int | None, int]:
+def llama_cpp_evaluated(log: bytes) -> int | None:
     """Prompt tokens llama-cpp-python's server evaluated for one request, from its verbose log of that request.
 
-    Returns (tokens evaluated or None if the log does not say, the cumulative prompt-eval count to pass next).
     ``Llama.generate`` prints the prefix it reused and how many tokens remain to evaluate; when it reuses
-    nothing it prints no such line and evaluates the whole prompt, which only llama.cpp's cumulative perf
-    counter (``prompt eval time = … / N tokens``, never reset by the server) shows: the difference from the
-    previous request's value is this request's count.
+    nothing it prints no such line and evaluates the whole prompt, which llama.cpp's perf summary printed
+    after the completion (``prompt eval time = … / N tokens``, per completion) shows. None if the log says
+    neither.
     """
-    cum = prev_prompt_evals
-    for m in _PROMPT_EVAL.finditer(log):
-        cum = int(m.group(1))
     if b"full prompt already cached" in log:
-        return 0, cum
+        return 0
     hits = _PREFIX_HIT.findall(log)
     if hits:
-        return int(hits[-1][1]), cum
-    if cum != prev_prompt_evals:
-        return cum - prev_prompt_evals, cum
-    return None, cum
+        return int(hits[-1][1])
+    evals = _PROMPT_EVAL.findall(log)
+    return int(evals[-1]) if evals else None
 
 
 def evaluated_tokens(kind: str, reply: Reply, log_evaluated: int | None) -> int | None:
@@ -240,7 +235,6 @@ class Server:
         self.procs: list[Proc] = []
         self.port = 0
         self.n_starts = 0
-        self.prompt_evals = 0  # llama-cpp-python's cumulative perf counter, per process
 
     def log_path(self, what: str) -> Path:
         return self.h.work / "logs" / f"{self.kind}-{self.data.name}-{what}.log"
@@ -251,7 +245,6 @@ class Server:
     def start(self) -> float:
         """Start the server and wait until it answers; returns the seconds that took."""
         self.n_starts += 1
-        self.prompt_evals = 0
         t0 = time.perf_counter()
         self.launch()
         return time.perf_counter() - t0
@@ -345,8 +338,7 @@ class LlamaCppServer(Server):
         with open(self.procs[0].log, "rb") as fh:
             fh.seek(offset)
             seg = fh.read()
-        ev, self.prompt_evals = llama_cpp_evaluated(seg, self.prompt_evals)
-        return ev
+        return llama_cpp_evaluated(seg)
 
     def disk_bytes(self) -> int:
         return dir_bytes(self.data / ".cache") if self.cache_type == "disk" else 0
@@ -484,6 +476,7 @@ class Harness:
                                           "servers": kinds, "omp_wait_policy": self.env.get("OMP_WAIT_POLICY"),
                                           "llama_logits_all": self.o.llama_logits_all, "model": self.model,
                                           "llama_server": self.llama_server, "chatcli_root": str(self.o.chatcli_root),
+                                          "chatcli_commit": git_head(Path(self.o.chatcli_root)),
                                           "chatcli_args": self.o.chatcli_arg},
                                "notes": notes}
         import llama_cpp
@@ -575,6 +568,18 @@ class Harness:
         res["machine"]["load_end"] = os.getloadavg()
         res["seconds"] = time.perf_counter() - self.t0
         return res
+
+
+def git_head(root: Path) -> str | None:
+    """The commit (and whether the tree had changes) that ``chatcli serve`` ran from, for the record."""
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + (" (with uncommitted changes)" if dirty else "")
 
 
 def rotate(xs: list[Server], k: int) -> list[Server]:
@@ -671,6 +676,9 @@ def markdown(res: dict[str, Any], chart: str | None) -> str:
       "absolute times depend on the machine, the ratios are the point.\n")
     srv = {"chatcli": "`chatcli serve`", "llama_ram": "`python -m llama_cpp.server --cache true` (RAM)",
            "llama_disk": "`… --cache true --cache_type disk`", "hearth": "hearth → `llama-server --parallel 1`"}
+    if "chatcli" in kinds:
+        w(f"chatcli serve ran from commit {c.get('chatcli_commit') or '?'} with its defaults (`--parallel 1`"
+          + (", " + " ".join(c["chatcli_args"]) if c.get("chatcli_args") else "") + ").\n")
     w("Servers: " + "; ".join(f"**{LABELS[k]}** = {srv[k]}" for k in kinds) + ". llama_cpp.server runs with "
       f"`logits_all={c['llama_logits_all']}`" + (" (its default)" if c["llama_logits_all"] == "default" else "")
       + ", n_batch/n_ubatch 512, f16 K/V, no flash attention; llama-server with the same.\n")

@@ -90,14 +90,14 @@ def test_serve_sse_parsing_takes_ttft_at_first_content_and_keeps_usage_and_timin
 def test_serve_evaluated_tokens_per_server_kind() -> None:
     from bench.serve import Reply, evaluated_tokens, llama_cpp_evaluated
 
-    # llama_cpp.server: the prefix line when it reuses a prefix, the cumulative perf counter otherwise.
+    # llama_cpp.server: the prefix line when it reuses a prefix, else the completion's perf summary.
     hit = (b"Llama._create_completion: cache hit\nLlama.generate: 410 prefix-match hit, remaining 23 prompt tokens"
-           b" to eval\nllama_perf_context_print: prompt eval time =   12.00 ms /   900 tokens (...)\n")
-    assert llama_cpp_evaluated(hit, 877) == (23, 900)
-    full = b"Llama._create_completion: cache miss\nllama_perf_context_print: prompt eval time = 5.0 ms /  1345 tokens\n"
-    assert llama_cpp_evaluated(full, 900) == (445, 1345)
-    assert llama_cpp_evaluated(b"Llama.generate: full prompt already cached, skipping reset\n", 10) == (0, 10)
-    assert llama_cpp_evaluated(b"nothing useful\n", 10) == (None, 10)
+           b" to eval\nllama_perf_context_print: prompt eval time =   12.00 ms /    23 tokens (...)\n")
+    assert llama_cpp_evaluated(hit) == 23
+    full = b"Llama._create_completion: cache miss\nllama_perf_context_print: prompt eval time = 5.0 ms /  3214 tokens\n"
+    assert llama_cpp_evaluated(full) == 3214
+    assert llama_cpp_evaluated(b"Llama.generate: full prompt already cached, skipping reset\n") == 0
+    assert llama_cpp_evaluated(b"nothing useful\n") is None
     chatcli = Reply(0.1, 0.2, "x", usage={"prompt_tokens": 500, "prompt_tokens_details": {"cached_tokens": 480}})
     assert evaluated_tokens("chatcli", chatcli, None) == 20
     assert evaluated_tokens("chatcli", Reply(0.1, 0.2, "x", usage={"prompt_tokens": 5}), None) is None
