@@ -80,6 +80,7 @@ def user_errors() -> Iterator[None]:
     from chatcli.models.resolve import ModelError
     from chatcli.config.personas import PersonaError
     from chatcli.config.settings import SettingsError
+    from chatcli.core.migrations import FormatError
     from chatcli.core.store import LockedError, StoreError
     from chatcli.core.template import TemplateError
 
@@ -91,7 +92,7 @@ def user_errors() -> Iterator[None]:
         fail(str(exc), exc.code)
     except (ModelError, GGUFError, SettingsError, PersonaError, StoreError) as exc:
         fail(_line(exc), 1 if isinstance(exc, LockedError) else EXIT_USAGE)
-    except (ConversationError, TemplateError, EngineError) as exc:
+    except (ConversationError, TemplateError, EngineError, FormatError) as exc:
         fail(_line(exc), 1)
     except KeyboardInterrupt:
         fail("interrupted", 130)
@@ -353,7 +354,14 @@ def fork(
 
 @app.command("ls")
 def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
-    """List conversations, most recent first."""
+    """List conversations, most recent first.
+
+    "turns" counts every exchange of the conversation; "in_context" those the model's context still holds
+    (fewer once old exchanges left it in a context shift).
+    """
+    from chatcli.core.conversation import replay_events
+    from chatcli.core.export import exchange_counts
+    from chatcli.core.migrations import FormatError
     from chatcli.repl.render import Renderer, human_bytes
     from chatcli.config.settings import get_paths
     from chatcli.core.store import ConversationStore
@@ -361,12 +369,21 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
     with user_errors():
         store = ConversationStore(get_paths().conversations_dir)
         rows = []
-        for conv, meta in store.list():
+        problems: list[str] = []
+        for conv, meta in store.list(problems):
+            try:
+                # The transcript is the truth (meta.json's counts are a cache written after it).
+                turns, in_context = exchange_counts(replay_events(conv.read_transcript().events))
+            except FormatError as exc:
+                problems.append(str(exc))
+                continue
             rows.append({
                 "id": conv.id, "title": meta.get("title", ""), "persona": meta.get("persona", ""),
-                "turns": meta.get("turns", 0), "tokens": meta.get("tokens", 0), "state_bytes": conv.state_size(),
-                "updated": meta.get("updated", 0),
+                "turns": turns, "in_context": in_context, "tokens": meta.get("tokens", 0),
+                "state_bytes": conv.state_size(), "updated": meta.get("updated", 0),
             })
+        for problem in problems:
+            print(f"warning: {problem}", file=sys.stderr)
         if as_json:
             print(json.dumps(rows, indent=2, ensure_ascii=False))
             return
@@ -378,7 +395,7 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
             r["updated"] = datetime.fromtimestamp(float(r["updated"])).strftime("%Y-%m-%d %H:%M")
         plain = not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR"))
         Renderer(Console(highlight=False), plain=plain).table(
-            rows, ["id", "title", "persona", "turns", "tokens", "state", "updated"])
+            rows, ["id", "title", "persona", "turns", "in_context", "tokens", "state", "updated"])
 
 
 @app.command()
@@ -428,8 +445,10 @@ def _esc(text: str) -> str:
 def export(
     conv_id: Annotated[Optional[str], typer.Argument(metavar="[ID]")] = None,
     fmt: Annotated[str, typer.Option("--format", "-f", help="md, or json: an OpenAI messages list (system first).")] = "md",
+    in_context: Annotated[bool, typer.Option("--in-context", help="Only the messages the model's context still holds (not those that left it in a context shift).")] = False,
 ) -> None:
-    """Write a conversation to stdout as Markdown or JSON."""
+    """Write a conversation to stdout as Markdown or JSON: every message, in order (the active path
+    through alternatives, edits and undos), including those that left the model's context."""
     from chatcli.core.conversation import replay_events
     from chatcli.core.export import to_markdown, to_messages
     from chatcli.config.settings import get_paths
@@ -444,9 +463,9 @@ def export(
         r = replay_events(conv.read_transcript().events)
         if fmt == "json":
             # Exactly an OpenAI chat `messages` list, so it can be sent to an API or loaded as-is.
-            print(json.dumps(to_messages(r), indent=2, ensure_ascii=False))
+            print(json.dumps(to_messages(r, in_context=in_context), indent=2, ensure_ascii=False))
         else:
-            sys.stdout.write(to_markdown(meta, r))
+            sys.stdout.write(to_markdown(meta, r, in_context=in_context))
 
 
 @app.command()
@@ -456,14 +475,18 @@ def rm(
 ) -> None:
     """Delete conversations."""
     from chatcli.config.settings import get_paths
-    from chatcli.core.store import ConversationStore
+    from chatcli.core.migrations import FormatError
+    from chatcli.core.store import ConversationStore, StoreError
 
     with user_errors():
         store = ConversationStore(get_paths().conversations_dir)
         # Resolve all first (a typo deletes nothing); an id given twice, or by two prefixes, is deleted once.
         convs = list({conv.id: conv for conv in (store.resolve(c) for c in conv_ids)}.values())
         for conv in convs:
-            title = conv.read_meta().get("title", "") if conv.meta_path.exists() else ""
+            try:
+                title = conv.read_meta().get("title", "")
+            except (StoreError, FormatError):
+                title = ""  # damaged or of a newer chatcli: it can still be deleted
             if not yes:
                 if not sys.stdin.isatty():
                     raise CliError("refusing to delete without --yes (stdin is not a terminal)", EXIT_USAGE)

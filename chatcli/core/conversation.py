@@ -26,7 +26,7 @@ from chatcli.core import prefixcache
 from chatcli.core import statefile as sf
 from chatcli.backends.llamacpp import ContextFullError, Engine, GenerationResult, Sampling
 from chatcli.core.store import ConversationDir, ConversationStore
-from chatcli.core.template import ChatTemplate, Message
+from chatcli.core.template import ChatTemplate, Message, hold_back_stops
 
 class ConversationError(ValueError):
     """A request the conversation cannot honour (one line for the user); nothing was changed."""
@@ -532,8 +532,8 @@ class Conversation:
         res = GenerationResult()
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         text = ""
-        gen = eng.generate(self.sampling, seed=use_seed, max_tokens=self.max_tokens, result=res,
-                           stop_strings=self._stop_strings, reserve=0)
+        gen = hold_back_stops(eng.generate(self.sampling, seed=use_seed, max_tokens=self.max_tokens, result=res,
+                                           stop_strings=self._stop_strings, reserve=0), self._stop_strings)
         # If our consumer stops listening (closes us, or dies with an error), the reply produced so far is
         # still recorded like a Ctrl-C'd one: the context and the transcript must never disagree.
         abandoned = False

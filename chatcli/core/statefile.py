@@ -14,6 +14,10 @@ A state file is a sequence of checksummed records::
 The crc covers the header fields and the payload, so a torn or bit-flipped record is detected; reading
 stops at the first bad record and the rest is treated as missing (re-evaluated from the transcript).
 The file is a cache: the transcript is the truth, and deleting this file only costs a re-evaluation.
+
+Versions (the rule is in migrations.py): the header's ``format`` is the file's major version; a newer one
+is refused, never rebuilt over. A record of a kind this version does not know, but whose framing and crc
+are sound, was added by a newer chatcli under the same major version: it is skipped, not taken for damage.
 """
 
 from __future__ import annotations
@@ -28,10 +32,11 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from chatcli.core import migrations
 from chatcli.core.fsutil import append_durably, atomic_write_bytes
 
 MAGIC = b"CKV1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = migrations.STATE_VERSION
 _HDR = struct.Struct("<4sBBHiiQI")  # magic kind flags reserved p0 p1 length crc
 HEADER_SIZE = _HDR.size
 
@@ -99,6 +104,7 @@ class ScanResult:
     valid_bytes: int = 0  # everything after this offset is torn/corrupt
     dropped_bytes: int = 0
     problem: str = ""
+    newer_format: bool = False  # written by a newer chatcli: unusable here, and not to be overwritten
 
     def live(self) -> tuple[list[LiveChunk], Record | None, int]:
         """Replay the records: the live chunks, the live logits record, and the state's length."""
@@ -145,6 +151,10 @@ class ScanResult:
 def scan(path: Path) -> ScanResult:
     """Read record headers (payloads are checked by crc, not kept in memory)."""
     try:
+        check_format(path)
+    except migrations.FormatError as exc:
+        return ScanResult(header=None, problem=str(exc), newer_format=True, dropped_bytes=0)
+    try:
         fh = path.open("rb")
     except FileNotFoundError:
         return ScanResult(header=None, problem="missing")
@@ -169,7 +179,15 @@ def scan(path: Path) -> ScanResult:
                 if not isinstance(header, dict):
                     res.problem = "unreadable header"
                     break
-                res.header = header
+                try:
+                    migrations.check("state file", header.get("format"), FORMAT_VERSION)
+                except migrations.FormatError as exc:
+                    res.problem, res.newer_format = str(exc), True
+                    break
+                except ValueError:
+                    res.problem = "unreadable header"
+                    break
+                res.header = migrations.upgrade_state_header(header)
             elif rec.kind == HEADER:
                 res.problem = "second header"
                 break
@@ -200,7 +218,8 @@ def _read_record(fh: BinaryIO, offset: int, size: int) -> tuple[Record | None, b
     magic, kind, _flags, _res, p0, p1, length, crc = _HDR.unpack(head)
     if magic != MAGIC:
         return None, b"", "bad magic" if offset else "not a chatcli state file"
-    if kind not in KIND_NAMES or length > _MAX_PAYLOAD or p0 < 0 or p1 < p0:
+    # An unknown kind is a record of a newer chatcli (same major version): the framing rules still hold.
+    if length > _MAX_PAYLOAD or (kind in KIND_NAMES and (p0 < 0 or p1 < p0)):
         return None, b"", "bad record header"
     if offset + HEADER_SIZE + length > size:
         return None, b"", "truncated record"
@@ -220,6 +239,34 @@ def _read_record(fh: BinaryIO, offset: int, size: int) -> tuple[Record | None, b
     if c != crc:
         return None, b"", "checksum mismatch"
     return Record(kind, p0, p1, offset, length), bytes(kept), ""
+
+
+def check_format(path: Path) -> None:
+    """Raise ``migrations.FormatError`` if ``path`` is a state file of a newer major version.
+
+    Reads only the first record: cheap enough for every ``chatcli ls``. Damage is not reported here (a
+    damaged cache is rebuilt by its reader); only a newer format, which must not be rebuilt over.
+    """
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(HEADER_SIZE)
+            if len(head) < HEADER_SIZE:
+                return
+            magic, kind, _flags, _res, _p0, _p1, length, _crc = _HDR.unpack(head)
+            payload = fh.read(length) if magic == MAGIC and kind == HEADER and length <= 1 << 20 else b""
+    except OSError:
+        return
+    if magic[:3] == MAGIC[:3] and magic[3:].isdigit() and int(magic[3:]) > int(MAGIC[3:]):
+        # A newer record framing (its digit counts framings, not formats): refuse, never rebuild over it.
+        migrations.check("state file record framing", int(magic[3:]), int(MAGIC[3:]))
+    try:
+        header = json.loads(payload) if payload else None
+        if isinstance(header, dict):
+            migrations.check("state file", header.get("format"), FORMAT_VERSION)
+    except migrations.FormatError:
+        raise
+    except ValueError:
+        return  # damage: the reader rebuilds the cache
 
 
 def read_payload(path: Path, rec: Record) -> bytes:
@@ -270,6 +317,6 @@ class StateWriter:
 
 __all__ = [
     "CELLS", "HEADER", "LOGITS", "SNAPSHOT", "TRUNCATE", "LiveChunk", "Record", "ScanResult", "StateFileError",
-    "StateWriter", "cells_payload", "encode_record", "header_payload", "read_payload", "records_at",
+    "StateWriter", "cells_payload", "check_format", "encode_record", "header_payload", "read_payload", "records_at",
     "record_size_for_cells", "scan", "split_cells",
 ]

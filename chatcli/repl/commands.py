@@ -326,16 +326,17 @@ def _copy(repl: Repl, arg: str) -> None:
 
 @REGISTRY.register("save", "write this conversation as Markdown (default: ./chatcli-ID.md)", args="[PATH]")
 def _save(repl: Repl, arg: str) -> None:
-    from chatcli.core.export import to_markdown
+    from chatcli.core.export import exchange_counts, to_markdown
 
     path = Path(arg).expanduser() if arg else Path(f"chatcli-{repl.conv.id}.md")
     if path.is_dir():
         path = path / f"chatcli-{repl.conv.id}.md"
     try:
+        # The whole conversation, also what left the model's context (`chatcli export --in-context` has not).
         path.write_text(to_markdown(repl.conv.meta, repl.conv.r), encoding="utf-8")
     except OSError as exc:
         raise CommandError(f"cannot write {path}: {exc.strerror or exc}") from None
-    repl.renderer.notice(f"saved {repl.conv.n_turns} exchange(s) to {path}")
+    repl.renderer.notice(f"saved {exchange_counts(repl.conv.r)[0]} exchange(s) to {path}")
 
 
 __all__ = ["REGISTRY", "CommandError", "ConversationError", "ReplExit", "UnknownCommand", "dispatch"]
