@@ -10,8 +10,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -83,16 +84,15 @@ def make_paths(home: str | Path) -> Any:
 def build_session(home: str | Path, *, model: str | None, n_ctx: int, threads: int, max_tokens: int,
                   persona: str = "alice", reserve: int = 256) -> Any:
     """A chatcli Session rooted at ``home`` with greedy decoding (what ``chatcli talk --temperature 0`` builds)."""
+    from chatcli.config.settings import load_settings_explicit
     from chatcli.models.resolve import resolve_model
     from chatcli.session import Session
-    from chatcli.config.settings import load_settings
 
     paths = make_paths(home)
     flags = {"temperature": 0.0, "seed": 1234, "n_ctx": n_ctx, "reserve": reserve, "max_tokens": max_tokens,
              "persona": persona, "threads": threads, "model": model}
     env = {"CHATCLI_HOME": str(home)}
-    settings = load_settings(flags, paths=paths, env=env)
-    explicit = {k for k, v in flags.items() if v is not None}
+    settings, explicit = load_settings_explicit(flags, paths=paths, env=env)
     return Session.build(settings, paths, model=resolve_model(model, env=env), explicit=explicit)
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 
 def med(xs: Sequence[float]) -> float:
@@ -69,7 +70,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     t = res["throughput"]
     def overhead(c: list[float], b: list[float]) -> float:
         # Paired: each pair ran back to back, so the per-pair ratio cancels most of the machine's drift.
-        return 100 * (1 - med([x / y for x, y in zip(c, b)]))
+        return 100 * (1 - med([x / y for x, y in zip(c, b, strict=True)]))
 
     thr: dict[str, float] = {
         "prompt_tokens": t["prompt_tokens"][0], "decode_tokens": med(t["decode_n"]), "pairs": len(t["decode_n"]),

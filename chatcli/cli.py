@@ -10,12 +10,19 @@ import os
 import sys
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Annotated, Any, Iterator, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Annotated, Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
 
 from chatcli import __version__
+
+if TYPE_CHECKING:  # imported where used, so that `chatcli ls` never loads what only `talk` needs
+    from chatcli.config.settings import Paths, Settings
+    from chatcli.core.conversation import Conversation
+    from chatcli.repl.render import Renderer
+    from chatcli.session import Session
 
 app = typer.Typer(
     name="chatcli",
@@ -149,18 +156,16 @@ ReserveOpt = Annotated[Optional[int], typer.Option("--reserve", help="Tokens kep
 PlainOpt = Annotated[Optional[bool], typer.Option("--plain/--rich", help="Plain text: no colours, no Markdown rendering, no toolbar (also when NO_COLOR is set or output is piped).")]
 
 
-def _settings(flags: dict[str, Any]) -> tuple[Any, Any, set[str]]:
-    from chatcli.config.settings import get_paths, load_settings
+def _settings(flags: Mapping[str, object]) -> tuple[Settings, Paths, set[str]]:
+    from chatcli.config.settings import get_paths, load_settings_explicit
 
     paths = get_paths()
-    settings = load_settings(flags, paths=paths)
-    explicit = {k for k, v in flags.items() if v is not None}
-    explicit |= {k for k in ("temperature", "top_p", "top_k", "repeat_penalty", "max_tokens")
-                 if os.environ.get(f"CHATCLI_{k.upper()}")}
+    settings, explicit = load_settings_explicit(flags, paths=paths)
     return settings, paths, explicit
 
 
-def _build_session(settings: Any, paths: Any, explicit: set[str], *, model_path: str | None = None, quiet: bool = False) -> Any:
+def _build_session(settings: Settings, paths: Paths, explicit: set[str], *, model_path: str | None = None,
+                   quiet: bool = False) -> Session:
     from chatcli.models.resolve import resolve_model
     from chatcli.session import Session
 
@@ -174,7 +179,7 @@ def _build_session(settings: Any, paths: Any, explicit: set[str], *, model_path:
     return session
 
 
-def _renderer(settings: Any, interactive: bool) -> Any:
+def _renderer(settings: Settings, interactive: bool) -> Renderer:
     from chatcli.repl.render import Renderer
 
     plain = bool(settings.plain) or not interactive or bool(os.environ.get("NO_COLOR"))
@@ -182,9 +187,10 @@ def _renderer(settings: Any, interactive: bool) -> Any:
     return Renderer(console, plain=plain)
 
 
-def _run_repl(session: Any, conv: Any, renderer: Any, interactive: bool) -> int:
-    from chatcli.repl.loop import LineIO, Repl, TerminalIO
+def _run_repl(session: Session, conv: Conversation, renderer: Renderer, interactive: bool) -> int:
+    from chatcli.repl.loop import ChatIO, LineIO, Repl, TerminalIO
 
+    factory: Callable[[Repl], ChatIO]
     if interactive:
         factory = lambda repl: TerminalIO(repl, history_file=session.paths.history_file)  # noqa: E731
     else:
@@ -265,8 +271,8 @@ def resume(
     raise typer.Exit(code)
 
 
-def _open(settings: Any, paths: Any, explicit: set[str], conv_id: str | None, model_flag: str | None,
-          n_ctx_flag: int | None, *, show_history: bool = True) -> tuple[Any, Any, Any, bool]:
+def _open(settings: Settings, paths: Paths, explicit: set[str], conv_id: str | None, model_flag: str | None,
+          n_ctx_flag: int | None, *, show_history: bool = True) -> tuple[Session, Conversation, Renderer, bool]:
     """Resolve the conversation first (cheap errors before loading a model), then restore it."""
     from chatcli.repl.render import human_bytes
     from chatcli.repl.loop import open_events
@@ -552,12 +558,13 @@ def config_edit() -> None:
     import shlex
     import subprocess
 
-    from chatcli.config.settings import ensure_dir, get_paths
+    from chatcli.config.settings import get_paths
+    from chatcli.core.fsutil import ensure_private_dir
 
     with user_errors():
         path = get_paths().config_file
         if not path.exists():
-            ensure_dir(path.parent)
+            ensure_private_dir(path.parent)
             path.write_text((importlib.resources.files("chatcli") / "data" / "config.toml").read_text("utf-8"), "utf-8")
             os.chmod(path, 0o600)
         editor = os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi"

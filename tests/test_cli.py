@@ -21,13 +21,13 @@ import pytest
 from typer.testing import CliRunner
 
 from chatcli import __version__
-from chatcli.core import statefile as sf
-from chatcli.cli import app
 from chatcli.backends.llamacpp import EngineError
+from chatcli.cli import app
+from chatcli.config.settings import get_paths
+from chatcli.core import statefile as sf
+from chatcli.core.store import ConversationDir
 from chatcli.models.resolve import bundled_model_path
 from chatcli.repl.render import human_bytes
-from chatcli.config.settings import get_paths
-from chatcli.core.store import ConversationDir
 
 runner = CliRunner()
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
-from chatcli.models.gguf import read_gguf
 from chatcli.core.template import CHATML, ChatTemplate, Message, TemplateError, hold_back_stops
+from chatcli.models.gguf import read_gguf
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,8 @@ def test_smollm2_renders_chatml(smol: ChatTemplate) -> None:
 
 def test_prefix_is_the_persona_part(smol: ChatTemplate) -> None:
     persona = [Message("system", "S"), Message("user", "ex"), Message("assistant", "ans")]
-    assert smol.prefix(persona) == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nex<|im_end|>\n<|im_start|>assistant\nans<|im_end|>\n"
+    assert smol.prefix(persona) == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nex<|im_end|>\n"
+                                    "<|im_start|>assistant\nans<|im_end|>\n")
 
 
 def test_incremental_turns_concatenate_to_the_full_rendering(smol: ChatTemplate) -> None:

@@ -17,6 +17,7 @@ import ctypes
 import os
 import threading
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -46,7 +47,7 @@ class ContextFullError(EngineError):
 _LOG: collections.deque[str] = collections.deque(maxlen=50)
 
 
-@llama_cpp.llama_log_callback
+@llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]  # a ctypes CFUNCTYPE
 def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     try:
         _LOG.append(text.decode("utf-8", errors="replace"))
@@ -442,7 +443,7 @@ class Engine:
                 llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(s.top_p, 1))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(s.temperature))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
-        return chain
+        return typing.cast(ctypes.c_void_p, chain)  # llama_cpp's bindings are untyped
 
     # -- memory ------------------------------------------------------------------------------------
 

@@ -25,7 +25,8 @@ This module imports nothing of chatcli's: the store and the state file use it, t
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 META_VERSION = 1
 TRANSCRIPT_VERSION = 1

@@ -30,8 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import numpy as np
-
 from chatcli.core import migrations
 from chatcli.core.fsutil import append_durably, atomic_write_bytes
 
@@ -79,6 +77,8 @@ def records_at(raws: list[bytes], offset: int) -> tuple[list[Record], int]:
 
 
 def cells_payload(tokens: list[int], kv: bytes) -> bytes:
+    import numpy as np  # here, not at the top: `chatcli ls` reads headers and must not load numpy
+
     return np.asarray(tokens, dtype="<i4").tobytes() + kv
 
 
@@ -283,6 +283,8 @@ def read_payload(path: Path, rec: Record) -> bytes:
 
 
 def split_cells(payload: bytes, n_tokens: int) -> tuple[list[int], bytes]:
+    import numpy as np
+
     tok = np.frombuffer(payload[: 4 * n_tokens], dtype="<i4").astype(np.int64).tolist()
     return tok, payload[4 * n_tokens:]
 
@@ -316,7 +318,23 @@ class StateWriter:
 
 
 __all__ = [
-    "CELLS", "HEADER", "LOGITS", "SNAPSHOT", "TRUNCATE", "LiveChunk", "Record", "ScanResult", "StateFileError",
-    "StateWriter", "cells_payload", "check_format", "encode_record", "header_payload", "read_payload", "records_at",
-    "record_size_for_cells", "scan", "split_cells",
+    "CELLS",
+    "HEADER",
+    "LOGITS",
+    "SNAPSHOT",
+    "TRUNCATE",
+    "LiveChunk",
+    "Record",
+    "ScanResult",
+    "StateFileError",
+    "StateWriter",
+    "cells_payload",
+    "check_format",
+    "encode_record",
+    "header_payload",
+    "read_payload",
+    "record_size_for_cells",
+    "records_at",
+    "scan",
+    "split_cells",
 ]

@@ -21,11 +21,10 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from chatcli.core import migrations
-from chatcli.core import statefile
-from chatcli.core.fsutil import append_line_durably, atomic_write_text, fsync_dir
+from chatcli.core import migrations, statefile
+from chatcli.core.fsutil import append_line_durably, atomic_write_text, ensure_private_dir, fsync_dir
 from chatcli.core.migrations import META_VERSION, TRANSCRIPT_VERSION, FormatError
 
 _ID_ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"  # no 0/o, 1/l/i: ids get read aloud and typed
@@ -229,8 +228,7 @@ class ConversationStore:
         self.root = root
 
     def _ensure_root(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.root, 0o700)
+        ensure_private_dir(self.root)
 
     def validate_id(self, ref: str) -> str:
         if not ref or "\x00" in ref or "/" in ref or "\\" in ref or ref in (".", "..") or not _ID_RE.match(ref):
@@ -297,7 +295,3 @@ class ConversationStore:
         finally:
             conv.unlock()
         fsync_dir(self.root)
-
-    def iter_dirs(self) -> Iterator[ConversationDir]:
-        for cid in self.ids():
-            yield ConversationDir(self.root / cid)

@@ -9,9 +9,10 @@ difference (the "glue" plus the message plus the assistant header), as llama.cpp
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Generator, Iterator, Protocol, Sequence, TypeVar
+from typing import Protocol, TypeVar
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -199,7 +200,7 @@ def _merge(held: list[_E]) -> _E:
 
 def _common_prefix(a: str, b: str) -> str:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1

@@ -299,7 +299,7 @@ def _system(repl: Repl, arg: str) -> None:
 def _last_code_block(text: str) -> str | None:
     blocks = re.findall(r"^ {0,3}(```|~~~)[^\n]*\n(.*?)^ {0,3}\1[ \t]*$", text, re.M | re.S)
     if blocks:
-        return blocks[-1][1]
+        return str(blocks[-1][1])
     # An unterminated fence (a reply stopped early) still counts.
     m = re.search(r"^ {0,3}(```|~~~)[^\n]*\n(.*)\Z", text, re.M | re.S)
     return m.group(2) if m else None

@@ -14,16 +14,17 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Protocol, TextIO
+from typing import IO, Any, Callable, ContextManager, Iterable, Iterator, Protocol, TextIO
 
 from prompt_toolkit import PromptSession
 from prompt_toolkit.completion import Completer, Completion
 from prompt_toolkit.document import Document
 from prompt_toolkit.formatted_text import HTML
-from prompt_toolkit.history import FileHistory, InMemoryHistory
+from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.input import Input
 from prompt_toolkit.output import Output
 
+from chatcli.core.fsutil import ensure_private_dir
 from chatcli.repl.commands import REGISTRY, CommandError, ReplExit, UnknownCommand, dispatch
 from chatcli.core.conversation import Conversation, ConversationError, Event, ResumeReport
 from chatcli.backends.llamacpp import ContextFullError, EngineError
@@ -84,10 +85,10 @@ class TerminalIO:
     ) -> None:
         from chatcli.repl.keys import chat_key_bindings
 
-        history = InMemoryHistory()
+        history: History = InMemoryHistory()
         if history_file is not None:
             try:
-                history_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                ensure_private_dir(history_file.parent)
                 # Everything the user typed is in there: private from the start (FileHistory would
                 # create it with the umask's 0644), and made private if an older version left it open.
                 os.close(os.open(history_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
@@ -171,7 +172,7 @@ class LineIO:
         return contextlib.nullcontext()
 
 
-def copy_to_clipboard(text: str, terminal: TextIO | None) -> str:
+def copy_to_clipboard(text: str, terminal: IO[str] | None) -> str:
     """Copy with the desktop's clipboard tool, else through the terminal (OSC 52); returns how."""
     tools = []
     if os.environ.get("WAYLAND_DISPLAY"):
@@ -447,7 +448,7 @@ def open_events(events: Iterable[Event | ResumeReport | Conversation], renderer:
     return box["conv"], box.get("report")
 
 
-def is_tty(stream: TextIO) -> bool:
+def is_tty(stream: IO[str]) -> bool:
     try:
         return stream.isatty()
     except (AttributeError, ValueError):
