@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Mapping
 from contextlib import contextmanager
 from datetime import datetime
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Annotated, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Annotated, Callable, Iterator
 
 import typer
 from rich.console import Console
@@ -81,15 +81,15 @@ def _color() -> bool:
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Core errors become one line and an exit code, never a traceback."""
-    from chatcli.core.conversation import ConversationError
     from chatcli.backends.llamacpp import EngineError
-    from chatcli.models.gguf import GGUFError
-    from chatcli.models.resolve import ModelError
     from chatcli.config.personas import PersonaError
     from chatcli.config.settings import SettingsError
+    from chatcli.core.conversation import ConversationError
     from chatcli.core.migrations import FormatError
     from chatcli.core.store import LockedError, StoreError
     from chatcli.core.template import TemplateError
+    from chatcli.models.gguf import GGUFError
+    from chatcli.models.resolve import ModelError
 
     try:
         yield
@@ -136,24 +136,32 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def main_callback(
-    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")] = None,
+    version: Annotated[bool | None, typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")] = None,
 ) -> None:
     """chatcli: resume, regenerate and edit local-LLM chats without re-processing them."""
 
 
 # -- shared options -------------------------------------------------------------------------------------
 
-ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="GGUF file, or hf:REPO:FILE. Default: bundled SmolLM2.")]
-NCtxOpt = Annotated[Optional[int], typer.Option("--n-ctx", help="Context size in tokens (capped at the model's).")]
-ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (0 = all cores).")]
-SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Sampling seed (same seed ⇒ same replies).")]
-TempOpt = Annotated[Optional[float], typer.Option("--temperature", help="Randomness of replies; 0 means greedy (always the likeliest token).")]
-TopPOpt = Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling: sample from the likeliest tokens adding up to this probability.")]
-TopKOpt = Annotated[Optional[int], typer.Option("--top-k", help="Sample only from the K likeliest tokens (0 = no limit).")]
-RepeatOpt = Annotated[Optional[float], typer.Option("--repeat-penalty", help="Penalty for repeating recent tokens (1.0 = none).")]
-MaxTokOpt = Annotated[Optional[int], typer.Option("--max-tokens", help="Longest reply in tokens.")]
-ReserveOpt = Annotated[Optional[int], typer.Option("--reserve", help="Tokens kept free for a reply when old turns must leave the context.")]
-PlainOpt = Annotated[Optional[bool], typer.Option("--plain/--rich", help="Plain text: no colours, no Markdown rendering, no toolbar (also when NO_COLOR is set or output is piped).")]
+ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="GGUF file, or hf:REPO:FILE. Default: bundled SmolLM2.")]
+NCtxOpt = Annotated[int | None, typer.Option("--n-ctx", help="Context size in tokens (capped at the model's).")]
+ThreadsOpt = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (0 = all cores).")]
+SeedOpt = Annotated[int | None, typer.Option("--seed", help="Sampling seed (same seed ⇒ same replies).")]
+TempOpt = Annotated[float | None, typer.Option(
+    "--temperature",
+    help="Randomness of replies; 0 means greedy (always the likeliest token).")]
+TopPOpt = Annotated[float | None, typer.Option(
+    "--top-p",
+    help="Nucleus sampling: sample from the likeliest tokens adding up to this probability.")]
+TopKOpt = Annotated[int | None, typer.Option("--top-k", help="Sample only from the K likeliest tokens (0 = no limit).")]
+RepeatOpt = Annotated[float | None, typer.Option("--repeat-penalty", help="Penalty for repeating recent tokens (1.0 = none).")]
+MaxTokOpt = Annotated[int | None, typer.Option("--max-tokens", help="Longest reply in tokens.")]
+ReserveOpt = Annotated[int | None, typer.Option(
+    "--reserve",
+    help="Tokens kept free for a reply when old turns must leave the context.")]
+PlainOpt = Annotated[bool | None, typer.Option(
+    "--plain/--rich",
+    help="Plain text: no colours, no Markdown rendering, no toolbar (also when NO_COLOR is set or output is piped).")]
 
 
 def _settings(flags: Mapping[str, object]) -> tuple[Settings, Paths, set[str]]:
@@ -192,12 +200,12 @@ def _run_repl(session: Session, conv: Conversation, renderer: Renderer, interact
 
     factory: Callable[[Repl], ChatIO]
     if interactive:
-        factory = lambda repl: TerminalIO(repl, history_file=session.paths.history_file)  # noqa: E731
+        factory = lambda repl: TerminalIO(repl, history_file=session.paths.history_file)
     else:
         stdin = sys.stdin
         if hasattr(stdin, "reconfigure"):
             stdin.reconfigure(errors="replace")  # non-UTF-8 bytes become U+FFFD instead of a crash
-        factory = lambda repl: LineIO(stdin)  # noqa: E731
+        factory = lambda repl: LineIO(stdin)
     return Repl(session, conv, renderer, factory).run()
 
 
@@ -210,7 +218,7 @@ def _interactive() -> bool:
 
 @app.command()
 def talk(
-    persona: Annotated[Optional[str], typer.Option("--persona", "-p", help="Persona name (see `chatcli personas`).")] = None,
+    persona: Annotated[str | None, typer.Option("--persona", "-p", help="Persona name (see `chatcli personas`).")] = None,
     model: ModelOpt = None, n_ctx: NCtxOpt = None, threads: ThreadsOpt = None, seed: SeedOpt = None,
     temperature: TempOpt = None, top_p: TopPOpt = None, top_k: TopKOpt = None, repeat_penalty: RepeatOpt = None,
     max_tokens: MaxTokOpt = None, reserve: ReserveOpt = None, plain: PlainOpt = None,
@@ -241,7 +249,8 @@ def talk(
             renderer.notice(n, "warn")
         conv, _ = open_events(session.new_conversation(settings.persona), renderer)
         if interactive:
-            renderer.notice(f"conversation {conv.id} · persona {settings.persona} · {session.model.info.name} · /help for commands")
+            renderer.notice(f"conversation {conv.id} · persona {settings.persona} · {session.model.info.name} · "
+                            "/help for commands")
         greeting = [m for m in conv.r.persona_messages if m.role == "assistant"]
         if greeting and interactive:
             renderer.reply_text(greeting[-1].content)
@@ -251,7 +260,9 @@ def talk(
 
 @app.command()
 def resume(
-    conv_id: Annotated[Optional[str], typer.Argument(metavar="[ID]", help="Conversation id or unique prefix (default: most recent).")] = None,
+    conv_id: Annotated[str | None, typer.Argument(
+        metavar="[ID]",
+        help="Conversation id or unique prefix (default: most recent).")] = None,
     model: ModelOpt = None, n_ctx: NCtxOpt = None, threads: ThreadsOpt = None,
     temperature: TempOpt = None, top_p: TopPOpt = None, top_k: TopKOpt = None, repeat_penalty: RepeatOpt = None,
     max_tokens: MaxTokOpt = None, reserve: ReserveOpt = None, plain: PlainOpt = None,
@@ -274,10 +285,10 @@ def resume(
 def _open(settings: Settings, paths: Paths, explicit: set[str], conv_id: str | None, model_flag: str | None,
           n_ctx_flag: int | None, *, show_history: bool = True) -> tuple[Session, Conversation, Renderer, bool]:
     """Resolve the conversation first (cheap errors before loading a model), then restore it."""
-    from chatcli.repl.render import human_bytes
-    from chatcli.repl.loop import open_events
     from chatcli.config.settings import get_paths
     from chatcli.core.store import ConversationStore
+    from chatcli.repl.loop import open_events
+    from chatcli.repl.render import human_bytes
 
     store = ConversationStore(get_paths().conversations_dir)
     conv_dir = store.resolve(conv_id)
@@ -318,7 +329,7 @@ def _open(settings: Settings, paths: Paths, explicit: set[str], conv_id: str | N
 
 @app.command()
 def regen(
-    conv_id: Annotated[Optional[str], typer.Argument(metavar="[ID]", help="Conversation (default: most recent).")] = None,
+    conv_id: Annotated[str | None, typer.Argument(metavar="[ID]", help="Conversation (default: most recent).")] = None,
     seed: SeedOpt = None,
     interactive_flag: Annotated[bool, typer.Option("--interactive", "-i", help="Continue in the REPL afterwards.")] = False,
     model: ModelOpt = None, temperature: TempOpt = None, max_tokens: MaxTokOpt = None, plain: PlainOpt = None,
@@ -345,11 +356,11 @@ def regen(
 @app.command()
 def fork(
     conv_id: Annotated[str, typer.Argument(metavar="ID", help="Conversation to fork.")],
-    at: Annotated[Optional[int], typer.Option("--at", help="Keep exchanges 1..TURN (default: all).")] = None,
+    at: Annotated[int | None, typer.Option("--at", help="Keep exchanges 1..TURN (default: all).")] = None,
 ) -> None:
     """Start a new conversation sharing the history up to a turn (its KV is copied, not re-evaluated)."""
-    from chatcli.core.forking import fork_conversation
     from chatcli.config.settings import get_paths
+    from chatcli.core.forking import fork_conversation
     from chatcli.core.store import ConversationStore
 
     with user_errors():
@@ -365,12 +376,12 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
     "turns" counts every exchange of the conversation; "in_context" those the model's context still holds
     (fewer once old exchanges left it in a context shift).
     """
+    from chatcli.config.settings import get_paths
     from chatcli.core.conversation import replay_events
     from chatcli.core.export import exchange_counts
     from chatcli.core.migrations import FormatError
-    from chatcli.repl.render import Renderer, human_bytes
-    from chatcli.config.settings import get_paths
     from chatcli.core.store import ConversationStore
+    from chatcli.repl.render import Renderer, human_bytes
 
     with user_errors():
         store = ConversationStore(get_paths().conversations_dir)
@@ -406,12 +417,12 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
 
 @app.command()
 def show(
-    conv_id: Annotated[Optional[str], typer.Argument(metavar="[ID]")] = None,
+    conv_id: Annotated[str | None, typer.Argument(metavar="[ID]")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="The transcript's events as JSON.")] = False,
 ) -> None:
     """Print a conversation's transcript (messages that left the model's context are marked)."""
-    from chatcli.core.conversation import replay_events
     from chatcli.config.settings import get_paths
+    from chatcli.core.conversation import replay_events
     from chatcli.core.store import ConversationStore
 
     with user_errors():
@@ -449,15 +460,17 @@ def _esc(text: str) -> str:
 
 @app.command()
 def export(
-    conv_id: Annotated[Optional[str], typer.Argument(metavar="[ID]")] = None,
+    conv_id: Annotated[str | None, typer.Argument(metavar="[ID]")] = None,
     fmt: Annotated[str, typer.Option("--format", "-f", help="md, or json: an OpenAI messages list (system first).")] = "md",
-    in_context: Annotated[bool, typer.Option("--in-context", help="Only the messages the model's context still holds (not those that left it in a context shift).")] = False,
+    in_context: Annotated[bool, typer.Option(
+        "--in-context",
+        help="Only the messages the model's context still holds (not those that left it in a context shift).")] = False,
 ) -> None:
     """Write a conversation to stdout as Markdown or JSON: every message, in order (the active path
     through alternatives, edits and undos), including those that left the model's context."""
+    from chatcli.config.settings import get_paths
     from chatcli.core.conversation import replay_events
     from chatcli.core.export import to_markdown, to_messages
-    from chatcli.config.settings import get_paths
     from chatcli.core.store import ConversationStore
 
     with user_errors():
@@ -505,7 +518,7 @@ def rm(
 @app.command()
 def personas(
     warm: Annotated[bool, typer.Option("--warm", help="Evaluate and cache persona prefixes for the current model.")] = False,
-    name: Annotated[Optional[str], typer.Argument(help="Only this persona.")] = None,
+    name: Annotated[str | None, typer.Argument(help="Only this persona.")] = None,
     model: ModelOpt = None, n_ctx: NCtxOpt = None,
 ) -> None:
     """List personas and whether their prefix is cached for the current model."""
@@ -576,7 +589,7 @@ def config_edit() -> None:
         try:
             describe_settings()  # a mistake is reported now, not at the next chat
         except SettingsError as exc:
-            raise CliError(f"the config file has a problem: {_line(exc)} (fix it with `chatcli config edit`)")
+            raise CliError(f"the config file has a problem: {_line(exc)} (fix it with `chatcli config edit`)") from None
 
 
 def main() -> None:

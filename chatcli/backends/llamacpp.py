@@ -29,7 +29,7 @@ import numpy as np
 # on an idle machine.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import llama_cpp  # noqa: E402  (the only import of llama_cpp in chatcli)
+import llama_cpp  # the only import of llama_cpp in chatcli
 
 SEQ = 0  # the conversation
 SCRATCH = 1  # staging area for saving/restoring cell ranges
@@ -258,8 +258,8 @@ class Engine:
         """Evaluate ``tokens`` after the current ones; only they are computed."""
         t0 = time.perf_counter()
         n = 0
-        for n, _total in self.eval_steps(tokens):
-            pass
+        for done, _total in self.eval_steps(tokens):
+            n = done
         return EvalStats(n_eval=n, seconds=time.perf_counter() - t0)
 
     def eval_steps(self, tokens: Sequence[int]) -> Iterator[tuple[int, int]]:

@@ -201,7 +201,7 @@ def _alt(repl: Repl, arg: str) -> None:
     if not arg:
         texts = [" ".join(str(e.get("text", "")).split()) for e in alts]
         # Alternatives often open alike: show each from a little before where they part ways.
-        common = len(os.path.commonprefix(texts)) if len(texts) > 1 else 0
+        common = len(os.path.commonprefix(texts)) if len(texts) > 1 else 0  # noqa: RUF071 (characters wanted)
         start = max(0, common - 15) if common > 30 else 0
         rows = []
         for i, text in enumerate(texts):

@@ -24,13 +24,13 @@ from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.input import Input
 from prompt_toolkit.output import Output
 
-from chatcli.core.fsutil import ensure_private_dir
-from chatcli.repl.commands import REGISTRY, CommandError, ReplExit, UnknownCommand, dispatch
-from chatcli.core.conversation import Conversation, ConversationError, Event, ResumeReport
 from chatcli.backends.llamacpp import ContextFullError, EngineError
 from chatcli.config.personas import PersonaError
-from chatcli.repl.render import Renderer, human_bytes
+from chatcli.core.conversation import Conversation, ConversationError, Event, ResumeReport
+from chatcli.core.fsutil import ensure_private_dir
 from chatcli.core.template import TemplateError
+from chatcli.repl.commands import REGISTRY, CommandError, ReplExit, UnknownCommand, dispatch
+from chatcli.repl.render import Renderer, human_bytes
 
 USER_ERRORS = (CommandError, ConversationError, ContextFullError, PersonaError, TemplateError, EngineError, OSError)
 
@@ -405,7 +405,7 @@ class Repl:
 
 def context_bar(frac: float, width: int = 10) -> str:
     """A bar of ``width`` cells, in eighths, showing how full the context is."""
-    eighths = int(round(max(0.0, min(1.0, frac)) * width * 8))
+    eighths = round(max(0.0, min(1.0, frac)) * width * 8)
     full, part = divmod(eighths, 8)
     bar = "█" * full + ("▏▎▍▌▋▊▉"[part - 1] if part else "")
     return bar + "░" * (width - len(bar))
@@ -431,7 +431,8 @@ def _one_line(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
-def open_events(events: Iterable[Event | ResumeReport | Conversation], renderer: Renderer) -> tuple[Conversation, ResumeReport | None]:
+def open_events(events: Iterable[Event | ResumeReport | Conversation],
+                renderer: Renderer) -> tuple[Conversation, ResumeReport | None]:
     """Drain a create/open generator: render its events, return the conversation (and resume report)."""
     box: dict[str, Any] = {}
 
