@@ -81,10 +81,10 @@ def _color() -> bool:
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Core errors become one line and an exit code, never a traceback."""
-    from chatcli.backends.llamacpp import EngineError
     from chatcli.config.personas import PersonaError
     from chatcli.config.settings import SettingsError
-    from chatcli.core.conversation import ConversationError
+    from chatcli.core.backend import BackendError as EngineError
+    from chatcli.core.events import ConversationError
     from chatcli.core.migrations import FormatError
     from chatcli.core.store import LockedError, StoreError
     from chatcli.core.template import TemplateError
@@ -251,9 +251,8 @@ def talk(
         if interactive:
             renderer.notice(f"conversation {conv.id} · persona {settings.persona} · {session.model.info.name} · "
                             "/help for commands")
-        greeting = [m for m in conv.r.persona_messages if m.role == "assistant"]
-        if greeting and interactive:
-            renderer.reply_text(greeting[-1].content)
+        if conv.greeting and interactive:
+            renderer.reply_text(conv.greeting)
         code = _run_repl(session, conv, renderer, interactive)
     raise typer.Exit(code)
 
@@ -377,10 +376,10 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
     (fewer once old exchanges left it in a context shift).
     """
     from chatcli.config.settings import get_paths
-    from chatcli.core.conversation import replay_events
     from chatcli.core.export import exchange_counts
     from chatcli.core.migrations import FormatError
     from chatcli.core.store import ConversationStore
+    from chatcli.core.transcript import replay_events
     from chatcli.repl.render import Renderer, human_bytes
 
     with user_errors():
@@ -422,8 +421,8 @@ def show(
 ) -> None:
     """Print a conversation's transcript (messages that left the model's context are marked)."""
     from chatcli.config.settings import get_paths
-    from chatcli.core.conversation import replay_events
     from chatcli.core.store import ConversationStore
+    from chatcli.core.transcript import replay_events
 
     with user_errors():
         store = ConversationStore(get_paths().conversations_dir)
@@ -469,9 +468,9 @@ def export(
     """Write a conversation to stdout as Markdown or JSON: every message, in order (the active path
     through alternatives, edits and undos), including those that left the model's context."""
     from chatcli.config.settings import get_paths
-    from chatcli.core.conversation import replay_events
     from chatcli.core.export import to_markdown, to_messages
     from chatcli.core.store import ConversationStore
+    from chatcli.core.transcript import replay_events
 
     with user_errors():
         if fmt not in ("md", "json"):
@@ -523,7 +522,7 @@ def personas(
 ) -> None:
     """List personas and whether their prefix is cached for the current model."""
     from chatcli.config.personas import get_persona, load_personas, persona_problems
-    from chatcli.core.prefixcache import prefix_status, warm_prefix
+    from chatcli.personacache import prefix_status, warm_prefix
     from chatcli.repl.render import Renderer
 
     with user_errors():

@@ -124,8 +124,8 @@ def test_ls_counts_every_exchange_and_those_in_context(chat: dict[str, Any], mon
 
 def test_export_path_of_a_crafted_transcript(tmp_path: Path) -> None:
     """The order rule without a model: shifted-out messages first, then the context; undone ones absent."""
-    from chatcli.core.conversation import replay_events
     from chatcli.core.export import conversation_path, exchange_counts
+    from chatcli.core.transcript import replay_events
 
     def msg(mid: int, role: str, p0: int, n: int = 2, turn: int = 0) -> dict[str, Any]:
         return {"type": "message", "mid": mid, "role": role, "text": f"m{mid}", "tokens": [1] * n,

@@ -107,7 +107,7 @@ def test_end_marker_outside_the_vocabulary_never_reaches_the_reply(model_path: P
     """SmolLM2 under a ChatML-like template whose markers (``<turn>``, ``</turn>``) are not tokens of its
     vocabulary writes them as ordinary pieces (``</``, ``turn``, ``>``) and goes on with another turn; the
     reply shown and the one stored end before the marker. (Before: "Red.</turn>\\n<turn>assistant\\n…")"""
-    from chatcli.core.conversation import ReplyEnd, ReplyText
+    from chatcli.core.events import ReplyEnd, ReplyText
     from tests.drive import build_session, drain
 
     session = build_session(max_tokens=40)

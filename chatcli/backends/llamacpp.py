@@ -18,9 +18,9 @@ import os
 import threading
 import time
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -31,16 +31,22 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import llama_cpp  # the only import of llama_cpp in chatcli
 
+from chatcli.backends.kvformat import KV_PARAMS, engine_identity
+from chatcli.core.backend import (
+    BackendError,
+    Capabilities,
+    ContextFullError,
+    GenerationResult,
+    Sampling,
+    TokenEvent,
+)
+
 SEQ = 0  # the conversation
 SCRATCH = 1  # staging area for saving/restoring cell ranges
 
 
-class EngineError(RuntimeError):
-    """llama.cpp refused an operation (model load, decode, state restore)."""
-
-
-class ContextFullError(EngineError):
-    """The tokens to evaluate do not fit in the remaining context."""
+# The engine's errors and data types are the Backend protocol's (re-exported here for older imports).
+EngineError = BackendError  # llama.cpp refused an operation (model load, decode, state restore)
 
 
 # llama.cpp logs a lot to stderr; keep the recent lines to explain failures instead of printing them.
@@ -67,48 +73,12 @@ def _last_error() -> str:
     return ""
 
 
-# Pinned context parameters that shape the saved KV format (part of every state file's identity).
-KV_PARAMS: dict[str, object] = {"type_k": "f16", "type_v": "f16", "flash_attn": False, "kv_unified": True}
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Sampling parameters of one reply. ``temperature <= 0`` means greedy."""
-
-    temperature: float = 0.7
-    top_p: float = 0.95
-    top_k: int = 40
-    repeat_penalty: float = 1.1
-    repeat_last_n: int = 64
-
-
 @dataclass
 class EvalStats:
     """What one evaluation cost."""
 
     n_eval: int = 0
     seconds: float = 0.0
-
-
-@dataclass
-class TokenEvent:
-    """One sampled token, as it streams out of ``Engine.generate``."""
-
-    token: int
-    piece: bytes
-    is_eog: bool
-    t_since_start: float
-
-
-@dataclass
-class GenerationResult:
-    """How a generation ended; filled in by ``Engine.generate`` as it goes."""
-
-    tokens: list[int] = field(default_factory=list)
-    stop_reason: str = ""  # "eog" | "length" | "cancelled" | "stop" | "context"
-    ttft: float = 0.0
-    seconds: float = 0.0
-    n_decoded: int = 0
 
 
 @dataclass
@@ -190,6 +160,15 @@ class Engine:
         )
         self.kv_params = dict(KV_PARAMS)
         self._closed = False
+
+    @property
+    def caps(self) -> Capabilities:
+        # A property: ``can_shift`` may be turned off (tests simulate a model whose memory cannot shift).
+        return Capabilities(cells=True, checkpoint=False, logits=True, local_sampling=True, shift=self.can_shift)
+
+    def identity(self) -> dict[str, Any]:
+        """What saved cells must match besides the model: the context size and the pinned KV format."""
+        return engine_identity(self.n_ctx, self.kv_params)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -499,7 +478,7 @@ class Engine:
         finally:
             llama_cpp.llama_memory_seq_rm(self._mem, SCRATCH, -1, -1)
 
-    def load_cells(self, p0: int, p1: int, data: bytes, tokens: Sequence[int]) -> None:
+    def load_cells(self, p0: int, p1: int, data: bytes | memoryview, tokens: Sequence[int]) -> None:
         """Append saved cells of positions [p0, p1) (p0 must equal n_past) with their token ids."""
         if p0 != self.n_past:
             raise EngineError(f"cells start at {p0} but the context holds {self.n_past}")
@@ -526,3 +505,17 @@ class Engine:
 
     def seq_pos_max(self) -> int:
         return int(llama_cpp.llama_memory_seq_pos_max(self._mem, SEQ))
+
+    # -- checkpoints: not this engine's granularity (it saves cells, see caps) ----------------------
+
+    def checkpoint(self, name: str) -> int:
+        raise BackendError("the local engine saves cell ranges, not checkpoints")
+
+    def restore_checkpoint(self, name: str, tokens: Sequence[int]) -> bool:
+        raise BackendError("the local engine saves cell ranges, not checkpoints")
+
+
+__all__ = [
+    "KV_PARAMS", "BackendError", "Capabilities", "ContextFullError", "Engine", "EngineError", "EvalStats",
+    "GenerationResult", "Sampling", "TokenEvent",
+]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from chatcli.core.conversation import Replay
+from chatcli.core.transcript import Replay
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
-from chatcli.core.conversation import ActiveMessage, Event, Notice, Progress, ReplyEnd, ReplyStart, ReplyText, TurnStats
+from chatcli.core.events import Event, Notice, Progress, ReplyEnd, ReplyStart, ReplyText, TurnStats
+from chatcli.core.transcript import ActiveMessage
 
 # Prose is hard to read in very wide lines: replies are laid out at most this wide.
 MAX_REPLY_WIDTH = 100
