@@ -98,21 +98,18 @@ def build_session(home: str | Path, *, model: str | None, n_ctx: int, threads: i
 
 def drain(gen: Iterator[Any]) -> tuple[Any, Any, list[Any], list[Any]]:
     """Run a chatcli event generator to its end: (conversation, resume report, reply ends, notices)."""
-    from chatcli.core.conversation import Conversation, Notice, ReplyEnd, ResumeReport
+    from chatcli.core.events import Notice, ReplyEnd
+    from chatcli.core.opening import split_opening
 
-    conv = report = None
+    events, opened = split_opening(gen)
     ends: list[Any] = []
     notices: list[Any] = []
-    for ev in gen:
-        if isinstance(ev, Conversation):
-            conv = ev
-        elif isinstance(ev, ResumeReport):
-            report = ev
-        elif isinstance(ev, ReplyEnd):
+    for ev in events:
+        if isinstance(ev, ReplyEnd):
             ends.append(ev)
         elif isinstance(ev, Notice):
             notices.append(ev)
-    return conv, report, ends, notices
+    return opened.conversation, opened.report, ends, notices
 
 
 def first_token(conv: Any, gen: Iterator[Any]) -> tuple[float, Any]:

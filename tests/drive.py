@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from chatcli.config.settings import get_paths, load_settings_explicit
 from chatcli.core.conversation import Conversation, ReplyEnd, ResumeReport
+from chatcli.core.opening import split_opening
 from chatcli.models.resolve import resolve_model
 from chatcli.session import Session
 
@@ -33,16 +34,9 @@ def build_session(*, temperature: float = 0.0, seed: int | None = 1234, n_ctx: i
 
 
 def drain(gen: Any) -> tuple[Conversation | None, ResumeReport | None, list[ReplyEnd]]:
-    conv = report = None
-    ends: list[ReplyEnd] = []
-    for ev in gen:
-        if isinstance(ev, Conversation):
-            conv = ev
-        elif isinstance(ev, ResumeReport):
-            report = ev
-        elif isinstance(ev, ReplyEnd):
-            ends.append(ev)
-    return conv, report, ends
+    events, opened = split_opening(gen)
+    ends = [ev for ev in events if isinstance(ev, ReplyEnd)]
+    return opened.conversation, opened.report, ends
 
 
 def say(conv: Conversation, text: str) -> tuple[list[int], np.ndarray]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,6 +18,8 @@ from typer.testing import CliRunner
 from chatcli.cli import app
 from chatcli.core.conversation import Conversation
 from chatcli.repl.commands import dispatch
+from chatcli.repl.context import CommandContext
+from chatcli.repl.loop import LineIO
 from chatcli.repl.render import Renderer
 from tests.drive import build_session, drain
 
@@ -65,8 +66,9 @@ def chat(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         persona = [m.as_dict() for m in conv.r.persona_messages]
         save_target = home.parent / "saved.md"
         out = io.StringIO()
-        fake_repl = SimpleNamespace(conv=conv, renderer=Renderer(Console(file=out), plain=True, err=out))
-        dispatch(fake_repl, f"/save {save_target}")  # type: ignore[arg-type]
+        ctx = CommandContext(conv=conv, renderer=Renderer(Console(file=out), plain=True, err=out), io=LineIO(io.StringIO()),
+                             run_reply=lambda events: None, personas=dict, switch_persona=lambda name: None)
+        dispatch(ctx, f"/save {save_target}")
         saved_notice = out.getvalue()
         conv.close()
         session.close()

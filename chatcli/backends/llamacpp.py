@@ -81,15 +81,6 @@ class EvalStats:
     seconds: float = 0.0
 
 
-@dataclass
-class Chunk:
-    """Saved KV cells of positions [p0, p1) of the conversation sequence."""
-
-    p0: int
-    p1: int
-    data: bytes
-
-
 class Engine:
     """Owns one model and one context for the life of a chatcli process."""
 
@@ -329,7 +320,6 @@ class Engine:
         max_tokens: int,
         result: GenerationResult | None = None,
         stop_strings: Sequence[str] = (),
-        reserve: int = 0,
     ) -> Iterator[TokenEvent]:
         """Sample a reply token by token from the current logits.
 
@@ -352,7 +342,7 @@ class Engine:
                 if len(res.tokens) >= max_tokens:
                     res.stop_reason = "length"
                     break
-                if self.n_past + 1 + reserve > self.n_ctx:
+                if self.n_past + 1 > self.n_ctx:
                     res.stop_reason = "context"
                     break
                 tok = self._sample(chain)

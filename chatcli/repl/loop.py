@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import IO, Any, Callable, ContextManager, Iterable, Iterator, Protocol, TextIO
+from typing import IO, TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator, TextIO
 
 from prompt_toolkit import PromptSession
 from prompt_toolkit.completion import Completer, Completion
@@ -27,20 +27,18 @@ from prompt_toolkit.output import Output
 from chatcli.config.personas import PersonaError
 from chatcli.core.backend import BackendError, ContextFullError
 from chatcli.core.conversation import Conversation
-from chatcli.core.events import EVENT_TYPES, ConversationError, Event, ResumeReport
+from chatcli.core.events import ConversationError, Event, ResumeReport
 from chatcli.core.fsutil import ensure_private_dir
+from chatcli.core.opening import split_opening
 from chatcli.core.template import TemplateError
 from chatcli.repl.commands import REGISTRY, CommandError, ReplExit, UnknownCommand, dispatch
+from chatcli.repl.context import ChatConversation, ChatIO, CommandContext
 from chatcli.repl.render import Renderer, human_bytes
 
+if TYPE_CHECKING:
+    from chatcli.session import Session
+
 USER_ERRORS = (CommandError, ConversationError, ContextFullError, PersonaError, TemplateError, BackendError, OSError)
-
-
-class ChatIO(Protocol):
-    def read(self, default: str = "") -> str: ...
-    def edit_text(self, text: str) -> str | None: ...
-    def copy_to_clipboard(self, text: str) -> str: ...
-    def busy(self) -> ContextManager[None]: ...
 
 
 class SlashCompleter(Completer):
@@ -64,7 +62,7 @@ class SlashCompleter(Completer):
         if cmd is None or cmd.complete is None:
             return
         try:
-            options = cmd.complete(self.repl)
+            options = cmd.complete(self.repl.command_context())
         except Exception:  # completion must never break typing
             return
         for opt in options:
@@ -203,8 +201,8 @@ class Repl:
 
     def __init__(
         self,
-        session: Any,
-        conv: Conversation,
+        session: Session,
+        conv: ChatConversation,
         renderer: Renderer,
         io_factory: Callable[[Repl], ChatIO],
     ) -> None:
@@ -289,7 +287,7 @@ class Repl:
                     with self._busy():
                         if line.startswith("/") and not line.startswith("//"):
                             try:
-                                dispatch(self, line.strip())
+                                dispatch(self.command_context(), line.strip())
                             except UnknownCommand:
                                 pending = line  # a typo, or a message meant to start with "/": keep it
                                 raise
@@ -379,10 +377,10 @@ class Repl:
                 self.conv.cancel()
             yield ev
 
-    def show_last(self) -> None:
-        msgs = self.conv.messages
-        if msgs and msgs[-1].role == "assistant":
-            self.renderer.reply_text(msgs[-1].text)
+    def command_context(self) -> CommandContext:
+        """What a slash command may use (made per command: /persona replaces the conversation)."""
+        return CommandContext(conv=self.conv, renderer=self.renderer, io=self.io, run_reply=self.run_reply,
+                              personas=self.session.personas, switch_persona=self.switch_persona)
 
     def switch_persona(self, name: str) -> None:
         """Start a new conversation from persona ``name``; the current one is saved and closed."""
@@ -434,19 +432,11 @@ def _one_line(exc: BaseException) -> str:
 def open_events(events: Iterable[Event | ResumeReport | Conversation],
                 renderer: Renderer) -> tuple[Conversation, ResumeReport | None]:
     """Drain a create/open generator: render its events, return the conversation (and resume report)."""
-    box: dict[str, Any] = {}
-
-    def only_events() -> Iterator[Event]:
-        for ev in events:
-            if isinstance(ev, ResumeReport):
-                box["report"] = ev
-            elif isinstance(ev, EVENT_TYPES):
-                yield ev
-            else:  # the conversation itself (or anything implementing its interface)
-                box["conv"] = ev
-
-    renderer.stream(only_events(), label="loading")
-    return box["conv"], box.get("report")
+    only_events, opened = split_opening(events)
+    renderer.stream(only_events, label="loading")
+    if opened.conversation is None:
+        raise ConversationError("the conversation could not be opened")  # the generator ended early
+    return opened.conversation, opened.report
 
 
 def is_tty(stream: IO[str]) -> bool:
