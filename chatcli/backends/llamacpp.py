@@ -17,6 +17,7 @@ import ctypes
 import os
 import threading
 import time
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -28,10 +29,10 @@ import numpy as np
 # on an idle machine.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import llama_cpp  # noqa: E402  (the only import of llama_cpp in chatcli)
+import llama_cpp  # the only import of llama_cpp in chatcli
 
-from chatcli.backends.kvformat import KV_PARAMS, engine_identity  # noqa: E402
-from chatcli.core.backend import (  # noqa: E402
+from chatcli.backends.kvformat import KV_PARAMS, engine_identity
+from chatcli.core.backend import (
     BackendError,
     Capabilities,
     ContextFullError,
@@ -52,7 +53,7 @@ EngineError = BackendError  # llama.cpp refused an operation (model load, decode
 _LOG: collections.deque[str] = collections.deque(maxlen=50)
 
 
-@llama_cpp.llama_log_callback
+@llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]  # a ctypes CFUNCTYPE
 def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     try:
         _LOG.append(text.decode("utf-8", errors="replace"))
@@ -78,15 +79,6 @@ class EvalStats:
 
     n_eval: int = 0
     seconds: float = 0.0
-
-
-@dataclass
-class Chunk:
-    """Saved KV cells of positions [p0, p1) of the conversation sequence."""
-
-    p0: int
-    p1: int
-    data: bytes
 
 
 class Engine:
@@ -241,8 +233,8 @@ class Engine:
         """Evaluate ``tokens`` after the current ones; only they are computed."""
         t0 = time.perf_counter()
         n = 0
-        for n, _total in self.eval_steps(tokens):
-            pass
+        for done, _total in self.eval_steps(tokens):
+            n = done
         return EvalStats(n_eval=n, seconds=time.perf_counter() - t0)
 
     def eval_steps(self, tokens: Sequence[int]) -> Iterator[tuple[int, int]]:
@@ -340,7 +332,6 @@ class Engine:
         max_tokens: int,
         result: GenerationResult | None = None,
         stop_strings: Sequence[str] = (),
-        reserve: int = 0,
     ) -> Iterator[TokenEvent]:
         """Sample a reply token by token from the current logits.
 
@@ -363,7 +354,7 @@ class Engine:
                 if len(res.tokens) >= max_tokens:
                     res.stop_reason = "length"
                     break
-                if self.n_past + 1 + reserve > self.n_ctx:
+                if self.n_past + 1 > self.n_ctx:
                     res.stop_reason = "context"
                     break
                 tok = self._sample(chain)
@@ -437,7 +428,7 @@ class Engine:
                 llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(s.top_p, 1))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(s.temperature))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
-        return chain
+        return typing.cast(ctypes.c_void_p, chain)  # llama_cpp's bindings are untyped
 
     # -- memory ------------------------------------------------------------------------------------
 

@@ -13,22 +13,20 @@ import difflib
 import math
 import os
 import re
-import stat
-import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import platformdirs
+
+from chatcli.core.fsutil import ensure_private_dir
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10 needs the backport
-    import tomli as tomllib
+import tomllib
 
 APP_NAME = "chatcli"
 ENV_PREFIX = "CHATCLI_"
@@ -72,6 +70,10 @@ class Paths:
         return self.cache_dir / "prefix"
 
 
+# The older name, until every caller imports ensure_private_dir from chatcli.core.fsutil.
+ensure_dir = ensure_private_dir
+
+
 def get_paths(env: Mapping[str, str] | None = None) -> Paths:
     """Resolve chatcli's directories: all under ``$CHATCLI_HOME`` if set, else the platform's user dirs."""
     env = os.environ if env is None else env
@@ -86,26 +88,6 @@ def get_paths(env: Mapping[str, str] | None = None) -> Paths:
         cache_dir=platformdirs.user_cache_path(APP_NAME),
         config_dir=platformdirs.user_config_path(APP_NAME),
     )
-
-
-def ensure_dir(path: Path) -> Path:
-    """Create `path` (and parents) and make it private (0700): conversations are nobody else's business."""
-    # Parents we create are private too (mkdir(parents=True) would make them 0755).
-    missing = []
-    p = path
-    while not p.exists() and p != p.parent:
-        missing.append(p)
-        p = p.parent
-    for d in reversed(missing):
-        d.mkdir(mode=0o700, exist_ok=True)
-        os.chmod(d, 0o700)
-    # mkdir's mode is filtered by the umask and ignored for an existing dir, so set it explicitly; only
-    # for dirs we own, since chmod on someone else's (e.g. a shared CHATCLI_HOME parent) would fail.
-    st = path.stat()
-    getuid = getattr(os, "getuid", None)
-    if getuid is not None and st.st_uid == getuid() and stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700)
-    return path
 
 
 # -------------------------------------------------------------------------------------------- settings
@@ -350,6 +332,21 @@ def load_settings(
 ) -> Settings:
     """Merge defaults, packaged config, user config, ``CHATCLI_*`` env vars and flags (None = not given)."""
     return _resolve(flags, paths, env)[0]
+
+
+def load_settings_explicit(
+    flags: Mapping[str, Any] | None = None,
+    *,
+    paths: Paths | None = None,
+    env: Mapping[str, str] | None = None,
+) -> tuple[Settings, set[str]]:
+    """``load_settings``, and the names the user set for this run (a flag or a ``CHATCLI_*`` variable).
+
+    Those win over a persona's own sampling defaults; the config file and the defaults do not.
+    """
+    settings, origins = _resolve(flags, paths, env)
+    explicit = {name for name, origin in origins.items() if origin.startswith(("env ", "flag "))}
+    return settings, explicit
 
 
 def describe_settings(
