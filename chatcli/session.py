@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
+from chatcli.core import prefixcache
+from chatcli.core.budget import Freed, enforce, parse_size, total_bytes
 from chatcli.core.conversation import Conversation, Event, ResumeReport
 from chatcli.backends.llamacpp import Engine, Sampling
 from chatcli.models.resolve import ModelRef, resolve_model
@@ -65,7 +67,8 @@ class Session:
         n_ctx = effective_n_ctx(settings.n_ctx, trained)
         if trained and settings.n_ctx > trained:
             notices.append(f"n_ctx {settings.n_ctx} is above the model's trained context; using {n_ctx}")
-        engine = Engine(ref.path, n_ctx=n_ctx, n_threads=settings.threads or None, progress=progress)
+        engine = Engine(ref.path, n_ctx=n_ctx, n_threads=settings.threads or None, progress=progress,
+                        kv_type=settings.kv_type)
         tmpl_src = ref.info.chat_template
         template = ChatTemplate(
             tmpl_src,
@@ -116,6 +119,23 @@ class Session:
             max_tokens=self._max_tokens(persona), reserve=self.settings.reserve,
             persona_messages=persona.messages() if persona is not None else None,
         )
+
+    # -- state budget ---------------------------------------------------------------------------------
+
+    def keep_budget(self, open_convs: Iterable[Conversation] = ()) -> Freed | None:
+        """After a save: if all KV state now exceeds ``state_budget``, drop the least recently used state
+        files (never ``open_convs``, other open conversations or their persona prefixes). None when within
+        budget, so the caller shows nothing."""
+        limit = parse_size(self.settings.state_budget)
+        if limit is None:
+            return None
+        if total_bytes(self.paths.conversations_dir, self.paths.prefix_cache_dir) <= limit:
+            return None
+        convs = list(open_convs)
+        prefixes = [prefixcache.cache_path(self.paths.prefix_cache_dir, c.state_identity(),
+                                           str(c.meta.get("persona_hash", "")), self.template.source) for c in convs]
+        return enforce(self.paths.conversations_dir, self.paths.prefix_cache_dir, limit,
+                       keep_ids=[c.id for c in convs], keep_prefixes=prefixes)
 
     def close(self) -> None:
         self.engine.close()

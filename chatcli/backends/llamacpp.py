@@ -69,6 +69,24 @@ def _last_error() -> str:
 # Pinned context parameters that shape the saved KV format (part of every state file's identity).
 KV_PARAMS: dict[str, object] = {"type_k": "f16", "type_v": "f16", "flash_attn": False, "kv_unified": True}
 
+# The KV cache types chatcli offers: name -> ggml type. K and V use the same type.
+KV_TYPES: dict[str, int] = {
+    "f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+}
+
+
+def kv_params_for(kv_type: str) -> dict[str, object]:
+    """The identity-shaping context parameters of a KV type.
+
+    llama.cpp refuses a quantized V cache without flash attention (llama_init_from_model: "quantized V
+    cache requires flash_attn to be enabled"), so q8_0/q4_0 turn it on. Flash attention also stores V
+    untransposed (the state's ``v_trans`` flag), a different saved layout: it is part of the identity, and
+    f16 keeps it off so f16 states stay what they always were.
+    """
+    if kv_type not in KV_TYPES:
+        raise EngineError(f"unknown KV type {kv_type!r}: use {', '.join(KV_TYPES)}")
+    return {**KV_PARAMS, "type_k": kv_type, "type_v": kv_type, "flash_attn": kv_type != "f16"}
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -130,8 +148,10 @@ class Engine:
         n_threads: int | None = None,
         n_batch: int = 512,
         progress: Callable[[float], None] | None = None,
+        kv_type: str = "f16",
     ) -> None:
         global _BACKEND_READY
+        kv_params = kv_params_for(kv_type)  # an unknown type fails before the model is loaded
         if not _BACKEND_READY:
             llama_cpp.llama_backend_init()
             _BACKEND_READY = True
@@ -162,17 +182,18 @@ class Engine:
         cparams.kv_unified = True
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
-        # Pinned so the saved V layout (transposed or not) is the same in every process.
-        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        cparams.type_k = llama_cpp.GGML_TYPE_F16
-        cparams.type_v = llama_cpp.GGML_TYPE_F16
+        # Pinned (never "auto") so the saved V layout (transposed or not) is the same in every process.
+        cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if kv_params["flash_attn"]
+                                   else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        cparams.type_k = KV_TYPES[kv_type]
+        cparams.type_v = KV_TYPES[kv_type]
         cparams.no_perf = True
         # Set from a signal handler (Ctrl-C) and checked between tokens: a decode is never cut in half.
         self._cancel_flag = threading.Event()
         ctx = llama_cpp.llama_init_from_model(model, cparams)
         if not ctx:
             llama_cpp.llama_model_free(model)
-            raise EngineError(f"llama.cpp could not create a context of {n_ctx} tokens: {_last_error() or 'unknown error'}")
+            raise EngineError(f"llama.cpp could not create a context of {n_ctx} tokens (KV {kv_type}): {_last_error() or 'unknown error'}")
         self._ctx = ctx
         self._mem = llama_cpp.llama_get_memory(ctx)
         self.n_ctx = llama_cpp.llama_n_ctx(ctx)
@@ -187,7 +208,8 @@ class Engine:
         self._candidates = np.zeros(
             self.n_vocab, dtype=np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
         )
-        self.kv_params = dict(KV_PARAMS)
+        self.kv_type = kv_type
+        self.kv_params = kv_params
         self._closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------------

@@ -128,6 +128,8 @@ class Settings:
     persona: str = "alice"
     plain: bool = False
     history_preview: int = 3  # exchanges shown on resume
+    kv_type: str = "f16"  # KV cache type of new conversations: f16 | q8_0 | q4_0
+    state_budget: str = "20GB"  # bound on all KV state files + persona prefix cache; 0/none = no limit
 
 
 SETTING_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Settings))
@@ -147,7 +149,21 @@ _KINDS: dict[str, tuple[type, bool]] = {
     "persona": (str, False),
     "plain": (bool, False),
     "history_preview": (int, False),
+    "kv_type": (str, False),
+    "state_budget": (str, False),
 }
+
+KV_TYPE_NAMES = ("f16", "q8_0", "q4_0")  # the engine's KV_TYPES (tests check they agree)
+
+
+def _is_size(value: str) -> bool:
+    from chatcli.core.budget import BudgetError, parse_size
+
+    try:
+        parse_size(value)
+    except BudgetError:
+        return False
+    return True
 
 # name -> (predicate, what the value must be). Ranges follow what llama.cpp accepts.
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -163,6 +179,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "reserve": (lambda v: v >= 0, "must be 0 or more"),
     "persona": (lambda v: bool(v.strip()), "must not be empty"),
     "history_preview": (lambda v: v >= 0, "must be 0 or more"),
+    "kv_type": (lambda v: v in KV_TYPE_NAMES, f"must be one of {', '.join(KV_TYPE_NAMES)}"),
+    "state_budget": (_is_size, "must be a size such as 20GB or 500MB, or 0/none for no limit"),
 }
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -201,6 +219,8 @@ def check_setting(name: str, value: Any) -> Any:
     if name not in _KINDS:
         raise SettingsError(_unknown_setting(name))
     kind, optional = _KINDS[name]
+    if name == "state_budget" and isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)  # `state_budget = 0` in TOML: a size in bytes
     # TOML has no null, so "none" (or "") is how a file resets an optional setting such as seed.
     if optional and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE)):
         return None

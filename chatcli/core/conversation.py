@@ -318,7 +318,7 @@ class Conversation:
         return sf.encode_record(sf.HEADER, 0, 0, sf.header_payload(self.state_identity()))
 
     def state_identity(self) -> dict[str, Any]:
-        return prefixcache.state_identity(self.identity, self.engine.n_ctx)
+        return prefixcache.state_identity(self.identity, self.engine.n_ctx, self.engine.kv_params)
 
     def _load_prefix(self, prefix_tokens: list[int], cache_dir: Path | None) -> Iterator[Event]:
         cache_file = None

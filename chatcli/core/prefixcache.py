@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generator
 
 from chatcli.core import statefile as sf
-from chatcli.backends.llamacpp import KV_PARAMS, Engine
+from chatcli.backends.llamacpp import KV_PARAMS, Engine, kv_params_for
 
 if TYPE_CHECKING:
     from chatcli.core.conversation import Event
@@ -23,9 +24,10 @@ if TYPE_CHECKING:
     from chatcli.config.settings import Paths, Settings
 
 
-def state_identity(model_identity: dict[str, Any], n_ctx: int) -> dict[str, Any]:
-    """What saved cells must match to be loaded into a context."""
-    return {"model": model_identity, "n_ctx": n_ctx, **KV_PARAMS}
+def state_identity(model_identity: dict[str, Any], n_ctx: int, kv_params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What saved cells must match to be loaded into a context: model, context size and the engine's KV
+    parameters (type, flash attention), so a state written with one KV type never loads into another."""
+    return {"model": model_identity, "n_ctx": n_ctx, **(KV_PARAMS if kv_params is None else kv_params)}
 
 
 def cache_path(cache_dir: Path, identity: dict[str, Any], persona_hash: str, template_source: str) -> Path:
@@ -57,6 +59,7 @@ def load_or_build(
                 toks, kv = sf.split_cells(payload, n)
                 if toks == prefix_tokens:
                     engine.load_cells(0, n, kv, toks)
+                    _touch(cache_file)
                     ms = 1000 * (time.perf_counter() - t0)
                     yield Notice(f"persona prefix: {n} tokens loaded from cache in {ms:.0f} ms (not evaluated)")
                     return [header, sf.encode_record(sf.CELLS, 0, n, payload)], True
@@ -78,6 +81,14 @@ def load_or_build(
     return records, False
 
 
+def _touch(path: Path) -> None:
+    """Mark a prefix file as used now: the state budget evicts prefix files by mtime (least recent first)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
 def prefix_status(settings: Settings, paths: Paths, persona: Persona, session: Session | None = None) -> str:
     """"cached" or "not cached" for the current model, without loading it."""
     from chatcli.models.resolve import resolve_model
@@ -85,6 +96,7 @@ def prefix_status(settings: Settings, paths: Paths, persona: Persona, session: S
 
     if session is not None:
         ref, n_ctx, tmpl = session.model, session.engine.n_ctx, session.template.source
+        kv_params = session.engine.kv_params
     else:
         try:
             ref = resolve_model(settings.model)
@@ -92,7 +104,8 @@ def prefix_status(settings: Settings, paths: Paths, persona: Persona, session: S
             return "no model"
         n_ctx = effective_n_ctx(settings.n_ctx, ref.info.context_length)
         tmpl = ChatTemplate(ref.info.chat_template).source
-    path = cache_path(paths.prefix_cache_dir, state_identity(ref.identity(), n_ctx), persona.text_hash(), tmpl)
+        kv_params = kv_params_for(settings.kv_type)
+    path = cache_path(paths.prefix_cache_dir, state_identity(ref.identity(), n_ctx, kv_params), persona.text_hash(), tmpl)
     return "cached" if path.exists() else "not cached"
 
 
@@ -108,7 +121,7 @@ def warm_prefix(session: Session, persona: Persona) -> Generator[Event, None, No
     engine.clear()
     text = session.template.prefix(persona.messages())
     tokens = engine.tokenize(text, add_special=engine.add_bos) if text else []
-    identity = state_identity(session.identity(), engine.n_ctx)
+    identity = state_identity(session.identity(), engine.n_ctx, engine.kv_params)
     path = cache_path(session.paths.prefix_cache_dir, identity, persona.text_hash(), session.template.source)
     _, hit = yield from load_or_build(engine, tokens, path, identity)
     yield Notice(f"{persona.name}: {len(tokens)} prefix tokens {'already cached' if hit else 'cached'}")
