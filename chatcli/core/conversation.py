@@ -18,11 +18,11 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from chatcli.core import prefixcache
+from chatcli.core import budget, prefixcache, rebuild
 from chatcli.core import statefile as sf
 from chatcli.backends.llamacpp import ContextFullError, Engine, GenerationResult, Sampling
 from chatcli.core.store import ConversationDir, ConversationStore
@@ -258,6 +258,10 @@ class Conversation:
         self._stop_strings = template.reply_stop_strings()
         self._warned_no_shift = False
         self.save_error: str = ""
+        # Set by the Session: called after every successful state write (the state budget); returns a line
+        # to show, or None. Its notices are yielded before the next ReplyEnd, or taken by the front end.
+        self.after_save: Callable[[], str | None] | None = None
+        self._pending_notices: list[Notice] = []
 
     # -- construction ------------------------------------------------------------------------------
 
@@ -397,8 +401,10 @@ class Conversation:
         usable = res.header is not None and res.header.get("identity") == self.state_identity()
         if res.header is None:
             report.reason = "no saved state" if res.problem in ("missing", "empty") else f"state file unusable ({res.problem})"
+            if res.problem == "missing" and budget.was_evicted(self.meta):
+                report.reason = "its KV state was dropped to keep within the state budget"
         elif not usable:
-            report.reason = "saved state is for another model or context size"
+            report.reason = prefixcache.identity_mismatch(res.header.get("identity"), self.state_identity())
         else:
             if res.dropped_bytes:
                 report.reason = f"dropped {res.dropped_bytes} bytes of a damaged state record ({res.problem})"
@@ -437,7 +443,9 @@ class Conversation:
         tail = want[n_ok:]
         if tail:
             t1 = time.perf_counter()
-            for done, total in eng.eval_steps(tail):
+            # Batched as the tokens were when first evaluated, so the rebuilt KV is bit-identical (rebuild.py).
+            plan = rebuild.segments(len(self.r.prefix_tokens), self.r.active, self._closing_len)
+            for done, total in rebuild.evaluate(eng, want, n_ok, plan):
                 yield Progress("rebuilding context from the transcript", done, total, time.perf_counter() - t1)
             report.reevaluated = len(tail)
         # Bring the state file in line with the context (one rewrite; the common case writes nothing).
@@ -445,8 +453,22 @@ class Conversation:
             self._rewrite_state()
         else:
             self.state = res
+        self._remember_state_params()
         if self.turn_logits and self.turn_logits[0] == eng.n_past:
             eng.set_logits(self.turn_logits[1])
+
+    def _remember_state_params(self) -> None:
+        """The metadata says which KV format the state file holds (resuming with another --kv-type changes
+        it) and forgets an eviction once the state is back."""
+        params = {"n_ctx": self.engine.n_ctx, **self.engine.kv_params}
+        if self.meta.get("params") == params and "evicted" not in self.meta:
+            return
+        self.meta["params"] = params
+        self.meta.pop("evicted", None)
+        try:
+            self.dir.write_meta(self.meta)
+        except OSError as exc:
+            self.save_error = f"could not update metadata ({exc.strerror or exc})"
 
     # -- views -----------------------------------------------------------------------------------------
 
@@ -593,10 +615,22 @@ class Conversation:
         self.session_stats["gen_seconds"] += stats.gen_seconds
         if abandoned:
             return  # a closed generator must not yield again
+        yield from self.take_notices()
         yield ReplyEnd(msg, stats)
 
-    def _closing_tokens(self, text: str, reply_tokens: list[int], stop: str) -> list[int]:
-        closing = self.template.closing([*self.history(), Message("assistant", text)])
+    def _closing_len(self, i: int) -> int:
+        """How many tokens at the end of reply ``i`` are the template's closing (evaluated as one batch)."""
+        m = self.r.active[i]
+        history = [*self.r.persona_messages, *(x.as_message() for x in self.r.active[:i])]
+        for n in range(0, min(len(m.tokens) - 1, 16) + 1):
+            if self._closing_tokens(m.text, m.tokens[:len(m.tokens) - n], m.stop, history) == m.tokens[len(m.tokens) - n:]:
+                return n
+        return 0  # the closing did not fit in the context (or the template changed): all decoded one by one
+
+    def _closing_tokens(self, text: str, reply_tokens: list[int], stop: str,
+                        history: list[Message] | None = None) -> list[int]:
+        history = self.history() if history is None else history
+        closing = self.template.closing([*history, Message("assistant", text)])
         if stop == "eog" and reply_tokens:
             eog_text = self.engine.piece(reply_tokens[-1], special=True).decode("utf-8", "replace")
             # A model may end with a token the template does not write (e.g. EOS after ChatML): then the
@@ -840,6 +874,7 @@ class Conversation:
         self.state.records.extend(added)
         if stats is not None:
             stats.save_ms += 1000 * (time.perf_counter() - t0)
+        self._saved()
         return n
 
     def _rewrite_state(self) -> bytes | None:
@@ -862,7 +897,20 @@ class Conversation:
         st = sf.ScanResult(header={"identity": self.state_identity()})
         st.records, st.valid_bytes = sf.records_at(recs, 0)
         self.state = st
+        self._saved()
         return kv
+
+    def _saved(self) -> None:
+        """Every successful state write ends here: the one place the state budget is applied."""
+        if self.after_save is not None:
+            text = self.after_save()
+            if text:
+                self._pending_notices.append(Notice(text))
+
+    def take_notices(self) -> list[Notice]:
+        """Notices raised outside a reply (e.g. by /undo, /alt): for the front end to show."""
+        out, self._pending_notices = self._pending_notices, []
+        return out
 
     def _maybe_compact(self) -> bool:
         total = self.state.valid_bytes

@@ -30,6 +30,22 @@ def state_identity(model_identity: dict[str, Any], n_ctx: int, kv_params: dict[s
     return {"model": model_identity, "n_ctx": n_ctx, **(KV_PARAMS if kv_params is None else kv_params)}
 
 
+def identity_mismatch(saved: Any, current: dict[str, Any]) -> str:
+    """Why a saved state does not fit this context, in one line (the resume report's reason)."""
+    if not isinstance(saved, dict):
+        return "saved state has no identity"
+    if saved.get("model") != current.get("model"):
+        return "saved state is for another model"
+    if saved.get("n_ctx") != current.get("n_ctx"):
+        return f"saved state is for a context of {saved.get('n_ctx')} tokens (this one: {current.get('n_ctx')})"
+    kv = ("type_k", "type_v", "flash_attn")
+    if any(saved.get(k) != current.get(k) for k in kv):
+        def name(i: dict[str, Any]) -> str:
+            return f"{i.get('type_k')}{' + flash attention' if i.get('flash_attn') else ''}"
+        return f"saved state uses KV type {name(saved)}, this context {name(current)}"
+    return "saved state is for other context parameters"
+
+
 def cache_path(cache_dir: Path, identity: dict[str, Any], persona_hash: str, template_source: str) -> Path:
     h = hashlib.sha256()
     h.update(json.dumps(identity, sort_keys=True).encode())
