@@ -388,12 +388,14 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
             print("no conversations yet: start one with `chatcli talk`")
             return
         for r in rows:
-            r["state"] = f"{human_bytes(r['state_bytes'])} {r['kv_type']}" if r["warm"] else "cold"
+            r["state"] = human_bytes(r["state_bytes"])
+            r["kv"] = f"warm {r['kv_type']}" if r["warm"] else "cold"
             r["updated"] = datetime.fromtimestamp(float(r["updated"])).strftime("%Y-%m-%d %H:%M")
         plain = not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR"))
         Renderer(Console(highlight=False), plain=plain).table(
-            rows, ["id", "title", "persona", "turns", "tokens", "state", "updated"])
-        print(_usage_line(len(rows), sum(1 for r in rows if r["warm"])))
+            rows, ["id", "title", "persona", "turns", "tokens", "state", "updated", "kv"])
+        # The total goes to stderr when stdout is a pipe: scripts read one row per conversation.
+        print(_usage_line(len(rows), sum(1 for r in rows if r["warm"])), file=sys.stdout if sys.stdout.isatty() else sys.stderr)
 
 
 def _usage_line(n: int, n_warm: int) -> str:

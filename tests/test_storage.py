@@ -248,7 +248,7 @@ def test_evicted_conversation_resumes_with_identical_greedy_tokens(uninterrupted
     size = conv_dir.state_size()
     runner = CliRunner()
     ls = runner.invoke(app, ["ls"])
-    assert ls.exit_code == 0 and "2 warm, 0 cold" in ls.stdout
+    assert ls.exit_code == 0 and "2 warm, 0 cold" in ls.output
     gc = runner.invoke(app, ["gc", "--budget", "0"])
     assert gc.exit_code == 0, gc.output
     assert first["id"] in gc.stdout and other["id"] in gc.stdout and "freed" in gc.stdout
@@ -256,7 +256,8 @@ def test_evicted_conversation_resumes_with_identical_greedy_tokens(uninterrupted
     ls = runner.invoke(app, ["ls", "--json"])
     rows = {r["id"]: r for r in json.loads(ls.stdout)}
     assert rows[first["id"]]["warm"] is False and rows[first["id"]]["state_bytes"] == 0
-    assert "0 warm, 2 cold" in runner.invoke(app, ["ls"]).stdout
+    cold = runner.invoke(app, ["ls"])
+    assert "0 warm, 2 cold" in cold.output and cold.stdout.count("\tcold") == 2
     assert runner.invoke(app, ["gc", "--budget", "lots"]).exit_code == 2
 
     res = drive("--resume", first["id"], *says(MSGS[2:]))
