@@ -80,6 +80,7 @@ class FakeConversation(Conversation):
         self.last_stats = None
         self.session_stats = {"turns": 0, "n_eval": 0, "n_generated": 0, "gen_seconds": 0.0}
         self.save_error = ""
+        self._pending_notices = []
         self.closed = False
         self.sent: list[str] = []
 

@@ -7,16 +7,17 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
+from chatcli.config.settings import SettingsError, get_paths, load_settings
 from chatcli.core import budget
 from chatcli.core import statefile as sf
 from chatcli.core.conversation import Conversation, Notice, Progress, ResumeReport
-from chatcli.config.settings import SettingsError, get_paths, load_settings
 from chatcli.core.store import ConversationStore
 from tests.drive import build_session, drain, says
 from tests.drive import run_process as drive
@@ -179,7 +180,11 @@ def test_state_of_one_kv_type_is_never_loaded_into_another(engines: dict[str, An
     for src, dst in ((q8, f16), (f16, q8)):
         loads: list[int] = []
         real = dst.engine.load_cells
-        monkeypatch.setattr(dst.engine, "load_cells", lambda *a, **k: (loads.append(a[1] - a[0]), real(*a, **k))[1])
+        def counted(*a: Any, loads: list[int] = loads, real: Any = real) -> Any:
+            loads.append(a[1] - a[0])
+            return real(*a)
+
+        monkeypatch.setattr(dst.engine, "load_cells", counted)
         opened, report, _ = drain(dst.open_conversation(cid))
         assert opened is not None and report is not None
         want = src.engine.kv_type, dst.engine.kv_type
@@ -207,7 +212,7 @@ def test_state_of_one_kv_type_is_never_loaded_into_another(engines: dict[str, An
 def run(args: list[str], home: Path, logits: Path | None = None) -> dict[str, Any]:
     env = {**os.environ, "CHATCLI_HOME": str(home)}
     cmd = [sys.executable, DRIVE, *args] + (["--logits", str(logits)] if logits else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return res
@@ -278,12 +283,13 @@ def test_cli_budget_notice_and_evicted_resume_line() -> None:
     other = drive("--new", *says(MSGS[:1]))
     proc = subprocess.run([sys.executable, "-m", "chatcli", "resume", first["id"], "--temperature", "0",
                            "--n-ctx", "2048", "--max-tokens", "8"], input="Thanks!\n", capture_output=True,
-                          text=True, env=env, timeout=300)
+                          text=True, env=env, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "state budget 1.0 KB: freed" in proc.stderr and other["id"] in proc.stderr
     assert not ConversationStore(get_paths().conversations_dir).resolve(other["id"]).state_path.exists()
     proc = subprocess.run([sys.executable, "-m", "chatcli", "resume", other["id"], "--temperature", "0",
-                           "--max-tokens", "8"], input="Thanks!\n", capture_output=True, text=True, timeout=300)
+                           "--max-tokens", "8"], input="Thanks!\n", capture_output=True, text=True, timeout=300,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if "state budget" in ln]
     assert len(lines) == 1 and "rebuilt from the transcript" in lines[0], proc.stderr

@@ -21,9 +21,9 @@ import json
 import os
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 from chatcli.core.store import ConversationDir, LockedError, StoreError
 
@@ -55,7 +55,7 @@ def parse_size(text: str) -> int | None:
     return n if n > 0 else None
 
 
-def format_size(n: int | float) -> str:
+def format_size(n: float) -> str:
     x = float(n)
     for unit in ("B", "KB", "MB", "GB"):
         if x < 1024 or unit == "GB":

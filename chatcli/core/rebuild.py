@@ -18,7 +18,8 @@ cells that no rebuild reproduces; those conversations are rebuilt the same way, 
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Protocol, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 
 class _Message(Protocol):
