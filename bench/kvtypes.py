@@ -10,7 +10,7 @@ model file, thread count and context size. For each type:
   record header, token ids, llama.cpp's cell bytes) and the cells alone, per token;
 - **restore**: reading that state file and loading its cells into the cleared context (``statefile.scan``
   + ``read_payload`` + ``Engine.load_cells``: what ``resume`` does), file in the page cache, median of
-  ``--reps``;
+  ``--reps``, the three types taking turns (order rotated each repetition);
 - **quality** against f16 on the same fixed text: the f16 engine generates 256 greedy tokens (argmax, no
   penalty) after the text; each quantized engine (a) generates its own 256 greedy tokens — agreement is the
   share of positions holding the same token, and the first position that differs — and (b) is fed f16's
@@ -89,70 +89,83 @@ def forced(eng: Any, tokens: list[int]) -> list[np.ndarray]:
     return out
 
 
-def measure(kv_type: str, model: str, text_tokens: list[int], ref: dict[str, Any] | None, o: argparse.Namespace,
-            work: Path) -> dict[str, Any]:
+def _restore_once(eng: Any, path: Path, n: int) -> float:
+    from chatcli.core import statefile as sf
+
+    eng.clear()
+    t0 = time.perf_counter()
+    res = sf.scan(path)
+    chunks, _, _ = res.live()
+    payload = sf.read_payload(path, chunks[0].record)
+    toks, kv = sf.split_cells(payload, n)
+    eng.load_cells(0, n, kv, toks)
+    return 1000 * (time.perf_counter() - t0)
+
+
+def measure_all(model: str, text_tokens: list[int], o: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    """All three engines loaded at once, so the timed parts can take turns: on a busy machine a type
+    measured later would otherwise see another load than the one measured first."""
     from chatcli.backends.llamacpp import Engine
     from chatcli.core import statefile as sf
 
-    eng = Engine(model, n_ctx=o.n_ctx, n_threads=o.threads, kv_type=kv_type)
+    engines = {t: Engine(model, n_ctx=o.n_ctx, n_threads=o.threads, kv_type=t) for t in TYPES}
     try:
-        t0 = time.perf_counter()
-        eng.eval(text_tokens)
-        eval_s = time.perf_counter() - t0
-        n = eng.n_past
-        cells = eng.save_cells(0, n)
-        path = work / f"{kv_type}.kv"
-        recs = [sf.encode_record(sf.HEADER, 0, 0, sf.header_payload({"kv": eng.kv_params})),
-                sf.encode_record(sf.SNAPSHOT, 0, n, sf.cells_payload(list(eng.tokens), cells))]
-        sf.StateWriter(path).rewrite(recs)
-        logits_after = eng.logits()
-        # A probe token evaluated after the original context, to compare with the same after each restore
-        # (like with like: one decoded token on top of the cells).
-        probe = int(np.argmax(logits_after))
-        eng.eval([probe])
-        probe_logits = eng.logits()
-        eng.truncate(n)
-        restore_ms = []
-        for _ in range(o.reps):
-            eng.clear()
+        rows: dict[str, dict[str, Any]] = {}
+        for t, eng in engines.items():
             t0 = time.perf_counter()
-            res = sf.scan(path)
-            chunks, _, _ = res.live()
-            payload = sf.read_payload(path, chunks[0].record)
-            toks, kv = sf.split_cells(payload, n)
-            eng.load_cells(0, n, kv, toks)
-            restore_ms.append(1000 * (time.perf_counter() - t0))
-        # The restored context must carry on exactly like the one that computed it: check, do not assume.
-        eng.eval([probe])
-        restored_same = bool(np.array_equal(eng.logits(), probe_logits))
-        eng.truncate(n)
-        eng.set_logits(logits_after)
-        out: dict[str, Any] = {
-            "kv_type": kv_type, "kv_params": eng.kv_params, "n_tokens": n, "eval_s": eval_s,
-            "cells_bytes": len(cells), "file_bytes": path.stat().st_size,
-            "cells_per_token": len(cells) / n, "file_per_token": path.stat().st_size / n,
-            "restore_ms": restore_ms, "restore_logits_identical": restored_same,
-        }
-        t0 = time.perf_counter()
-        gen, gen_logits = greedy(eng, o.gen)
-        out["gen_s"] = time.perf_counter() - t0
-        out["generated"] = gen
-        if ref is None:
-            out["_logits"] = gen_logits
-            return out
-        same = [a == b for a, b in zip(gen, ref["generated"])]
-        out["free_agreement"] = sum(same) / len(same)
-        out["first_divergence"] = same.index(False) if False in same else len(same)
-        eng.truncate(n)
-        eng.set_logits(logits_after)
-        f_logits = forced(eng, ref["generated"])
-        kls = [kl(p, q) for p, q in zip(ref["_logits"], f_logits)]
-        out["kl_mean"] = float(np.mean(kls))
-        out["kl_max"] = float(np.max(kls))
-        out["forced_top1_agreement"] = float(np.mean([int(np.argmax(q)) == t for q, t in zip(f_logits, ref["generated"])]))
-        return out
+            eng.eval(text_tokens)
+            eval_s = time.perf_counter() - t0
+            n = eng.n_past
+            cells = eng.save_cells(0, n)
+            path = work / f"{t}.kv"
+            recs = [sf.encode_record(sf.HEADER, 0, 0, sf.header_payload({"kv": eng.kv_params})),
+                    sf.encode_record(sf.SNAPSHOT, 0, n, sf.cells_payload(list(eng.tokens), cells))]
+            sf.StateWriter(path).rewrite(recs)
+            logits_after = eng.logits()
+            # A probe token decoded after the original context, to compare with the same after a restore
+            # (like with like: one decoded token on top of the cells).
+            probe = int(np.argmax(logits_after))
+            eng.eval([probe])
+            probe_logits = eng.logits()
+            eng.truncate(n)
+            rows[t] = {"kv_type": t, "kv_params": eng.kv_params, "n_tokens": n, "eval_s": eval_s,
+                       "cells_bytes": len(cells), "file_bytes": path.stat().st_size,
+                       "cells_per_token": len(cells) / n, "file_per_token": path.stat().st_size / n,
+                       "restore_ms": [], "_path": path, "_logits_after": logits_after, "_probe": probe,
+                       "_probe_logits": probe_logits}
+        for rep in range(o.reps):  # rotate the order each repetition
+            order = TYPES[rep % len(TYPES):] + TYPES[:rep % len(TYPES)]
+            for t in order:
+                r = rows[t]
+                r["restore_ms"].append(_restore_once(engines[t], r["_path"], r["n_tokens"]))
+        for t, eng in engines.items():
+            r = rows[t]
+            n = r["n_tokens"]
+            # The restored context must carry on exactly like the one that computed it: check, do not assume.
+            eng.eval([r["_probe"]])
+            r["restore_logits_identical"] = bool(np.array_equal(eng.logits(), r["_probe_logits"]))
+            eng.truncate(n)
+            eng.set_logits(r["_logits_after"])
+            t0 = time.perf_counter()
+            r["generated"], r["_logits"] = greedy(eng, o.gen)
+            r["gen_s"] = time.perf_counter() - t0
+        ref = rows["f16"]
+        for t in TYPES[1:]:
+            r, eng = rows[t], engines[t]
+            same = [a == b for a, b in zip(r["generated"], ref["generated"])]
+            r["free_agreement"] = sum(same) / len(same)
+            r["first_divergence"] = same.index(False) if False in same else len(same)
+            eng.truncate(r["n_tokens"])
+            eng.set_logits(r["_logits_after"])
+            f_logits = forced(eng, ref["generated"])
+            kls = [kl(p, q) for p, q in zip(ref["_logits"], f_logits)]
+            r["kl_mean"] = float(np.mean(kls))
+            r["kl_max"] = float(np.max(kls))
+            r["forced_top1_agreement"] = float(np.mean([int(np.argmax(q)) == tok for q, tok in zip(f_logits, ref["generated"])]))
+        return [rows[t] for t in TYPES]
     finally:
-        eng.close()
+        for eng in engines.values():
+            eng.close()
 
 
 def report(res: dict[str, Any], out: Path) -> list[Path]:
@@ -238,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", help="GGUF file (default: the bundled SmolLM2-135M)")
     ap.add_argument("--tokens", type=int, default=2000, help="length of the fixed text in tokens")
     ap.add_argument("--gen", type=int, default=256, help="greedy tokens generated")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--n-ctx", type=int, default=4096)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
@@ -262,13 +275,7 @@ def main(argv: list[str] | None = None) -> None:
                            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                        "load_start": os.getloadavg()}, "types": []}
     with tempfile.TemporaryDirectory(prefix="chatcli-kvbench-") as work:
-        ref = None
-        for t in TYPES:
-            print(f"[kvtypes] {t} …", file=sys.stderr, flush=True)
-            r = measure(t, model, ids, ref, o, Path(work))
-            if ref is None:
-                ref = r
-            res["types"].append(r)
+        res["types"] = measure_all(model, ids, o, Path(work))
     res["machine"]["load_end"] = os.getloadavg()
     for p in report(res, Path(o.out)):
         print(p)

@@ -293,3 +293,21 @@ def test_cli_budget_notice_and_evicted_resume_line() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if "state budget" in ln]
     assert len(lines) == 1 and "rebuilt from the transcript" in lines[0], proc.stderr
+
+
+def test_kvtypes_bench_quick(tmp_path: Path) -> None:
+    """The benchmark's quick variant writes its table, chart and raw results, and what it measured holds:
+    every restore was bit-identical, and the sizes are the quantized formats' (never timings)."""
+    proc = subprocess.run([sys.executable, "-m", "bench.kvtypes", "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, check=False,
+                          cwd=str(Path(__file__).resolve().parent.parent))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert {p.name for p in tmp_path.iterdir()} >= {"kvtypes.md", "kvtypes.json", "kvtypes.png"}
+    res = json.loads((tmp_path / "kvtypes.json").read_text())
+    rows = {r["kv_type"]: r for r in res["types"]}
+    assert set(rows) == {"f16", "q8_0", "q4_0"}
+    assert all(r["restore_logits_identical"] for r in rows.values())
+    assert abs(rows["q8_0"]["cells_per_token"] / rows["f16"]["cells_per_token"] - 34 / 64) < 0.01
+    assert abs(rows["q4_0"]["cells_per_token"] / rows["f16"]["cells_per_token"] - 18 / 64) < 0.01
+    assert rows["q8_0"]["kv_params"]["flash_attn"] and not rows["f16"]["kv_params"]["flash_attn"]
+    assert 0 <= rows["q4_0"]["kl_mean"] and 0 <= rows["q8_0"]["forced_top1_agreement"] <= 1
