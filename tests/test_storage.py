@@ -161,7 +161,7 @@ def _prefix_of(session: Any, conv_id: str) -> Path:
     from chatcli.core import prefixcache
 
     meta = session.store.resolve(conv_id).read_meta()
-    ident = prefixcache.state_identity(session.identity(), session.engine.n_ctx, session.engine.kv_params)
+    ident = prefixcache.state_identity(session.identity(), session.engine.identity())
     return prefixcache.cache_path(session.paths.prefix_cache_dir, ident, meta["persona_hash"], session.template.source)
 
 

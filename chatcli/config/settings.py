@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import platformdirs
 
+from chatcli.backends.kvformat import KV_TYPE_NAMES  # no llama_cpp behind it
+
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
@@ -128,6 +130,10 @@ class Settings:
     persona: str = "alice"
     plain: bool = False
     history_preview: int = 3  # exchanges shown on resume
+    server: str | None = None  # http://HOST:PORT of a llama-server to use instead of the local model
+    server_slot: int = 0  # the server slot this process uses (llama-server -np N gives N slots)
+    server_connect_timeout: float = 10.0  # seconds
+    server_read_timeout: float = 600.0  # seconds of silence from the server before giving up
     kv_type: str = "f16"  # KV cache type of new conversations: f16 | q8_0 | q4_0
     state_budget: str = "20GB"  # bound on all KV state files + persona prefix cache; 0/none = no limit
 
@@ -149,11 +155,14 @@ _KINDS: dict[str, tuple[type, bool]] = {
     "persona": (str, False),
     "plain": (bool, False),
     "history_preview": (int, False),
+    "server": (str, True),
+    "server_slot": (int, False),
+    "server_connect_timeout": (float, False),
+    "server_read_timeout": (float, False),
     "kv_type": (str, False),
     "state_budget": (str, False),
 }
 
-KV_TYPE_NAMES = ("f16", "q8_0", "q4_0")  # the engine's KV_TYPES (tests check they agree)
 
 
 def _is_size(value: str) -> bool:
@@ -179,6 +188,11 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "reserve": (lambda v: v >= 0, "must be 0 or more"),
     "persona": (lambda v: bool(v.strip()), "must not be empty"),
     "history_preview": (lambda v: v >= 0, "must be 0 or more"),
+    "server": (lambda v: re.fullmatch(r"(https?://)?[^\s/?#]+(/[^\s?#]*)?", v.strip()) is not None,
+               "must be a URL such as http://HOST:PORT"),
+    "server_slot": (lambda v: v >= 0, "must be 0 or more"),
+    "server_connect_timeout": (lambda v: v > 0, "must be greater than 0"),
+    "server_read_timeout": (lambda v: v > 0, "must be greater than 0"),
     "kv_type": (lambda v: v in KV_TYPE_NAMES, f"must be one of {', '.join(KV_TYPE_NAMES)}"),
     "state_budget": (_is_size, "must be a size such as 20GB or 500MB, or 0/none for no limit"),
 }
