@@ -31,7 +31,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import llama_cpp  # the only import of llama_cpp in chatcli
 
-from chatcli.backends.kvformat import KV_PARAMS, engine_identity
+from chatcli.backends.kvformat import KV_PARAMS, KV_TYPE_NAMES, engine_identity, kv_params_for
 from chatcli.core.backend import (
     BackendError,
     Capabilities,
@@ -73,6 +73,12 @@ def _last_error() -> str:
     return ""
 
 
+# The KV cache types chatcli offers: name -> ggml type (K and V alike; see kvformat.kv_params_for).
+KV_TYPES: dict[str, int] = {
+    "f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+}
+
+
 @dataclass
 class EvalStats:
     """What one evaluation cost."""
@@ -92,8 +98,12 @@ class Engine:
         n_threads: int | None = None,
         n_batch: int = 512,
         progress: Callable[[float], None] | None = None,
+        kv_type: str = "f16",
     ) -> None:
         global _BACKEND_READY
+        if kv_type not in KV_TYPES:  # fails before the model is loaded
+            raise EngineError(f"unknown KV type {kv_type!r}: use {', '.join(KV_TYPES)}")
+        kv_params = kv_params_for(kv_type)
         if not _BACKEND_READY:
             llama_cpp.llama_backend_init()
             _BACKEND_READY = True
@@ -124,17 +134,18 @@ class Engine:
         cparams.kv_unified = True
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
-        # Pinned so the saved V layout (transposed or not) is the same in every process.
-        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        cparams.type_k = llama_cpp.GGML_TYPE_F16
-        cparams.type_v = llama_cpp.GGML_TYPE_F16
+        # Pinned (never "auto") so the saved V layout (transposed or not) is the same in every process.
+        cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if kv_params["flash_attn"]
+                                   else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        cparams.type_k = KV_TYPES[kv_type]
+        cparams.type_v = KV_TYPES[kv_type]
         cparams.no_perf = True
         # Set from a signal handler (Ctrl-C) and checked between tokens: a decode is never cut in half.
         self._cancel_flag = threading.Event()
         ctx = llama_cpp.llama_init_from_model(model, cparams)
         if not ctx:
             llama_cpp.llama_model_free(model)
-            raise EngineError(f"llama.cpp could not create a context of {n_ctx} tokens: {_last_error() or 'unknown error'}")
+            raise EngineError(f"llama.cpp could not create a context of {n_ctx} tokens (KV {kv_type}): {_last_error() or 'unknown error'}")
         self._ctx = ctx
         self._mem = llama_cpp.llama_get_memory(ctx)
         self.n_ctx = llama_cpp.llama_n_ctx(ctx)
@@ -154,7 +165,8 @@ class Engine:
         self._candidates = np.zeros(
             self.n_vocab, dtype=np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
         )
-        self.kv_params = dict(KV_PARAMS)
+        self.kv_type = kv_type
+        self.kv_params = kv_params
         self._closed = False
 
     @property
@@ -533,6 +545,6 @@ class Engine:
 
 
 __all__ = [
-    "KV_PARAMS", "BackendError", "Capabilities", "ContextFullError", "Engine", "EngineError", "EvalStats",
+    "KV_PARAMS", "KV_TYPES", "KV_TYPE_NAMES", "BackendError", "Capabilities", "ContextFullError", "Engine", "EngineError", "EvalStats",
     "GenerationResult", "Sampling", "TokenEvent",
 ]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import platformdirs
 
+from chatcli.backends.kvformat import KV_TYPE_NAMES  # no llama_cpp behind it
 from chatcli.core.fsutil import ensure_private_dir
 
 if TYPE_CHECKING:
@@ -114,6 +115,8 @@ class Settings:
     server_slot: int = 0  # the server slot this process uses (llama-server -np N gives N slots)
     server_connect_timeout: float = 10.0  # seconds
     server_read_timeout: float = 600.0  # seconds of silence from the server before giving up
+    kv_type: str = "f16"  # KV cache type of new conversations: f16 | q8_0 | q4_0
+    state_budget: str = "20GB"  # bound on all KV state files + persona prefix cache; 0/none = no limit
 
 
 SETTING_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Settings))
@@ -137,7 +140,20 @@ _KINDS: dict[str, tuple[type, bool]] = {
     "server_slot": (int, False),
     "server_connect_timeout": (float, False),
     "server_read_timeout": (float, False),
+    "kv_type": (str, False),
+    "state_budget": (str, False),
 }
+
+
+
+def _is_size(value: str) -> bool:
+    from chatcli.core.budget import BudgetError, parse_size
+
+    try:
+        parse_size(value)
+    except BudgetError:
+        return False
+    return True
 
 # name -> (predicate, what the value must be). Ranges follow what llama.cpp accepts.
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -158,6 +174,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "server_slot": (lambda v: v >= 0, "must be 0 or more"),
     "server_connect_timeout": (lambda v: v > 0, "must be greater than 0"),
     "server_read_timeout": (lambda v: v > 0, "must be greater than 0"),
+    "kv_type": (lambda v: v in KV_TYPE_NAMES, f"must be one of {', '.join(KV_TYPE_NAMES)}"),
+    "state_budget": (_is_size, "must be a size such as 20GB or 500MB, or 0/none for no limit"),
 }
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -196,6 +214,8 @@ def check_setting(name: str, value: Any) -> Any:
     if name not in _KINDS:
         raise SettingsError(_unknown_setting(name))
     kind, optional = _KINDS[name]
+    if name == "state_budget" and isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)  # `state_budget = 0` in TOML: a size in bytes
     # TOML has no null, so "none" (or "") is how a file resets an optional setting such as seed.
     if optional and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE)):
         return None
