@@ -336,6 +336,46 @@ def regen(
 
 
 @app.command()
+def serve(
+    host: Annotated[Optional[str], typer.Option("--host", help="Address to listen on (default 127.0.0.1: this machine only).")] = None,
+    port: Annotated[Optional[int], typer.Option("--port", help="TCP port (default 8765).")] = None,
+    model: ModelOpt = None, n_ctx: NCtxOpt = None, threads: ThreadsOpt = None,
+    parallel: Annotated[Optional[int], typer.Option("--parallel", help="Conversations kept resident at once.")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' on every request.")] = None,
+    max_tokens: MaxTokOpt = None, reserve: ReserveOpt = None,
+) -> None:
+    """Serve an OpenAI-compatible API whose conversations never re-ingest their history, even after a restart.
+
+    Point any OpenAI client at http://127.0.0.1:8765/v1. Each conversation is stored like a REPL one
+    (`chatcli ls` marks them "api"); a client that resends a history continues the stored conversation
+    with the longest common history, evaluating only the new message.
+
+    Examples: chatcli serve · chatcli serve --port 9000 --api-key $(openssl rand -hex 16)
+    """
+    flags = dict(host=host, port=port, model=model, n_ctx=n_ctx, threads=threads, parallel=parallel,
+                 api_key=api_key, max_tokens=max_tokens, reserve=reserve)
+    with user_errors():
+        try:
+            import fastapi  # noqa: F401
+            import sse_starlette  # noqa: F401
+            import uvicorn  # noqa: F401
+        except ImportError as exc:
+            raise CliError(f"chatcli serve needs the 'serve' extra ({exc.name} is missing): "
+                           "pip install 'chatcli[serve]'") from None
+        from chatcli.server.run import serve as run_server
+
+        settings, paths, explicit = _settings(flags)
+        session = _build_session(settings, paths, explicit, quiet=True)
+        for n in session.notices:
+            print(f"warning: {n}", file=sys.stderr)
+        try:
+            code = run_server(settings, paths, session)
+        finally:
+            session.close()
+    raise typer.Exit(code)
+
+
+@app.command()
 def fork(
     conv_id: Annotated[str, typer.Argument(metavar="ID", help="Conversation to fork.")],
     at: Annotated[Optional[int], typer.Option("--at", help="Keep exchanges 1..TURN (default: all).")] = None,
@@ -365,7 +405,7 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
             rows.append({
                 "id": conv.id, "title": meta.get("title", ""), "persona": meta.get("persona", ""),
                 "turns": meta.get("turns", 0), "tokens": meta.get("tokens", 0), "state_bytes": conv.state_size(),
-                "updated": meta.get("updated", 0),
+                "updated": meta.get("updated", 0), "from": "api" if meta.get("source") == "api" else "",
             })
         if as_json:
             print(json.dumps(rows, indent=2, ensure_ascii=False))
@@ -378,7 +418,7 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
             r["updated"] = datetime.fromtimestamp(float(r["updated"])).strftime("%Y-%m-%d %H:%M")
         plain = not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR"))
         Renderer(Console(highlight=False), plain=plain).table(
-            rows, ["id", "title", "persona", "turns", "tokens", "state", "updated"])
+            rows, ["id", "title", "persona", "turns", "tokens", "state", "updated", "from"])
 
 
 @app.command()
@@ -519,6 +559,8 @@ def config_show() -> None:
 
     with user_errors():
         for name, value, origin in describe_settings():
+            if name == "api_key" and value:
+                value = "***"  # a secret: say where it is set, never print it
             print(f"{name} = {value!r}  # {origin}")
 
 

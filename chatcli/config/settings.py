@@ -128,6 +128,11 @@ class Settings:
     persona: str = "alice"
     plain: bool = False
     history_preview: int = 3  # exchanges shown on resume
+    # `chatcli serve`
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8765
+    parallel: int = 1  # conversations resident at once
+    api_key: str | None = None  # when set, every request needs Authorization: Bearer KEY
 
 
 SETTING_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Settings))
@@ -147,6 +152,10 @@ _KINDS: dict[str, tuple[type, bool]] = {
     "persona": (str, False),
     "plain": (bool, False),
     "history_preview": (int, False),
+    "host": (str, False),
+    "port": (int, False),
+    "parallel": (int, False),
+    "api_key": (str, True),
 }
 
 # name -> (predicate, what the value must be). Ranges follow what llama.cpp accepts.
@@ -163,6 +172,10 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "reserve": (lambda v: v >= 0, "must be 0 or more"),
     "persona": (lambda v: bool(v.strip()), "must not be empty"),
     "history_preview": (lambda v: v >= 0, "must be 0 or more"),
+    "host": (lambda v: bool(v.strip()), "must not be empty"),
+    "port": (lambda v: 1 <= v <= 65535, "must be between 1 and 65535"),
+    "parallel": (lambda v: 1 <= v <= 64, "must be between 1 and 64"),
+    "api_key": (lambda v: len(v.strip()) >= 8, "must be at least 8 characters"),
 }
 
 _TRUE = frozenset({"1", "true", "yes", "on"})

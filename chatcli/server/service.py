@@ -1,0 +1,332 @@
+"""The server's service layer: a request's message list → a conversation, continued without re-ingesting.
+
+No HTTP here: the app calls ``ChatService.complete`` (an iterator of ``Started``, ``Delta``, ``Finished``)
+in a worker thread. Per request:
+
+1. the messages are split into persona + turns (``history``) and keyed;
+2. the index gives the stored conversation with the longest common history, and the boundary matched;
+3. that conversation is continued when the match is its end (restored from its state file unless it is
+   the resident one), else *forked* at the boundary (its KV records copied; the original untouched), else
+   a new conversation starts from the persona prefix (shared prefix cache);
+4. messages after the boundary are appended — the last user message through ``Conversation.send``, exactly
+   as a REPL turn (transcript first, then the turn's cells and logits); a history that ends at a stored
+   user message is "regenerate": its reply is sampled from the saved logits, 0 tokens evaluated.
+
+One engine, one resident sequence: requests are served one at a time under a lock (others wait in their
+worker threads); switching conversations restores from disk; a conversation's lock is held only while
+a request runs on it, so ``chatcli resume`` can take over any conversation between requests.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from chatcli.backends.llamacpp import ContextFullError, EngineError, Sampling
+from chatcli.core.conversation import (
+    Conversation, ConversationError, Notice, ReplyEnd, ReplyStart, ReplyText, replay_events,
+)
+from chatcli.core.store import ConversationDir, LockedError, StoreError
+from chatcli.core.template import Message, TemplateError
+from chatcli.server import adapter, history
+from chatcli.server.history import HistoryError, SplitHistory
+from chatcli.server.index import Entry, PrefixIndex, conversation_keys
+from chatcli.session import Session
+
+API_PERSONA = "(api)"  # persona name of conversations whose prefix came from a request's system message
+
+
+class ServiceError(Exception):
+    """A request the service refuses; ``kind`` says which (the HTTP layer maps it to a status code)."""
+
+    def __init__(self, kind: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind  # invalid_request | context_length_exceeded | not_found | conflict | server_error
+        self.param = param
+
+
+@dataclass
+class ChatRequest:
+    messages: list[Message]
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repeat_penalty: float | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    conversation: str | None = None  # continue this conversation (else: found by the index)
+
+
+@dataclass
+class Started:
+    conversation: str
+    forked_from: str | None
+    prompt_tokens: int  # tokens in the context when the reply starts
+    evaluated: int  # of which this request evaluated (the rest came from memory or disk)
+
+    @property
+    def cached_tokens(self) -> int:
+        return max(0, self.prompt_tokens - self.evaluated)
+
+
+@dataclass
+class Delta:
+    text: str
+
+
+@dataclass
+class Finished:
+    conversation: str
+    forked_from: str | None
+    text: str
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    evaluated: int
+    completion_tokens: int
+    notices: list[str] = field(default_factory=list)
+    shifted: int = 0  # messages that left the context during this request (context shift)
+
+    @property
+    def cached_tokens(self) -> int:
+        return max(0, self.prompt_tokens - self.evaluated)
+
+
+ServiceEvent = Started | Delta | Finished
+
+
+class ChatService:
+    def __init__(self, session: Session, *, index_path: Path | None = None) -> None:
+        self.session = session
+        self.engine = session.engine
+        self.store = session.store
+        self.index = PrefixIndex(
+            session.store, index_path or session.paths.data_dir / "server" / "index.json",
+            model_identity=session.identity(), n_ctx=session.engine.n_ctx, template_source=session.template.source,
+        )
+        self._lock = threading.Lock()
+        with self._lock:
+            self.index.refresh()
+        self._resident: Conversation | None = None
+        self._resident_stamp: tuple[int, ...] = ()
+        self.model_name = session.model.info.name or Path(str(session.model.path)).stem
+
+    # -- the one operation ------------------------------------------------------------------------------
+
+    def complete(self, req: ChatRequest) -> Iterator[ServiceEvent]:
+        """Serve one chat completion. Closing the iterator early records the reply so far (like Ctrl-C)."""
+        with self._lock:
+            try:
+                yield from self._complete(req)
+            except HistoryError as exc:
+                raise ServiceError("invalid_request", str(exc), exc.param) from None
+            except ContextFullError as exc:
+                raise ServiceError("context_length_exceeded", str(exc), "messages") from None
+            except LockedError as exc:
+                raise ServiceError("conflict", str(exc)) from None
+            except StoreError as exc:
+                raise ServiceError("not_found", str(exc), "conversation") from None
+            except (ConversationError, TemplateError) as exc:
+                raise ServiceError("invalid_request", str(exc)) from None
+            except EngineError as exc:
+                self._resident = None
+                raise ServiceError("server_error", str(exc)) from None
+
+    def _complete(self, req: ChatRequest) -> Iterator[ServiceEvent]:
+        eng = self.engine
+        ev0 = eng.n_evaluated_total
+        self.index.refresh()
+        sh, explicit = self._split(req)
+        root = self.index.root(sh.persona)
+        keys = history.chain(root, sh.turns)
+        self._check_fits(sh)
+        i, entries = self.index.lookup(root, keys, only=explicit)
+        if explicit is not None and i < 0:
+            raise ServiceError("conflict", f"conversation {explicit} was made with another model or context size")
+        sampling = self._sampling(req)
+        max_tokens = req.max_tokens or self.session.settings.max_tokens
+        conv, created, forked_from, tail = self._acquire(sh, root, keys, i, entries, sampling, max_tokens, explicit)
+        seed = req.seed if req.seed is not None else secrets.randbits(31)
+        adapter.configure(conv, sampling=sampling, max_tokens=max_tokens, stop=req.stop)
+        shifted0 = len(conv.r.out_of_context)
+        notices: list[str] = []
+        try:
+            for m in tail[:-1]:
+                (adapter.append_user if m.role == "user" else adapter.append_reply)(conv, m.content)
+            gen = adapter.send(conv, tail[-1].content, seed=seed) if tail else adapter.reply_pending(conv, seed=seed)
+        except ContextFullError:
+            self._abandon(conv, remove=created)
+            raise
+        except BaseException:
+            self._abandon(conv, remove=False)
+            raise
+        started: Started | None = None
+        end: ReplyEnd | None = None
+        raw = emitted = ""
+        stops = list(conv._stop_strings)
+        try:
+            for ev in gen:
+                if isinstance(ev, Notice):
+                    notices.append(ev.text)
+                elif isinstance(ev, ReplyStart):
+                    started = Started(conv.id, forked_from, eng.n_past, eng.n_evaluated_total - ev0)
+                    yield started
+                elif isinstance(ev, ReplyText):
+                    raw += ev.text
+                    safe = _safe_prefix(raw, stops)
+                    if len(safe) > len(emitted):
+                        yield Delta(safe[len(emitted):])
+                        emitted = safe
+                elif isinstance(ev, ReplyEnd):
+                    end = ev
+        except ContextFullError:
+            gen.close()
+            self._abandon(conv, remove=created and started is None)
+            raise
+        except BaseException:
+            gen.close()  # a consumer that went away: the reply so far is recorded like a Ctrl-C'd one
+            self._release(conv)
+            raise
+        self._release(conv)
+        assert started is not None and end is not None
+        text = end.message.text
+        if text.startswith(emitted) and len(text) > len(emitted):
+            yield Delta(text[len(emitted):])
+        reason = "length" if end.stats.stop_reason in ("length", "context") else "stop"
+        yield Finished(conv.id, forked_from, text, reason, started.prompt_tokens, started.evaluated,
+                       end.stats.n_generated, notices, len(conv.r.out_of_context) - shifted0)
+
+    # -- steps ------------------------------------------------------------------------------------------
+
+    def _split(self, req: ChatRequest) -> tuple[SplitHistory, str | None]:
+        msgs = history.normalize(req.messages)
+        if req.conversation is None:
+            return history.split(msgs, self.index.personas()), None
+        conv_dir = self.store.resolve(req.conversation)
+        if conv_dir.id != req.conversation:
+            raise StoreError(f"no conversation {req.conversation!r} (give the whole id)")
+        r = replay_events(conv_dir.read_transcript().events)
+        persona = tuple(r.persona_messages)
+        if persona and tuple(msgs[:len(persona)]) == persona:
+            msgs = msgs[len(persona):]
+        sh = history.split(msgs)
+        if sh.persona:
+            raise HistoryError(f"the messages before the first user message differ from conversation "
+                               f"{conv_dir.id}'s persona: send its persona messages exactly, or none", "messages")
+        return SplitHistory(persona, sh.turns), conv_dir.id
+
+    def _check_fits(self, sh: SplitHistory) -> None:
+        """Refuse before anything is written when a message cannot fit the context even alone."""
+        eng = self.engine
+        room = eng.n_ctx - self.session.settings.reserve
+        for n, m in enumerate(sh.turns):
+            if m.role == "user" and len(eng.tokenize(m.content, add_special=False)) >= room:
+                raise ServiceError(
+                    "context_length_exceeded",
+                    f"message {len(sh.persona) + n} is longer than the context allows "
+                    f"(n_ctx {eng.n_ctx}, {self.session.settings.reserve} kept for the reply)", "messages")
+
+    def _sampling(self, req: ChatRequest) -> Sampling:
+        s = self.session.settings
+        return Sampling(
+            temperature=s.temperature if req.temperature is None else req.temperature,
+            top_p=s.top_p if req.top_p is None else req.top_p,
+            top_k=s.top_k if req.top_k is None else req.top_k,
+            repeat_penalty=s.repeat_penalty if req.repeat_penalty is None else req.repeat_penalty,
+        )
+
+    def _acquire(
+        self, sh: SplitHistory, root: str, keys: list[str], i: int, entries: list[Entry], sampling: Sampling,
+        max_tokens: int, explicit: str | None,
+    ) -> tuple[Conversation, bool, str | None, Sequence[Message]]:
+        """The conversation to continue, positioned at the matched boundary; whether it is new; the
+        conversation it was forked from; the messages still to append."""
+        resident = self._resident.id if self._resident is not None else ""
+        cands = sorted(entries, key=lambda e: (not e.end, e.conv != resident, -e.updated))
+        want = keys[i - 1] if i > 0 else root
+        for e in cands:
+            if not e.end:
+                break
+            try:
+                conv = self._open(e.conv, sampling, max_tokens)
+            except LockedError:
+                if explicit is not None:
+                    raise
+                continue  # another process (a REPL) is on it: fork below instead
+            if self._at(conv, root, want):
+                return conv, False, None, sh.turns[i:]
+            self._release(conv)  # changed on disk since it was indexed
+        if i > 0 and cands:
+            e = cands[0]
+            child, _ = adapter.fork_at(self.store, ConversationDir(self.store.root / e.conv), e.k, {"source": "api"})
+            conv = self._open(child, sampling, max_tokens)
+            if not self._at(conv, root, want):
+                self._abandon(conv, remove=True)
+                raise ServiceError("conflict", f"conversation {e.conv} changed while it was being forked: retry")
+            return conv, True, e.conv, sh.turns[i:]
+        # Nothing stored shares more than the persona: a new conversation from the (cached) prefix.
+        info = self.index.persona_for_root(root) if i == 0 else None
+        forked_from = cands[0].conv if i == 0 and cands else None
+        if info is not None and info.hash:
+            name, phash = info.name, info.hash  # a REPL persona: its prefix cache entry is reused
+        else:
+            name, phash = API_PERSONA, history.persona_hash(sh.persona)
+        self._resident = None
+        meta = {"source": "api", **({"forked_from": forked_from} if forked_from else {})}
+        opened = adapter.create(self.session, persona=sh.persona, persona_name=name, persona_hash=phash,
+                                seed=secrets.randbits(31), sampling=sampling, max_tokens=max_tokens, meta=meta)
+        return opened.conv, True, forked_from, sh.turns
+
+    def _open(self, cid: str, sampling: Sampling, max_tokens: int) -> Conversation:
+        res = self._resident
+        if res is not None and res.id == cid:
+            res.dir.lock()
+            if adapter.stamp(res.dir) == self._resident_stamp:
+                return res  # its KV is what the engine holds: nothing to restore
+            res.dir.unlock()  # someone else wrote it since: restore from disk
+        self._resident = None
+        return adapter.open_(self.session, cid, sampling=sampling, max_tokens=max_tokens).conv
+
+    def _at(self, conv: Conversation, root: str, want: str) -> bool:
+        """The conversation ends exactly at the boundary the request matched."""
+        keys = conversation_keys(root, conv.r)
+        return bool(keys) and keys[-1][0] == want and keys[-1][1] == len(conv.r.active)
+
+    def _release(self, conv: Conversation) -> None:
+        self.index.update(conv.dir, conv.r, conv.meta)
+        self._resident = conv
+        self._resident_stamp = adapter.stamp(conv.dir)
+        conv.dir.unlock()
+        self.index.save()
+
+    def _abandon(self, conv: Conversation, *, remove: bool) -> None:
+        """A request that failed: the conversation is released, and removed when this request made it."""
+        self._resident = None
+        conv.dir.unlock()
+        if remove:
+            try:
+                self.store.remove(conv.dir)
+            except (OSError, StoreError):
+                pass
+        self.index.refresh()
+
+    def close(self) -> None:
+        with self._lock:
+            self.index.save()
+            self._resident = None
+
+
+def _safe_prefix(text: str, stops: Sequence[str]) -> str:
+    """The part of a reply being streamed that can be sent already: never a piece of a stop string nor
+    trailing whitespace, which the final text may cut; so what a client receives is a prefix of what is
+    stored, and resending it matches the conversation."""
+    cut = len(text)
+    for s in stops:
+        for n in range(min(len(s), len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                cut = min(cut, len(text) - n)
+                break
+    return text[:cut].rstrip()
