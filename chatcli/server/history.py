@@ -39,16 +39,24 @@ class SplitHistory:
 
 
 def normalize(messages: Iterable[Message]) -> list[Message]:
-    """Roles as chatcli knows them; consecutive messages of one role joined (templates expect alternation)."""
+    """Roles as chatcli knows them (``developer`` is OpenAI's newer name for ``system``)."""
     out: list[Message] = []
     for m in messages:
         role = "system" if m.role == "developer" else m.role
         if role not in ROLES:
             raise HistoryError(f"unsupported role {m.role!r}: use system, user or assistant", "messages")
-        if out and out[-1].role == role and role != "system":
-            out[-1] = Message(role, out[-1].content + "\n\n" + m.content)
+        out.append(Message(role, m.content))
+    return out
+
+
+def _merge_runs(turns: Sequence[Message]) -> list[Message]:
+    """Consecutive messages of one role joined: a conversation alternates (templates expect it)."""
+    out: list[Message] = []
+    for m in turns:
+        if out and out[-1].role == m.role:
+            out[-1] = Message(m.role, out[-1].content + "\n\n" + m.content)
         else:
-            out.append(Message(role, m.content))
+            out.append(m)
     return out
 
 
@@ -69,14 +77,14 @@ def split(messages: Sequence[Message], known_personas: Iterable[Sequence[Message
             break
     if n_persona < 0:
         n_persona = next((i for i, m in enumerate(msgs) if m.role == "user"), len(msgs))
-    persona, turns = msgs[:n_persona], msgs[n_persona:]
+    persona, turns = msgs[:n_persona], _merge_runs(msgs[n_persona:])
     if not turns:
         raise HistoryError("the messages hold no user message", "messages")
     for i, m in enumerate(turns):
         want = "user" if i % 2 == 0 else "assistant"
         if m.role == "system":
             raise HistoryError("system messages are supported only before the first user message", "messages")
-        if m.role != want:  # cannot happen after normalize(), kept as a guard
+        if m.role != want:  # cannot happen after _merge_runs(), kept as a guard
             raise HistoryError(f"expected a {want} message at position {n_persona + i}", "messages")
         if m.role == "user" and not m.content.strip():
             raise HistoryError(f"message {n_persona + i} is empty", "messages")
