@@ -18,17 +18,18 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from chatcli.core import statefile as sf  # noqa: E402
-from chatcli.core.conversation import Replay, replay_events  # noqa: E402
-from chatcli.core.store import ConversationDir  # noqa: E402
+from chatcli.core import statefile as sf
+from chatcli.core.conversation import Replay, replay_events
+from chatcli.core.store import ConversationDir
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "test-key-0123456789"
@@ -67,9 +68,10 @@ def request(port: int, method: str, path: str, body: bytes | str | None = None,
 class Server:
     """A `chatcli serve` process on a free loopback port, with its own CHATCLI_HOME."""
 
-    def __init__(self, home: Path, *, api_key: str | None) -> None:
+    def __init__(self, home: Path, *, api_key: str | None, n_ctx: int = N_CTX) -> None:
         self.home = home
         self.api_key = api_key
+        self.n_ctx = n_ctx
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = home / "server.log"
@@ -83,7 +85,7 @@ class Server:
         self.port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("CHATCLI_")}
         env.update(CHATCLI_HOME=str(self.home), PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
-        args = [sys.executable, "-m", "chatcli", "serve", "--port", str(self.port), "--n-ctx", str(N_CTX),
+        args = [sys.executable, "-m", "chatcli", "serve", "--port", str(self.port), "--n-ctx", str(self.n_ctx),
                 "--threads", "2", "--reserve", "64", "--max-tokens", str(MAX_TOKENS)]
         if self.api_key:
             args += ["--api-key", self.api_key]
@@ -377,11 +379,11 @@ def test_disconnect_mid_stream_records_the_reply_so_far(server: Server) -> None:
 
 
 def test_api_conversations_in_ls_and_resumable(server: Server) -> None:
-    msgs, replies = converse(server, "You are terse. (ls)", QUESTIONS[:1])
+    _, replies = converse(server, "You are terse. (ls)", QUESTIONS[:1])
     cid = replies[0].conv  # type: ignore[union-attr]
     env = {**os.environ, "CHATCLI_HOME": str(server.home), "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "chatcli", "ls", "--json"], capture_output=True, text=True,
-                          env=env, timeout=60)
+                          env=env, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     rows = {r["id"]: r for r in json.loads(proc.stdout)}
     assert rows[cid]["from"] == "api"
@@ -409,6 +411,38 @@ def test_a_repl_conversation_is_continued_without_reingesting(server: Server) ->
     nxt = chat(server, msgs)
     assert nxt.conv == cid
     assert nxt.cached == r.active[-1].p1
+
+
+# -- context full -------------------------------------------------------------------------------------------
+
+
+def test_context_full_shifts_like_the_repl_and_is_reported(tmp_path: Path) -> None:
+    srv = Server(tmp_path / "small", api_key=None, n_ctx=512)
+    srv.start()
+    try:
+        msgs = [{"role": "system", "content": "You are terse."}]
+        shifted = None
+        for i in range(8):
+            msgs.append({"role": "user", "content": f"Question {i}: " + "tell me about the sea and the sky. " * 10})
+            r = chat(srv, msgs)
+            msgs.append({"role": "assistant", "content": r.text})
+            if r.ext.get("context_shift"):
+                shifted = r
+                break
+        assert shifted is not None, "the context never filled up"
+        assert shifted.ext["context_shift"]["messages_dropped"] >= 2
+        assert any("context full" in n for n in shifted.ext["notices"])
+        cid = shifted.conv
+        rp = srv.replay(cid)
+        assert rp.out_of_context and len(rp.prefix_tokens) > 0
+        assert shifted.prompt == rp.active[-1].p0  # what the model saw: persona + what stayed
+        # The client resends everything, dropped messages included: the shifted conversation continues.
+        msgs.append({"role": "user", "content": "Thanks."})
+        nxt = chat(srv, msgs)
+        assert nxt.conv == cid
+        assert nxt.cached == srv.replay(cid).active[-2].p0
+    finally:
+        srv.stop()
 
 
 # -- bad input ------------------------------------------------------------------------------------------

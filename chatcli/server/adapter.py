@@ -8,14 +8,22 @@ come from this server), and forking at any message boundary (``chatcli fork`` cu
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from chatcli.backends.llamacpp import ContextFullError, Sampling
 from chatcli.core import statefile as sf
 from chatcli.core.conversation import (
-    ActiveMessage, Conversation, Event, Notice, ResumeReport, TurnStats, _make_title, replay_events,
+    ActiveMessage,
+    Conversation,
+    Event,
+    Notice,
+    ResumeReport,
+    TurnStats,
+    _make_title,
+    replay_events,
 )
 from chatcli.core.forking import _copy_state
 from chatcli.core.store import ConversationDir, ConversationStore

@@ -19,8 +19,9 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -29,7 +30,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chatcli.server.errors import APIError
 from chatcli.server.schemas import parse_chat_request
-from chatcli.server.service import ChatRequest, ChatService, Delta, Finished, ServiceError, Started
+from chatcli.server.service import (
+    ChatRequest,
+    ChatService,
+    Delta,
+    Finished,
+    ServiceError,
+    Started,
+)
 
 log = logging.getLogger("chatcli.server")
 
@@ -98,9 +106,9 @@ def create_app(service: ChatService, *, api_key: str | None = None, limits: Serv
             doc = await _read_json(request, limits.max_body)
             req, body = parse_chat_request(doc, max_messages=limits.max_messages,
                                            header_conversation=request.headers.get(CONVERSATION_HEADER))
-        except APIError as err:
-            log.info("%s %d %s", rid, err.status, err.message)
-            return error_response(err)
+        except APIError as bad:
+            log.info("%s %d %s", rid, bad.status, bad.message)
+            return error_response(bad)
         run = _Run(service, req)
         first = await run.next()
         if isinstance(first, ServiceError):

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from chatcli.core.conversation import Replay, replay_events
 from chatcli.core.fsutil import atomic_write_text

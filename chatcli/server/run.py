@@ -6,7 +6,6 @@ import logging
 import socket
 import sys
 
-
 from chatcli.config.settings import Paths, Settings
 from chatcli.session import Session
 

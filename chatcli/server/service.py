@@ -21,13 +21,19 @@ from __future__ import annotations
 
 import secrets
 import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from chatcli.backends.llamacpp import ContextFullError, EngineError, Sampling
 from chatcli.core.conversation import (
-    Conversation, ConversationError, Notice, ReplyEnd, ReplyStart, ReplyText, replay_events,
+    Conversation,
+    ConversationError,
+    Notice,
+    ReplyEnd,
+    ReplyStart,
+    ReplyText,
+    replay_events,
 )
 from chatcli.core.store import ConversationDir, LockedError, StoreError
 from chatcli.core.template import Message, TemplateError
@@ -183,11 +189,11 @@ class ChatService:
                 elif isinstance(ev, ReplyEnd):
                     end = ev
         except ContextFullError:
-            gen.close()
+            _close(gen)
             self._abandon(conv, remove=created and started is None)
             raise
         except BaseException:
-            gen.close()  # a consumer that went away: the reply so far is recorded like a Ctrl-C'd one
+            _close(gen)  # a consumer that went away: the reply so far is recorded like a Ctrl-C'd one
             self._release(conv)
             raise
         self._release(conv)
@@ -317,6 +323,13 @@ class ChatService:
         with self._lock:
             self.index.save()
             self._resident = None
+
+
+def _close(it: Iterator[object]) -> None:
+    """Close a generator: a reply being generated is then recorded as it stands (like Ctrl-C)."""
+    close = getattr(it, "close", None)
+    if close is not None:
+        close()
 
 
 def _safe_prefix(text: str, stops: Sequence[str]) -> str:
