@@ -157,7 +157,8 @@ def test_ls_table_and_json(conv: str) -> None:
     rows = ls_json()
     assert len(rows) == 1
     row = rows[0]
-    assert set(row) == {"id", "title", "persona", "turns", "tokens", "state_bytes", "updated"}
+    assert set(row) == {"id", "title", "persona", "turns", "tokens", "state_bytes", "updated", "from"}
+    assert row["from"] == ""  # "api" for conversations made by `chatcli serve`
     assert row["id"] == conv
     assert row["title"] == FIRST_TITLE
     assert (row["persona"], row["turns"]) == ("alice", 2)
