@@ -36,7 +36,7 @@ def no_model_load(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         raise AssertionError(f"a model was loaded: {path}")
 
     monkeypatch.setattr("chatcli.session.Engine", refuse)
-    monkeypatch.setattr("chatcli.engine.Engine", refuse)
+    monkeypatch.setattr("chatcli.backends.llamacpp.Engine", refuse)
     return calls
 
 
