@@ -162,8 +162,9 @@ class Reply:
 
 
 def chat(srv: Server, messages: list[dict[str, str]], **kw: Any) -> Reply:
+    kw.setdefault("temperature", 0)
     raw = srv.client().chat.completions.with_raw_response.create(
-        model="any", messages=messages, temperature=0, max_tokens=MAX_TOKENS, **kw)
+        model="any", messages=messages, max_tokens=MAX_TOKENS, **kw)
     return Reply(raw)
 
 
@@ -305,6 +306,25 @@ def test_edit_forks_and_the_original_stays_intact(server: Server) -> None:
     r4 = chat(server, msgs + [{"role": "user", "content": QUESTIONS[3]}])
     assert r4.conv == cid
     assert r4.cached == user_span(server, cid, 3)[0]
+
+
+def test_stop_strings_and_seed(server: Server) -> None:
+    msgs = [{"role": "system", "content": "You are a poet. (stop and seed)"},
+            {"role": "user", "content": "Write a long poem about the sea."}]
+    full = chat(server, msgs)
+    words = full.text.split()
+    assert len(words) > 3
+    stop = " " + words[2]
+    cut = chat(server, msgs, stop=[stop])
+    assert stop not in cut.text and full.text.startswith(cut.text)
+    # Stored as the client saw it: resending the cut reply continues that conversation.
+    nxt = chat(server, [*msgs, {"role": "assistant", "content": cut.text}, {"role": "user", "content": "More."}])
+    assert nxt.conv == cut.conv
+    # A seed makes a sampled reply reproducible; regenerating samples again (and forks each time).
+    a = chat(server, msgs, temperature=1.0, seed=7)
+    b = chat(server, msgs, temperature=1.0, seed=7)
+    assert a.text == b.text and a.conv != b.conv
+    assert a.ext["evaluated_tokens"] == b.ext["evaluated_tokens"] == 0
 
 
 # -- concurrency -----------------------------------------------------------------------------------------

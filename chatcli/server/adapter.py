@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from chatcli.backends.llamacpp import ContextFullError, Sampling
 from chatcli.core import statefile as sf
 from chatcli.core.conversation import (
@@ -76,6 +78,44 @@ def open_(session: Session, cid: str, *, sampling: Sampling, max_tokens: int) ->
         session.store, cid, session.engine, session.template, identity=session.identity(),
         sampling=sampling, max_tokens=max_tokens, reserve=session.settings.reserve, lock=True,
     ))
+
+
+def adopt(session: Session, cid: str, *, sampling: Sampling, max_tokens: int) -> Conversation | None:
+    """Open a conversation whose tokens the engine already holds at its start (a fork of the resident
+    conversation): cut the engine back to it instead of restoring from disk, as /regen does in the REPL.
+    None when the engine or the state file do not match (then ``open_`` restores it normally)."""
+    eng = session.engine
+    conv_dir = session.store.resolve(cid)
+    conv_dir.lock()
+    try:
+        meta = conv_dir.read_meta()
+        r = replay_events(conv_dir.read_transcript().events)
+        want = r.tokens()
+        state = sf.scan(conv_dir.state_path)
+        _chunks, logits_rec, n_live = state.live()
+        if (not r.has_prefix or r.problems or eng.tokens[:len(want)] != want or n_live != len(want)
+                or state.dropped_bytes or (state.header or {}).get("identity") != _state_identity(session)):
+            conv_dir.unlock()
+            return None
+        conv = Conversation(eng, session.template, conv_dir, meta, r, sampling, identity=session.identity(),
+                            max_tokens=max_tokens, reserve=session.settings.reserve)
+        conv.state = state
+        eng.truncate(len(want))
+        if logits_rec is not None and logits_rec.p0 == len(want):
+            arr = np.frombuffer(sf.read_payload(conv_dir.state_path, logits_rec), dtype="<f4")
+            if arr.shape == (eng.n_vocab,):
+                conv.turn_logits = (logits_rec.p0, arr.copy())
+                eng.set_logits(arr)
+        return conv
+    except BaseException:
+        conv_dir.unlock()
+        raise
+
+
+def _state_identity(session: Session) -> dict[str, Any]:
+    from chatcli.core.prefixcache import state_identity
+
+    return state_identity(session.identity(), session.engine.n_ctx)
 
 
 def configure(conv: Conversation, *, sampling: Sampling, max_tokens: int, stop: Sequence[str]) -> None:

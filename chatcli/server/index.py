@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,8 +36,12 @@ class Entry:
     conv: str
     k: int
     pos: int
-    end: bool  # the boundary is the conversation's end: continuing there needs no fork
+    rest: int  # messages the conversation has after the boundary (0: its end, continuing needs no fork)
     updated: float
+
+    @property
+    def end(self) -> bool:
+        return self.rest == 0
 
 
 @dataclass
@@ -97,6 +102,7 @@ class PrefixIndex:
         self._convs: dict[str, _Conv] = {}
         self._keys: dict[str, list[Entry]] = {}
         self._dirty = False
+        self._saved_at = 0.0
         self._load()
 
     # -- keys ----------------------------------------------------------------------------------------
@@ -149,8 +155,7 @@ class PrefixIndex:
             if old is not None and old.size == st.st_size and old.mtime == st.st_mtime_ns:
                 continue
             self._index_dir(conv, st.st_size, st.st_mtime_ns)
-        if self._dirty:
-            self.save()
+        self.save_soon()
 
     def update(self, conv: ConversationDir, r: Replay, meta: dict[str, Any]) -> None:
         """Re-index a conversation this process just wrote (no need to read the transcript back)."""
@@ -185,7 +190,7 @@ class PrefixIndex:
     def _add(self, cid: str) -> None:
         c = self._convs[cid]
         for key, k, pos in c.entries:
-            self._keys.setdefault(key, []).append(Entry(cid, k, pos, k == c.n_active, c.updated))
+            self._keys.setdefault(key, []).append(Entry(cid, k, pos, c.n_active - k, c.updated))
 
     def _drop(self, cid: str) -> None:
         c = self._convs.pop(cid, None)
@@ -220,6 +225,12 @@ class PrefixIndex:
             self._convs.clear()  # an unreadable index is only a cache: start over
             self._keys.clear()
 
+    def save_soon(self, interval: float = 10.0) -> None:
+        """Save when changed, at most every ``interval`` seconds: a stale saved index costs a restarted
+        server only the re-reading of the transcripts that changed since (their size/mtime tell)."""
+        if self._dirty and time.monotonic() - self._saved_at >= interval:
+            self.save()
+
     def save(self) -> None:
         convs: dict[str, Any] = {}
         for cid, c in self._convs.items():
@@ -234,6 +245,7 @@ class PrefixIndex:
             atomic_write_text(self.path, json.dumps({"version": INDEX_VERSION, "stamp": self._stamp, "convs": convs},
                                                     ensure_ascii=False, separators=(",", ":")))
             self._dirty = False
+            self._saved_at = time.monotonic()
         except OSError:
             pass  # the index is rebuilt from the transcripts when it cannot be saved
 

@@ -148,8 +148,8 @@ class ChatService:
         sh, explicit = self._split(req)
         root = self.index.root(sh.persona)
         keys = history.chain(root, sh.turns)
-        self._check_fits(sh)
         i, entries = self.index.lookup(root, keys, only=explicit)
+        self._check_fits(sh, max(i, 0))
         if explicit is not None and i < 0:
             raise ServiceError("conflict", f"conversation {explicit} was made with another model or context size")
         sampling = self._sampling(req)
@@ -224,11 +224,11 @@ class ChatService:
                                f"{conv_dir.id}'s persona: send its persona messages exactly, or none", "messages")
         return SplitHistory(persona, sh.turns), conv_dir.id
 
-    def _check_fits(self, sh: SplitHistory) -> None:
-        """Refuse before anything is written when a message cannot fit the context even alone."""
+    def _check_fits(self, sh: SplitHistory, start: int) -> None:
+        """Refuse before anything is written when a new message cannot fit the context even alone."""
         eng = self.engine
         room = eng.n_ctx - self.session.settings.reserve
-        for n, m in enumerate(sh.turns):
+        for n, m in enumerate(sh.turns[start:], start=start):
             if m.role == "user" and len(eng.tokenize(m.content, add_special=False)) >= room:
                 raise ServiceError(
                     "context_length_exceeded",
@@ -251,7 +251,9 @@ class ChatService:
         """The conversation to continue, positioned at the matched boundary; whether it is new; the
         conversation it was forked from; the messages still to append."""
         resident = self._resident.id if self._resident is not None else ""
-        cands = sorted(entries, key=lambda e: (not e.end, e.conv != resident, -e.updated))
+        # Its end first (no fork); else the conversation that goes least beyond the boundary (a regenerate
+        # of its last reply finds the logits saved there); the resident one saves a restore.
+        cands = sorted(entries, key=lambda e: (e.rest, e.conv != resident, -e.updated))
         want = keys[i - 1] if i > 0 else root
         for e in cands:
             if not e.end:
@@ -267,8 +269,14 @@ class ChatService:
             self._release(conv)  # changed on disk since it was indexed
         if i > 0 and cands:
             e = cands[0]
-            child, _ = adapter.fork_at(self.store, ConversationDir(self.store.root / e.conv), e.k, {"source": "api"})
-            conv = self._open(child, sampling, max_tokens)
+            parent = ConversationDir(self.store.root / e.conv)
+            res = self._resident
+            # The resident parent's cells are in the engine already: the fork only cuts them back.
+            in_engine = res is not None and res.id == e.conv and adapter.stamp(parent) == self._resident_stamp
+            child, _ = adapter.fork_at(self.store, parent, e.k, {"source": "api"})
+            self._resident = None
+            adopted = adapter.adopt(self.session, child, sampling=sampling, max_tokens=max_tokens) if in_engine else None
+            conv = adopted or self._open(child, sampling, max_tokens)
             if not self._at(conv, root, want):
                 self._abandon(conv, remove=True)
                 raise ServiceError("conflict", f"conversation {e.conv} changed while it was being forked: retry")
@@ -306,7 +314,7 @@ class ChatService:
         self._resident = conv
         self._resident_stamp = adapter.stamp(conv.dir)
         conv.dir.unlock()
-        self.index.save()
+        self.index.save_soon()
 
     def _abandon(self, conv: Conversation, *, remove: bool) -> None:
         """A request that failed: the conversation is released, and removed when this request made it."""
