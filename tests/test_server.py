@@ -68,8 +68,9 @@ def request(port: int, method: str, path: str, body: bytes | str | None = None,
 class Server:
     """A `chatcli serve` process on a free loopback port, with its own CHATCLI_HOME."""
 
-    def __init__(self, home: Path, *, api_key: str | None, n_ctx: int = N_CTX) -> None:
+    def __init__(self, home: Path, *, api_key: str | None, n_ctx: int = N_CTX, parallel: int = 1) -> None:
         self.home = home
+        self.parallel = parallel
         self.api_key = api_key
         self.n_ctx = n_ctx
         self.port = 0
@@ -86,7 +87,7 @@ class Server:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CHATCLI_")}
         env.update(CHATCLI_HOME=str(self.home), PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
         args = [sys.executable, "-m", "chatcli", "serve", "--port", str(self.port), "--n-ctx", str(self.n_ctx),
-                "--threads", "2", "--reserve", "64", "--max-tokens", str(MAX_TOKENS)]
+                "--threads", "2", "--reserve", "64", "--max-tokens", str(MAX_TOKENS), "--parallel", str(self.parallel)]
         if self.api_key:
             args += ["--api-key", self.api_key]
         with self.log.open("ab") as log:
@@ -135,7 +136,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = Server(tmp_path_factory.mktemp("serve") / "home", api_key=KEY)
+    srv = Server(tmp_path_factory.mktemp("serve") / "home", api_key=KEY, parallel=2)
     srv.start()
     yield srv
     srv.stop()
@@ -143,7 +144,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """Never restarted, its own data: what every reply must equal."""
+    """Never restarted, one resident conversation, its own data: what every reply must equal."""
     srv = Server(tmp_path_factory.mktemp("reference") / "home", api_key=None)
     srv.start()
     yield srv
@@ -351,6 +352,34 @@ def test_two_clients_at_once_equal_their_sequential_runs(server: Server, referen
     for system in systems:
         _, ref = converse(reference, system, QUESTIONS[:3])
         assert results[system] == [r.text for r in ref]  # type: ignore[union-attr]
+
+
+def test_resident_conversations_are_not_restored(server: Server, reference: Server) -> None:
+    """Two contexts (--parallel 2): switching between two conversations restores nothing; a third
+    conversation releases the least recently used one, which then comes back from its state file."""
+    a = [{"role": "system", "content": "You are terse. (resident A)"}, {"role": "user", "content": QUESTIONS[0]}]
+    b = [{"role": "system", "content": "You are terse. (resident B)"}, {"role": "user", "content": QUESTIONS[0]}]
+    c = [{"role": "system", "content": "You are terse. (resident C)"}, {"role": "user", "content": QUESTIONS[0]}]
+    seen: dict[str, list[str]] = {"a": [], "b": []}
+
+    def turn(msgs: list[dict[str, str]], name: str) -> Reply:
+        r = chat(server, msgs)
+        msgs += [{"role": "assistant", "content": r.text}, {"role": "user", "content": QUESTIONS[len(msgs) // 2]}]
+        seen[name].append(r.text)
+        return r
+
+    assert turn(a, "a").ext["state_from"] == "new"
+    assert turn(b, "b").ext["state_from"] == "new"
+    ra = turn(a, "a")
+    rb = turn(b, "b")
+    assert (ra.ext["state_from"], rb.ext["state_from"]) == ("memory", "memory")
+    assert chat(server, c).ext["state_from"] == "new"  # a was the least recently used: released
+    ra = turn(a, "a")
+    assert ra.ext["state_from"] == "disk" and ra.cached == user_span(server, ra.conv, 2)[0]
+    # Contexts of their own compute exactly what a single context does.
+    for name, system in (("a", "You are terse. (resident A)"), ("b", "You are terse. (resident B)")):
+        _, ref = converse(reference, system, QUESTIONS[:len(seen[name])])
+        assert seen[name] == [r.text for r in ref]  # type: ignore[union-attr]
 
 
 # -- disconnect ------------------------------------------------------------------------------------------

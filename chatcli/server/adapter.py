@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from chatcli.backends.llamacpp import ContextFullError, Sampling
+from chatcli.backends.llamacpp import ContextFullError, Engine, Sampling
 from chatcli.core import statefile as sf
 from chatcli.core.conversation import (
     ActiveMessage,
@@ -55,13 +55,13 @@ def _drain(gen: Iterator[Any]) -> Opened:
     return Opened(conv, notices, report)
 
 
-def create(session: Session, *, persona: Sequence[Message], persona_name: str, persona_hash: str, seed: int,
+def create(session: Session, engine: Engine, *, persona: Sequence[Message], persona_name: str, persona_hash: str, seed: int,
            sampling: Sampling, max_tokens: int, meta: dict[str, Any]) -> Opened:
     """A new conversation from a persona (its prefix from the shared prefix cache when present)."""
     from chatcli.config.settings import ensure_dir
 
     opened = _drain(Conversation.create(
-        session.store, session.engine, session.template,
+        session.store, engine, session.template,
         persona_name=persona_name, persona_messages=list(persona), persona_hash=persona_hash,
         identity=session.identity(), model_path=str(session.model.path), sampling=sampling, seed=seed,
         prefix_cache_dir=ensure_dir(session.paths.prefix_cache_dir), max_tokens=max_tokens,
@@ -72,19 +72,18 @@ def create(session: Session, *, persona: Sequence[Message], persona_name: str, p
     return opened
 
 
-def open_(session: Session, cid: str, *, sampling: Sampling, max_tokens: int) -> Opened:
+def open_(session: Session, engine: Engine, cid: str, *, sampling: Sampling, max_tokens: int) -> Opened:
     """Restore a stored conversation (takes its lock; raises LockedError if another process has it)."""
     return _drain(Conversation.open(
-        session.store, cid, session.engine, session.template, identity=session.identity(),
+        session.store, cid, engine, session.template, identity=session.identity(),
         sampling=sampling, max_tokens=max_tokens, reserve=session.settings.reserve, lock=True,
     ))
 
 
-def adopt(session: Session, cid: str, *, sampling: Sampling, max_tokens: int) -> Conversation | None:
+def adopt(session: Session, eng: Engine, cid: str, *, sampling: Sampling, max_tokens: int) -> Conversation | None:
     """Open a conversation whose tokens the engine already holds at its start (a fork of the resident
     conversation): cut the engine back to it instead of restoring from disk, as /regen does in the REPL.
     None when the engine or the state file do not match (then ``open_`` restores it normally)."""
-    eng = session.engine
     conv_dir = session.store.resolve(cid)
     conv_dir.lock()
     try:

@@ -213,12 +213,13 @@ def _usage(ev: Finished) -> dict[str, Any]:
 def _extension(ev: Finished) -> dict[str, Any]:
     """chatcli's own fields (OpenAI clients ignore unknown fields)."""
     return {"conversation": ev.conversation, "forked_from": ev.forked_from, "evaluated_tokens": ev.evaluated,
+            "state_from": ev.state,
             "context_shift": {"messages_dropped": ev.shifted} if ev.shifted else None, "notices": ev.notices}
 
 
 def _log_done(rid: str, ev: Finished, ttft: float) -> None:
-    log.info("%s 200 conv=%s prompt=%d cached=%d generated=%d ttft=%.0fms%s", rid, ev.conversation,
-             ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens, 1000 * ttft,
+    log.info("%s 200 conv=%s prompt=%d cached=%d generated=%d ttft=%.0fms state=%s%s", rid, ev.conversation,
+             ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens, 1000 * ttft, ev.state,
              f" forked_from={ev.forked_from}" if ev.forked_from else "")
 
 

@@ -17,7 +17,7 @@ def serve(settings: Settings, paths: Paths, session: Session) -> int:
     from chatcli.server.service import ChatService
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    service = ChatService(session)
+    service = ChatService(session, parallel=settings.parallel)
     app = create_app(service, api_key=settings.api_key)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
                             lifespan="off")
@@ -33,7 +33,7 @@ def serve(settings: Settings, paths: Paths, session: Session) -> int:
         raise OSError(exc.errno, f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}") from None
     eng = session.engine
     print(f"chatcli serve: http://{settings.host}:{settings.port}/v1 · model {service.model_name} · "
-          f"n_ctx {eng.n_ctx} · {len(service.index)} conversations indexed"
+          f"n_ctx {eng.n_ctx} · {settings.parallel} resident · {len(service.index)} conversations indexed"
           + (" · API key required" if settings.api_key else ""), file=sys.stderr, flush=True)
     try:
         server.run(sockets=[sock])

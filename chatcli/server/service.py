@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chatcli.backends.llamacpp import ContextFullError, EngineError, Sampling
+from chatcli.backends.llamacpp import ContextFullError, Engine, EngineError, Sampling
 from chatcli.core.conversation import (
     Conversation,
     ConversationError,
@@ -73,6 +74,7 @@ class Started:
     forked_from: str | None
     prompt_tokens: int  # tokens in the context when the reply starts
     evaluated: int  # of which this request evaluated (the rest came from memory or disk)
+    state: str = ""  # where the rest came from: memory | disk | fork | new
 
     @property
     def cached_tokens(self) -> int:
@@ -95,6 +97,7 @@ class Finished:
     completion_tokens: int
     notices: list[str] = field(default_factory=list)
     shifted: int = 0  # messages that left the context during this request (context shift)
+    state: str = ""  # memory | disk | fork | new (see Started)
 
     @property
     def cached_tokens(self) -> int:
@@ -104,8 +107,18 @@ class Finished:
 ServiceEvent = Started | Delta | Finished
 
 
+@dataclass
+class _Slot:
+    """One context of the pool and the conversation resident in it (its KV is what the context holds)."""
+
+    engine: Engine
+    conv: Conversation | None = None
+    stamp: tuple[int, ...] = ()
+    used: float = 0.0
+
+
 class ChatService:
-    def __init__(self, session: Session, *, index_path: Path | None = None) -> None:
+    def __init__(self, session: Session, *, parallel: int = 1, index_path: Path | None = None) -> None:
         self.session = session
         self.engine = session.engine
         self.store = session.store
@@ -116,8 +129,10 @@ class ChatService:
         self._lock = threading.Lock()
         with self._lock:
             self.index.refresh()
-        self._resident: Conversation | None = None
-        self._resident_stamp: tuple[int, ...] = ()
+        # ``parallel`` contexts over the one model: that many conversations stay resident; switching among
+        # them restores nothing. The least recently used is released (its state is already on disk).
+        self._how = ""
+        self._slots = [_Slot(session.engine)] + [_Slot(session.engine.sibling()) for _ in range(parallel - 1)]
         self.model_name = session.model.info.name or Path(str(session.model.path)).stem
 
     # -- the one operation ------------------------------------------------------------------------------
@@ -138,12 +153,14 @@ class ChatService:
             except (ConversationError, TemplateError) as exc:
                 raise ServiceError("invalid_request", str(exc)) from None
             except EngineError as exc:
-                self._resident = None
+                self._forget_all()
                 raise ServiceError("server_error", str(exc)) from None
 
+    def _evaluated(self) -> int:
+        return sum(s.engine.n_evaluated_total for s in self._slots)
+
     def _complete(self, req: ChatRequest) -> Iterator[ServiceEvent]:
-        eng = self.engine
-        ev0 = eng.n_evaluated_total
+        ev0 = self._evaluated()
         self.index.refresh()
         sh, explicit = self._split(req)
         root = self.index.root(sh.persona)
@@ -155,6 +172,7 @@ class ChatService:
         sampling = self._sampling(req)
         max_tokens = req.max_tokens or self.session.settings.max_tokens
         conv, created, forked_from, tail = self._acquire(sh, root, keys, i, entries, sampling, max_tokens, explicit)
+        eng = conv.engine
         seed = req.seed if req.seed is not None else secrets.randbits(31)
         adapter.configure(conv, sampling=sampling, max_tokens=max_tokens, stop=req.stop)
         shifted0 = len(conv.r.out_of_context)
@@ -178,7 +196,7 @@ class ChatService:
                 if isinstance(ev, Notice):
                     notices.append(ev.text)
                 elif isinstance(ev, ReplyStart):
-                    started = Started(conv.id, forked_from, eng.n_past, eng.n_evaluated_total - ev0)
+                    started = Started(conv.id, forked_from, eng.n_past, self._evaluated() - ev0, self._how)
                     yield started
                 elif isinstance(ev, ReplyText):
                     raw += ev.text
@@ -203,7 +221,7 @@ class ChatService:
             yield Delta(text[len(emitted):])
         reason = "length" if end.stats.stop_reason in ("length", "context") else "stop"
         yield Finished(conv.id, forked_from, text, reason, started.prompt_tokens, started.evaluated,
-                       end.stats.n_generated, notices, len(conv.r.out_of_context) - shifted0)
+                       end.stats.n_generated, notices, len(conv.r.out_of_context) - shifted0, self._how)
 
     # -- steps ------------------------------------------------------------------------------------------
 
@@ -250,10 +268,10 @@ class ChatService:
     ) -> tuple[Conversation, bool, str | None, Sequence[Message]]:
         """The conversation to continue, positioned at the matched boundary; whether it is new; the
         conversation it was forked from; the messages still to append."""
-        resident = self._resident.id if self._resident is not None else ""
+        resident = {s.conv.id for s in self._slots if s.conv is not None}
         # Its end first (no fork); else the conversation that goes least beyond the boundary (a regenerate
         # of its last reply finds the logits saved there); the resident one saves a restore.
-        cands = sorted(entries, key=lambda e: (e.rest, e.conv != resident, -e.updated))
+        cands = sorted(entries, key=lambda e: (e.rest, e.conv not in resident, -e.updated))
         want = keys[i - 1] if i > 0 else root
         for e in cands:
             if not e.end:
@@ -270,13 +288,16 @@ class ChatService:
         if i > 0 and cands:
             e = cands[0]
             parent = ConversationDir(self.store.root / e.conv)
-            res = self._resident
-            # The resident parent's cells are in the engine already: the fork only cuts them back.
-            in_engine = res is not None and res.id == e.conv and adapter.stamp(parent) == self._resident_stamp
+            holder = next((s for s in self._slots if s.conv is not None and s.conv.id == e.conv), None)
+            # A resident parent's cells are in its context already: the fork only cuts them back.
+            in_engine = holder is not None and adapter.stamp(parent) == holder.stamp
             child, _ = adapter.fork_at(self.store, parent, e.k, {"source": "api"})
-            self._resident = None
-            adopted = adapter.adopt(self.session, child, sampling=sampling, max_tokens=max_tokens) if in_engine else None
+            adopted = None
+            if holder is not None and in_engine:
+                holder.conv = None
+                adopted = adapter.adopt(self.session, holder.engine, child, sampling=sampling, max_tokens=max_tokens)
             conv = adopted or self._open(child, sampling, max_tokens)
+            self._how = "fork"
             if not self._at(conv, root, want):
                 self._abandon(conv, remove=True)
                 raise ServiceError("conflict", f"conversation {e.conv} changed while it was being forked: retry")
@@ -288,21 +309,39 @@ class ChatService:
             name, phash = info.name, info.hash  # a REPL persona: its prefix cache entry is reused
         else:
             name, phash = API_PERSONA, history.persona_hash(sh.persona)
-        self._resident = None
+        slot = self._free_slot()
+        self._how = "new"
         meta = {"source": "api", **({"forked_from": forked_from} if forked_from else {})}
-        opened = adapter.create(self.session, persona=sh.persona, persona_name=name, persona_hash=phash,
+        opened = adapter.create(self.session, slot.engine, persona=sh.persona, persona_name=name, persona_hash=phash,
                                 seed=secrets.randbits(31), sampling=sampling, max_tokens=max_tokens, meta=meta)
         return opened.conv, True, forked_from, sh.turns
 
     def _open(self, cid: str, sampling: Sampling, max_tokens: int) -> Conversation:
-        res = self._resident
-        if res is not None and res.id == cid:
-            res.dir.lock()
-            if adapter.stamp(res.dir) == self._resident_stamp:
-                return res  # its KV is what the engine holds: nothing to restore
-            res.dir.unlock()  # someone else wrote it since: restore from disk
-        self._resident = None
-        return adapter.open_(self.session, cid, sampling=sampling, max_tokens=max_tokens).conv
+        self._how = "disk"
+        for slot in self._slots:
+            if slot.conv is not None and slot.conv.id == cid:
+                slot.conv.dir.lock()
+                if adapter.stamp(slot.conv.dir) == slot.stamp:
+                    self._how = "memory"
+                    return slot.conv  # its KV is what this context holds: nothing to restore
+                slot.conv.dir.unlock()  # someone else wrote it since: restore from disk
+                slot.conv = None
+                return adapter.open_(self.session, slot.engine, cid, sampling=sampling, max_tokens=max_tokens).conv
+        slot = self._free_slot()
+        return adapter.open_(self.session, slot.engine, cid, sampling=sampling, max_tokens=max_tokens).conv
+
+    def _free_slot(self) -> _Slot:
+        """An empty context, else the least recently used one (its conversation is on disk already)."""
+        slot = min(self._slots, key=lambda s: (s.conv is not None, s.used))
+        slot.conv = None
+        return slot
+
+    def _slot_of(self, conv: Conversation) -> _Slot:
+        return next(s for s in self._slots if s.engine is conv.engine)
+
+    def _forget_all(self) -> None:
+        for s in self._slots:
+            s.conv = None
 
     def _at(self, conv: Conversation, root: str, want: str) -> bool:
         """The conversation ends exactly at the boundary the request matched."""
@@ -311,14 +350,16 @@ class ChatService:
 
     def _release(self, conv: Conversation) -> None:
         self.index.update(conv.dir, conv.r, conv.meta)
-        self._resident = conv
-        self._resident_stamp = adapter.stamp(conv.dir)
+        slot = self._slot_of(conv)
+        slot.conv = conv
+        slot.stamp = adapter.stamp(conv.dir)
+        slot.used = time.monotonic()
         conv.dir.unlock()
         self.index.save_soon()
 
     def _abandon(self, conv: Conversation, *, remove: bool) -> None:
         """A request that failed: the conversation is released, and removed when this request made it."""
-        self._resident = None
+        self._slot_of(conv).conv = None
         conv.dir.unlock()
         if remove:
             try:
@@ -330,7 +371,9 @@ class ChatService:
     def close(self) -> None:
         with self._lock:
             self.index.save()
-            self._resident = None
+            self._forget_all()
+            for s in self._slots[1:]:
+                s.engine.close()  # siblings first: the first context's engine owns the model
 
 
 def _close(it: Iterator[object]) -> None:
