@@ -115,9 +115,40 @@ class _Slot:
     conv: Conversation | None = None
     stamp: tuple[int, ...] = ()
     used: float = 0.0
+    busy: bool = False  # a request is running on this context
+
+
+@dataclass
+class _Req:
+    """What one request holds: its context, that context's evaluation counter when taken, where the
+    conversation's state came from."""
+
+    slot: _Slot | None = None
+    ev0: int = 0
+    how: str = ""
+
+    @property
+    def evaluated(self) -> int:
+        return self.slot.engine.n_evaluated_total - self.ev0 if self.slot is not None else 0
+
+
+@dataclass
+class _Prepared:
+    conv: Conversation
+    created: bool
+    forked_from: str | None
+    tail: Sequence[Message]
+    seed: int
 
 
 class ChatService:
+    """Chat completions over stored conversations; thread-safe (requests come from worker threads).
+
+    One lock guards the index and the pool; it is held while a request finds and restores its
+    conversation, not while it evaluates and generates: requests on different contexts (``parallel``)
+    run at the same time, each on the context it took; with every context busy, a request waits.
+    """
+
     def __init__(self, session: Session, *, parallel: int = 1, index_path: Path | None = None) -> None:
         self.session = session
         self.engine = session.engine
@@ -126,12 +157,11 @@ class ChatService:
             session.store, index_path or session.paths.data_dir / "server" / "index.json",
             model_identity=session.identity(), n_ctx=session.engine.n_ctx, template_source=session.template.source,
         )
-        self._lock = threading.Lock()
-        with self._lock:
+        self._cond = threading.Condition()
+        with self._cond:
             self.index.refresh()
         # ``parallel`` contexts over the one model: that many conversations stay resident; switching among
         # them restores nothing. The least recently used is released (its state is already on disk).
-        self._how = ""
         self._slots = [_Slot(session.engine)] + [_Slot(session.engine.sibling()) for _ in range(parallel - 1)]
         self.model_name = session.model.info.name or Path(str(session.model.path)).stem
 
@@ -139,28 +169,34 @@ class ChatService:
 
     def complete(self, req: ChatRequest) -> Iterator[ServiceEvent]:
         """Serve one chat completion. Closing the iterator early records the reply so far (like Ctrl-C)."""
-        with self._lock:
-            try:
-                yield from self._complete(req)
-            except HistoryError as exc:
-                raise ServiceError("invalid_request", str(exc), exc.param) from None
-            except ContextFullError as exc:
-                raise ServiceError("context_length_exceeded", str(exc), "messages") from None
-            except LockedError as exc:
-                raise ServiceError("conflict", str(exc)) from None
-            except StoreError as exc:
-                raise ServiceError("not_found", str(exc), "conversation") from None
-            except (ConversationError, TemplateError) as exc:
-                raise ServiceError("invalid_request", str(exc)) from None
-            except EngineError as exc:
-                self._forget_all()
-                raise ServiceError("server_error", str(exc)) from None
+        rq = _Req()
+        try:
+            with self._cond:
+                while all(s.busy for s in self._slots):
+                    self._cond.wait()
+                prep = self._prepare(req, rq)
+            yield from self._run(req, rq, prep)
+        except HistoryError as exc:
+            raise ServiceError("invalid_request", str(exc), exc.param) from None
+        except ContextFullError as exc:
+            raise ServiceError("context_length_exceeded", str(exc), "messages") from None
+        except LockedError as exc:
+            raise ServiceError("conflict", str(exc)) from None
+        except StoreError as exc:
+            raise ServiceError("not_found", str(exc), "conversation") from None
+        except (ConversationError, TemplateError) as exc:
+            raise ServiceError("invalid_request", str(exc)) from None
+        except EngineError as exc:
+            with self._cond:
+                if rq.slot is not None:
+                    rq.slot.conv = None  # what its context holds is unknown now: restore next time
+            raise ServiceError("server_error", str(exc)) from None
+        finally:
+            with self._cond:
+                self._give_back(rq)
 
-    def _evaluated(self) -> int:
-        return sum(s.engine.n_evaluated_total for s in self._slots)
-
-    def _complete(self, req: ChatRequest) -> Iterator[ServiceEvent]:
-        ev0 = self._evaluated()
+    def _prepare(self, req: ChatRequest, rq: _Req) -> _Prepared:
+        """Under the lock: find the conversation, take a context, restore or fork into it."""
         self.index.refresh()
         sh, explicit = self._split(req)
         root = self.index.root(sh.persona)
@@ -171,21 +207,28 @@ class ChatService:
             raise ServiceError("conflict", f"conversation {explicit} was made with another model or context size")
         sampling = self._sampling(req)
         max_tokens = req.max_tokens or self.session.settings.max_tokens
-        conv, created, forked_from, tail = self._acquire(sh, root, keys, i, entries, sampling, max_tokens, explicit)
-        eng = conv.engine
-        seed = req.seed if req.seed is not None else secrets.randbits(31)
+        conv, created, forked_from, tail = self._acquire(sh, root, keys, i, entries, sampling, max_tokens,
+                                                         explicit, rq)
         adapter.configure(conv, sampling=sampling, max_tokens=max_tokens, stop=req.stop)
+        seed = req.seed if req.seed is not None else secrets.randbits(31)
+        return _Prepared(conv, created, forked_from, tail, seed)
+
+    def _run(self, req: ChatRequest, rq: _Req, prep: _Prepared) -> Iterator[ServiceEvent]:
+        """Without the lock: append the new messages and generate, on the context this request holds."""
+        conv, tail = prep.conv, prep.tail
+        eng = conv.engine
         shifted0 = len(conv.r.out_of_context)
         notices: list[str] = []
         try:
             for m in tail[:-1]:
                 (adapter.append_user if m.role == "user" else adapter.append_reply)(conv, m.content)
-            gen = adapter.send(conv, tail[-1].content, seed=seed) if tail else adapter.reply_pending(conv, seed=seed)
+            gen = (adapter.send(conv, tail[-1].content, seed=prep.seed) if tail
+                   else adapter.reply_pending(conv, seed=prep.seed))
         except ContextFullError:
-            self._abandon(conv, remove=created)
+            self._abandon(conv, rq, remove=prep.created)
             raise
         except BaseException:
-            self._abandon(conv, remove=False)
+            self._abandon(conv, rq, remove=False)
             raise
         started: Started | None = None
         end: ReplyEnd | None = None
@@ -196,7 +239,7 @@ class ChatService:
                 if isinstance(ev, Notice):
                     notices.append(ev.text)
                 elif isinstance(ev, ReplyStart):
-                    started = Started(conv.id, forked_from, eng.n_past, self._evaluated() - ev0, self._how)
+                    started = Started(conv.id, prep.forked_from, eng.n_past, rq.evaluated, rq.how)
                     yield started
                 elif isinstance(ev, ReplyText):
                     raw += ev.text
@@ -208,20 +251,20 @@ class ChatService:
                     end = ev
         except ContextFullError:
             _close(gen)
-            self._abandon(conv, remove=created and started is None)
+            self._abandon(conv, rq, remove=prep.created and started is None)
             raise
         except BaseException:
             _close(gen)  # a consumer that went away: the reply so far is recorded like a Ctrl-C'd one
-            self._release(conv)
+            self._release(conv, rq)
             raise
-        self._release(conv)
+        self._release(conv, rq)
         assert started is not None and end is not None
         text = end.message.text
         if text.startswith(emitted) and len(text) > len(emitted):
             yield Delta(text[len(emitted):])
         reason = "length" if end.stats.stop_reason in ("length", "context") else "stop"
-        yield Finished(conv.id, forked_from, text, reason, started.prompt_tokens, started.evaluated,
-                       end.stats.n_generated, notices, len(conv.r.out_of_context) - shifted0, self._how)
+        yield Finished(conv.id, prep.forked_from, text, reason, started.prompt_tokens, started.evaluated,
+                       end.stats.n_generated, notices, len(conv.r.out_of_context) - shifted0, rq.how)
 
     # -- steps ------------------------------------------------------------------------------------------
 
@@ -264,42 +307,46 @@ class ChatService:
 
     def _acquire(
         self, sh: SplitHistory, root: str, keys: list[str], i: int, entries: list[Entry], sampling: Sampling,
-        max_tokens: int, explicit: str | None,
+        max_tokens: int, explicit: str | None, rq: _Req,
     ) -> tuple[Conversation, bool, str | None, Sequence[Message]]:
-        """The conversation to continue, positioned at the matched boundary; whether it is new; the
-        conversation it was forked from; the messages still to append."""
+        """The conversation to continue, positioned at the matched boundary, in a context this request
+        now holds; whether it is new; the conversation it was forked from; the messages still to append."""
         resident = {s.conv.id for s in self._slots if s.conv is not None}
         # Its end first (no fork); else the conversation that goes least beyond the boundary (a regenerate
-        # of its last reply finds the logits saved there); the resident one saves a restore.
+        # of its last reply finds the logits saved there); a resident one saves a restore.
         cands = sorted(entries, key=lambda e: (e.rest, e.conv not in resident, -e.updated))
         want = keys[i - 1] if i > 0 else root
         for e in cands:
             if not e.end:
                 break
             try:
-                conv = self._open(e.conv, sampling, max_tokens)
+                conv = self._open(e.conv, sampling, max_tokens, rq)
             except LockedError:
                 if explicit is not None:
                     raise
-                continue  # another process (a REPL) is on it: fork below instead
+                continue  # another request or process is on it: fork below instead
             if self._at(conv, root, want):
                 return conv, False, None, sh.turns[i:]
-            self._release(conv)  # changed on disk since it was indexed
+            self._release(conv, rq)  # changed on disk since it was indexed
+            self._give_back(rq)
         if i > 0 and cands:
             e = cands[0]
             parent = ConversationDir(self.store.root / e.conv)
-            holder = next((s for s in self._slots if s.conv is not None and s.conv.id == e.conv), None)
+            holder = next((s for s in self._slots if s.conv is not None and s.conv.id == e.conv and not s.busy), None)
             # A resident parent's cells are in its context already: the fork only cuts them back.
             in_engine = holder is not None and adapter.stamp(parent) == holder.stamp
             child, _ = adapter.fork_at(self.store, parent, e.k, {"source": "api"})
             adopted = None
             if holder is not None and in_engine:
+                self._take(holder, rq)
                 holder.conv = None
                 adopted = adapter.adopt(self.session, holder.engine, child, sampling=sampling, max_tokens=max_tokens)
-            conv = adopted or self._open(child, sampling, max_tokens)
-            self._how = "fork"
+                if adopted is None:
+                    self._give_back(rq)
+            conv = adopted or self._open(child, sampling, max_tokens, rq)
+            rq.how = "fork"
             if not self._at(conv, root, want):
-                self._abandon(conv, remove=True)
+                self._abandon(conv, rq, remove=True)
                 raise ServiceError("conflict", f"conversation {e.conv} changed while it was being forked: retry")
             return conv, True, e.conv, sh.turns[i:]
         # Nothing stored shares more than the persona: a new conversation from the (cached) prefix.
@@ -309,69 +356,88 @@ class ChatService:
             name, phash = info.name, info.hash  # a REPL persona: its prefix cache entry is reused
         else:
             name, phash = API_PERSONA, history.persona_hash(sh.persona)
-        slot = self._free_slot()
-        self._how = "new"
+        slot = self._take(self._free_slot(), rq)
+        rq.how = "new"
         meta = {"source": "api", **({"forked_from": forked_from} if forked_from else {})}
         opened = adapter.create(self.session, slot.engine, persona=sh.persona, persona_name=name, persona_hash=phash,
                                 seed=secrets.randbits(31), sampling=sampling, max_tokens=max_tokens, meta=meta)
         return opened.conv, True, forked_from, sh.turns
 
-    def _open(self, cid: str, sampling: Sampling, max_tokens: int) -> Conversation:
-        self._how = "disk"
+    def _open(self, cid: str, sampling: Sampling, max_tokens: int, rq: _Req) -> Conversation:
+        """Restore ``cid`` into a context this request takes (its own context when it is resident there)."""
         for slot in self._slots:
             if slot.conv is not None and slot.conv.id == cid:
+                if slot.busy:
+                    raise LockedError(f"conversation {cid} is in use by another request")
                 slot.conv.dir.lock()
+                self._take(slot, rq)
                 if adapter.stamp(slot.conv.dir) == slot.stamp:
-                    self._how = "memory"
+                    rq.how = "memory"
                     return slot.conv  # its KV is what this context holds: nothing to restore
                 slot.conv.dir.unlock()  # someone else wrote it since: restore from disk
                 slot.conv = None
-                return adapter.open_(self.session, slot.engine, cid, sampling=sampling, max_tokens=max_tokens).conv
-        slot = self._free_slot()
-        return adapter.open_(self.session, slot.engine, cid, sampling=sampling, max_tokens=max_tokens).conv
+                break
+        else:
+            slot = self._take(self._free_slot(), rq)
+        rq.how = "disk"
+        try:
+            return adapter.open_(self.session, slot.engine, cid, sampling=sampling, max_tokens=max_tokens).conv
+        except BaseException:
+            self._give_back(rq)
+            raise
 
     def _free_slot(self) -> _Slot:
-        """An empty context, else the least recently used one (its conversation is on disk already)."""
-        slot = min(self._slots, key=lambda s: (s.conv is not None, s.used))
+        """A free context: an empty one, else the least recently used (its conversation is on disk already)."""
+        slot = min((s for s in self._slots if not s.busy), key=lambda s: (s.conv is not None, s.used))
         slot.conv = None
         return slot
 
-    def _slot_of(self, conv: Conversation) -> _Slot:
-        return next(s for s in self._slots if s.engine is conv.engine)
+    def _take(self, slot: _Slot, rq: _Req) -> _Slot:
+        slot.busy = True
+        rq.slot = slot
+        rq.ev0 = slot.engine.n_evaluated_total
+        return slot
 
-    def _forget_all(self) -> None:
-        for s in self._slots:
-            s.conv = None
+    def _give_back(self, rq: _Req) -> None:
+        if rq.slot is not None:
+            rq.slot.busy = False
+            rq.slot = None
+            self._cond.notify_all()
 
     def _at(self, conv: Conversation, root: str, want: str) -> bool:
         """The conversation ends exactly at the boundary the request matched."""
         keys = conversation_keys(root, conv.r)
         return bool(keys) and keys[-1][0] == want and keys[-1][1] == len(conv.r.active)
 
-    def _release(self, conv: Conversation) -> None:
-        self.index.update(conv.dir, conv.r, conv.meta)
-        slot = self._slot_of(conv)
-        slot.conv = conv
-        slot.stamp = adapter.stamp(conv.dir)
-        slot.used = time.monotonic()
-        conv.dir.unlock()
-        self.index.save_soon()
+    def _release(self, conv: Conversation, rq: _Req) -> None:
+        """The request is done with the conversation: it stays resident in its context, unlocked."""
+        with self._cond:
+            self.index.update(conv.dir, conv.r, conv.meta)
+            if rq.slot is not None:
+                rq.slot.conv = conv
+                rq.slot.stamp = adapter.stamp(conv.dir)
+                rq.slot.used = time.monotonic()
+            conv.dir.unlock()
+            self.index.save_soon()
 
-    def _abandon(self, conv: Conversation, *, remove: bool) -> None:
+    def _abandon(self, conv: Conversation, rq: _Req, *, remove: bool) -> None:
         """A request that failed: the conversation is released, and removed when this request made it."""
-        self._slot_of(conv).conv = None
-        conv.dir.unlock()
-        if remove:
-            try:
-                self.store.remove(conv.dir)
-            except (OSError, StoreError):
-                pass
-        self.index.refresh()
+        with self._cond:
+            if rq.slot is not None:
+                rq.slot.conv = None
+            conv.dir.unlock()
+            if remove:
+                try:
+                    self.store.remove(conv.dir)
+                except (OSError, StoreError):
+                    pass
+            self.index.refresh()
 
     def close(self) -> None:
-        with self._lock:
+        with self._cond:
             self.index.save()
-            self._forget_all()
+            for s in self._slots:
+                s.conv = None
             for s in self._slots[1:]:
                 s.engine.close()  # siblings first: the first context's engine owns the model
 
