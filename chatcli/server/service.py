@@ -433,8 +433,13 @@ class ChatService:
                     pass
             self.index.refresh()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop: running replies are cut (recorded like Ctrl-C) and waited for, then the contexts freed."""
         with self._cond:
+            for s in self._slots:
+                if s.busy:
+                    s.engine.cancel()
+            self._cond.wait_for(lambda: not any(s.busy for s in self._slots), timeout)
             self.index.save()
             for s in self._slots:
                 s.conv = None
