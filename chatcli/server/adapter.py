@@ -124,10 +124,6 @@ def configure(conv: Conversation, *, sampling: Sampling, max_tokens: int, stop: 
     conv._stop_strings = [*conv.template.reply_stop_strings(), *stop]
 
 
-def active(conv: Conversation) -> list[ActiveMessage]:
-    return list(conv.r.active)
-
-
 def send(conv: Conversation, text: str, *, seed: int) -> Iterator[Event]:
     return conv.send(text, seed=seed)
 
