@@ -81,7 +81,7 @@ def make_paths(home: str | Path) -> Any:
 
 
 def build_session(home: str | Path, *, model: str | None, n_ctx: int, threads: int, max_tokens: int,
-                  persona: str = "alice", reserve: int = 256) -> Any:
+                  persona: str = "alice", reserve: int = 256, model_ref: Any = None) -> Any:
     """A chatcli Session rooted at ``home`` with greedy decoding (what ``chatcli talk --temperature 0`` builds)."""
     from chatcli.models.resolve import resolve_model
     from chatcli.session import Session
@@ -93,7 +93,8 @@ def build_session(home: str | Path, *, model: str | None, n_ctx: int, threads: i
     env = {"CHATCLI_HOME": str(home)}
     settings = load_settings(flags, paths=paths, env=env)
     explicit = {k for k, v in flags.items() if v is not None}
-    return Session.build(settings, paths, model=resolve_model(model, env=env), explicit=explicit)
+    ref = model_ref if model_ref is not None else resolve_model(model, env=env)
+    return Session.build(settings, paths, model=ref, explicit=explicit)
 
 
 def drain(gen: Iterator[Any]) -> tuple[Any, Any, list[Any], list[Any]]:

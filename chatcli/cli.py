@@ -74,8 +74,8 @@ def _color() -> bool:
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Core errors become one line and an exit code, never a traceback."""
-    from chatcli.core.conversation import ConversationError
-    from chatcli.backends.llamacpp import EngineError
+    from chatcli.core.backend import BackendError as EngineError
+    from chatcli.core.events import ConversationError
     from chatcli.models.gguf import GGUFError
     from chatcli.models.resolve import ModelError
     from chatcli.config.personas import PersonaError
@@ -235,9 +235,8 @@ def talk(
         conv, _ = open_events(session.new_conversation(settings.persona), renderer)
         if interactive:
             renderer.notice(f"conversation {conv.id} · persona {settings.persona} · {session.model.info.name} · /help for commands")
-        greeting = [m for m in conv.r.persona_messages if m.role == "assistant"]
-        if greeting and interactive:
-            renderer.reply_text(greeting[-1].content)
+        if conv.greeting and interactive:
+            renderer.reply_text(conv.greeting)
         code = _run_repl(session, conv, renderer, interactive)
     raise typer.Exit(code)
 
@@ -427,7 +426,7 @@ def show(
     as_json: Annotated[bool, typer.Option("--json", help="The transcript's events as JSON.")] = False,
 ) -> None:
     """Print a conversation's transcript (messages that left the model's context are marked)."""
-    from chatcli.core.conversation import replay_events
+    from chatcli.core.transcript import replay_events
     from chatcli.config.settings import get_paths
     from chatcli.core.store import ConversationStore
 
@@ -470,7 +469,7 @@ def export(
     fmt: Annotated[str, typer.Option("--format", "-f", help="md, or json: an OpenAI messages list (system first).")] = "md",
 ) -> None:
     """Write a conversation to stdout as Markdown or JSON."""
-    from chatcli.core.conversation import replay_events
+    from chatcli.core.transcript import replay_events
     from chatcli.core.export import to_markdown, to_messages
     from chatcli.config.settings import get_paths
     from chatcli.core.store import ConversationStore
@@ -521,7 +520,7 @@ def personas(
 ) -> None:
     """List personas and whether their prefix is cached for the current model."""
     from chatcli.config.personas import get_persona, load_personas, persona_problems
-    from chatcli.core.prefixcache import prefix_status, warm_prefix
+    from chatcli.personacache import prefix_status, warm_prefix
     from chatcli.repl.render import Renderer
 
     with user_errors():

@@ -10,14 +10,16 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from chatcli.core.conversation import Conversation, Event, ResumeReport
-from chatcli.backends.llamacpp import Engine, Sampling
-from chatcli.models.resolve import ModelRef, resolve_model
+from chatcli.backends.llamacpp import Engine
 from chatcli.config.personas import Persona, get_persona, load_personas
-from chatcli.core.prefixcache import effective_n_ctx
 from chatcli.config.settings import Paths, Settings, ensure_dir
+from chatcli.core.backend import Sampling
+from chatcli.core.conversation import Conversation
+from chatcli.core.events import Event, ResumeReport
+from chatcli.core.prefixcache import effective_n_ctx
 from chatcli.core.store import ConversationStore
 from chatcli.core.template import ChatTemplate
+from chatcli.models.resolve import ModelRef, resolve_model
 
 
 def sampling_from(settings: Settings, persona: Persona | None = None, explicit: set[str] | None = None) -> Sampling:
@@ -119,4 +121,3 @@ class Session:
 
     def close(self) -> None:
         self.engine.close()
-

@@ -18,9 +18,9 @@ import ctypes
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -31,16 +31,22 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import llama_cpp  # noqa: E402  (the only import of llama_cpp in chatcli)
 
+from chatcli.backends.kvformat import KV_PARAMS, engine_identity  # noqa: E402
+from chatcli.core.backend import (  # noqa: E402
+    BackendError,
+    Capabilities,
+    ContextFullError,
+    GenerationResult,
+    Sampling,
+    TokenEvent,
+)
+
 SEQ = 0  # the conversation
 SCRATCH = 1  # staging area for saving/restoring cell ranges
 
 
-class EngineError(RuntimeError):
-    """llama.cpp refused an operation (model load, decode, state restore)."""
-
-
-class ContextFullError(EngineError):
-    """The tokens to evaluate do not fit in the remaining context."""
+# The engine's errors and data types are the Backend protocol's (re-exported here for older imports).
+EngineError = BackendError  # llama.cpp refused an operation (model load, decode, state restore)
 
 
 # llama.cpp logs a lot to stderr; keep the recent lines to explain failures instead of printing them.
@@ -67,48 +73,12 @@ def _last_error() -> str:
     return ""
 
 
-# Pinned context parameters that shape the saved KV format (part of every state file's identity).
-KV_PARAMS: dict[str, object] = {"type_k": "f16", "type_v": "f16", "flash_attn": False, "kv_unified": True}
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Sampling parameters of one reply. ``temperature <= 0`` means greedy."""
-
-    temperature: float = 0.7
-    top_p: float = 0.95
-    top_k: int = 40
-    repeat_penalty: float = 1.1
-    repeat_last_n: int = 64
-
-
 @dataclass
 class EvalStats:
     """What one evaluation cost."""
 
     n_eval: int = 0
     seconds: float = 0.0
-
-
-@dataclass
-class TokenEvent:
-    """One sampled token, as it streams out of ``Engine.generate``."""
-
-    token: int
-    piece: bytes
-    is_eog: bool
-    t_since_start: float
-
-
-@dataclass
-class GenerationResult:
-    """How a generation ended; filled in by ``Engine.generate`` as it goes."""
-
-    tokens: list[int] = field(default_factory=list)
-    stop_reason: str = ""  # "eog" | "length" | "cancelled" | "stop" | "context"
-    ttft: float = 0.0
-    seconds: float = 0.0
-    n_decoded: int = 0
 
 
 @dataclass
@@ -183,7 +153,12 @@ class Engine:
         self.n_batch = n_batch
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 2)
         self.tokens: list[int] = []
-        self._logits: np.ndarray | None = None  # logits after the last token of self.tokens
+        # Logits for the token after ``tokens`` come from one of two places. Normally the context's own
+        # output buffer (``_ctx_logits``: the last decode computed them), which llama.cpp's sampler reads in
+        # place. After a rollback or a restore the context has no such logits and ``_logits`` holds the
+        # ones saved for this position; they are sampled through a candidates array we fill.
+        self._logits: np.ndarray | None = None
+        self._ctx_logits = False
         self.can_shift = bool(llama_cpp.llama_memory_can_shift(self._mem))
         self.n_evaluated_total = 0
         self._ids = np.arange(self.n_vocab, dtype=np.int32)
@@ -192,6 +167,15 @@ class Engine:
         )
         self.kv_params = dict(KV_PARAMS)
         self._closed = False
+
+    @property
+    def caps(self) -> Capabilities:
+        # A property: ``can_shift`` may be turned off (tests simulate a model whose memory cannot shift).
+        return Capabilities(cells=True, checkpoint=False, logits=True, local_sampling=True, shift=self.can_shift)
+
+    def identity(self) -> dict[str, Any]:
+        """What saved cells must match besides the model: the context size and the pinned KV format."""
+        return engine_identity(self.n_ctx, self.kv_params)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -320,26 +304,33 @@ class Engine:
             b.logits[len(part) - 1] = True
         rc = llama_cpp.llama_decode(self._ctx, b)
         if rc != 0:
-            # A failed decode leaves no cells for this batch; the token list stays as it was.
+            # A failed decode leaves no cells for this batch; the token list stays as it was. The output
+            # buffer may be half-written: the logits of the last good position are gone with it.
             llama_cpp.llama_memory_seq_rm(self._mem, SEQ, n0, -1)
+            self._drop_logits()
             raise EngineError(f"llama_decode failed ({rc}): {_last_error() or 'no detail'}")
         self.tokens.extend(part)
         self.n_evaluated_total += len(part)
-        if last_logits:
-            ptr = llama_cpp.llama_get_logits_ith(self._ctx, -1)
-            self._logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
-        else:
-            self._logits = None
+        # No copy here: the logits stay in the context's buffer until someone asks for them.
+        self._logits = None
+        self._ctx_logits = last_logits
+
+    def _drop_logits(self) -> None:
+        self._logits = None
+        self._ctx_logits = False
 
     def logits(self) -> np.ndarray:
         """The logits for the token after ``tokens`` (a copy)."""
-        if self._logits is None:
-            raise EngineError("no logits for the current position")
-        return self._logits.copy()
+        if self._logits is not None:
+            return self._logits.copy()
+        if self._ctx_logits:
+            ptr = llama_cpp.llama_get_logits_ith(self._ctx, -1)
+            return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+        raise EngineError("no logits for the current position")
 
     @property
     def has_logits(self) -> bool:
-        return self._logits is not None
+        return self._logits is not None or self._ctx_logits
 
     def set_logits(self, logits: np.ndarray) -> None:
         """Install logits saved earlier for the current position (so rollback needs no re-evaluation)."""
@@ -350,7 +341,7 @@ class Engine:
 
     def ensure_logits(self) -> int:
         """Make logits available for the current position; returns tokens re-evaluated (0 or 1)."""
-        if self._logits is not None:
+        if self.has_logits:
             return 0
         if not self.tokens:
             raise EngineError("empty context has no logits")
@@ -387,7 +378,7 @@ class Engine:
         it. Closing the generator early (or ``cancel()``) keeps what was produced and stays consistent.
         """
         res = result if result is not None else GenerationResult()
-        if self._logits is None:
+        if not self.has_logits:
             self.ensure_logits()
         chain = self._make_sampler(sampling, seed)
         t0 = time.perf_counter()
@@ -434,9 +425,13 @@ class Engine:
             self._cancel_flag.clear()  # a cancel request ends with the generation it stopped
 
     def _sample(self, chain: ctypes.c_void_p) -> int:
-        # Sample from the engine's own logits rather than the context's output buffer
-        # (llama_sampler_sample): after a rollback or a restore from disk the right logits are the ones we
-        # kept, which the context's buffer knows nothing about.
+        if self._logits is None and self._ctx_logits:
+            # The common case: the last decode computed these logits. llama.cpp's sampler builds the same
+            # candidates (id i, logit i, p 0, unsorted) from the context's buffer as the path below does
+            # from saved logits, applies the chain and accepts the token: same token, no Python refill.
+            return int(llama_cpp.llama_sampler_sample(chain, self._ctx, -1))
+        # After a rollback or a restore from disk the right logits are the ones we kept, which the
+        # context's buffer knows nothing about.
         assert self._logits is not None
         cand = self._candidates
         cand["id"] = self._ids
@@ -484,7 +479,7 @@ class Engine:
             if not llama_cpp.llama_memory_seq_rm(self._mem, SEQ, n, -1):
                 raise EngineError("llama.cpp could not remove the cells")
             del self.tokens[n:]
-            self._logits = None
+            self._drop_logits()
         return dropped
 
     def shift(self, keep: int, drop: int) -> None:
@@ -507,7 +502,7 @@ class Engine:
     def clear(self) -> None:
         llama_cpp.llama_memory_clear(self._mem, True)
         self.tokens = []
-        self._logits = None
+        self._drop_logits()
 
     def save_cells(self, p0: int, p1: int) -> bytes:
         """The KV cells of positions [p0, p1) of the conversation, in llama.cpp's sequence-state format."""
@@ -523,12 +518,16 @@ class Engine:
             n = llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, SCRATCH)
             if n == 0:
                 raise EngineError("llama.cpp could not save the cells")
-            return bytes(buf)[:n]
+            return ctypes.string_at(buf, n)  # one copy (bytes(buf)[:n] made two)
         finally:
             llama_cpp.llama_memory_seq_rm(self._mem, SCRATCH, -1, -1)
 
-    def load_cells(self, p0: int, p1: int, data: bytes, tokens: Sequence[int]) -> None:
-        """Append saved cells of positions [p0, p1) (p0 must equal n_past) with their token ids."""
+    def load_cells(self, p0: int, p1: int, data: bytes | bytearray | memoryview, tokens: Sequence[int]) -> None:
+        """Append saved cells of positions [p0, p1) (p0 must equal n_past) with their token ids.
+
+        ``data`` may be any contiguous buffer, a view into a mapped state file included: llama.cpp reads it
+        in place (its own copy into the KV cache is the only one).
+        """
         if p0 != self.n_past:
             raise EngineError(f"cells start at {p0} but the context holds {self.n_past}")
         if len(tokens) != p1 - p0:
@@ -537,8 +536,15 @@ class Engine:
             raise ContextFullError(f"saved state of {p1} tokens does not fit in n_ctx={self.n_ctx}")
         if p0 == p1:
             return
-        src = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        n = llama_cpp.llama_state_seq_set_data(self._ctx, src, len(data), SCRATCH)
+        # A pointer to the caller's bytes, not a copy: numpy takes read-only buffers (bytes, a read-only
+        # mmap) that ctypes' from_buffer refuses.
+        view = np.frombuffer(data, dtype=np.uint8)
+        src = None
+        try:
+            src = view.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+            n = llama_cpp.llama_state_seq_set_data(self._ctx, src, view.size, SCRATCH)
+        finally:
+            del src, view  # release the buffer export, so a mapped file can be closed right after
         if n == 0:
             llama_cpp.llama_memory_seq_rm(self._mem, SCRATCH, -1, -1)
             raise EngineError(f"llama.cpp rejected the saved cells: {_last_error() or 'format mismatch'}")
@@ -550,7 +556,21 @@ class Engine:
         llama_cpp.llama_memory_seq_cp(self._mem, SCRATCH, SEQ, -1, -1)
         llama_cpp.llama_memory_seq_rm(self._mem, SCRATCH, -1, -1)
         self.tokens.extend(int(t) for t in tokens)
-        self._logits = None
+        self._drop_logits()
 
     def seq_pos_max(self) -> int:
         return int(llama_cpp.llama_memory_seq_pos_max(self._mem, SEQ))
+
+    # -- checkpoints: not this engine's granularity (it saves cells, see caps) ----------------------
+
+    def checkpoint(self, name: str) -> int:
+        raise BackendError("the local engine saves cell ranges, not checkpoints")
+
+    def restore_checkpoint(self, name: str, tokens: Sequence[int]) -> bool:
+        raise BackendError("the local engine saves cell ranges, not checkpoints")
+
+
+__all__ = [
+    "KV_PARAMS", "BackendError", "Capabilities", "ContextFullError", "Engine", "EngineError", "EvalStats",
+    "GenerationResult", "Sampling", "TokenEvent",
+]

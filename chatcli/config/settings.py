@@ -128,6 +128,10 @@ class Settings:
     persona: str = "alice"
     plain: bool = False
     history_preview: int = 3  # exchanges shown on resume
+    server: str | None = None  # http://HOST:PORT of a llama-server to use instead of the local model
+    server_slot: int = 0  # the server slot this process uses (llama-server -np N gives N slots)
+    server_connect_timeout: float = 10.0  # seconds
+    server_read_timeout: float = 600.0  # seconds of silence from the server before giving up
     # `chatcli serve`
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8765
@@ -152,6 +156,10 @@ _KINDS: dict[str, tuple[type, bool]] = {
     "persona": (str, False),
     "plain": (bool, False),
     "history_preview": (int, False),
+    "server": (str, True),
+    "server_slot": (int, False),
+    "server_connect_timeout": (float, False),
+    "server_read_timeout": (float, False),
     "host": (str, False),
     "port": (int, False),
     "parallel": (int, False),
@@ -172,6 +180,11 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "reserve": (lambda v: v >= 0, "must be 0 or more"),
     "persona": (lambda v: bool(v.strip()), "must not be empty"),
     "history_preview": (lambda v: v >= 0, "must be 0 or more"),
+    "server": (lambda v: re.fullmatch(r"(https?://)?[^\s/?#]+(/[^\s?#]*)?", v.strip()) is not None,
+               "must be a URL such as http://HOST:PORT"),
+    "server_slot": (lambda v: v >= 0, "must be 0 or more"),
+    "server_connect_timeout": (lambda v: v > 0, "must be greater than 0"),
+    "server_read_timeout": (lambda v: v > 0, "must be greater than 0"),
     "host": (lambda v: bool(v.strip()), "must not be empty"),
     "port": (lambda v: 1 <= v <= 65535, "must be between 1 and 65535"),
     "parallel": (lambda v: 1 <= v <= 64, "must be between 1 and 64"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from chatcli.core.conversation import Replay
+from chatcli.core.transcript import Replay
 
 
 def to_messages(r: Replay) -> list[dict[str, str]]:

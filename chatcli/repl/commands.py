@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from chatcli.core.conversation import ConversationError
+from chatcli.core.events import ConversationError
 
 if TYPE_CHECKING:
     from chatcli.repl.loop import Repl
@@ -178,14 +178,13 @@ def _redo(repl: Repl, arg: str) -> None:
 
 
 def _alt_complete(repl: Repl) -> list[tuple[str, str]]:
-    last = repl.conv.messages[-1] if repl.conv.messages else None
-    if last is None or last.role != "assistant":
+    alts = repl.conv.alternatives()
+    if not alts:
         return []
-    alts = sorted(repl.conv.r.alternatives(last.turn), key=lambda e: int(e.get("alt", 0)))
     out = []
-    for i, e in enumerate(alts):
-        text = " ".join(str(e.get("text", "")).split())
-        out.append((str(i + 1), ("* " if int(e["mid"]) == last.mid else "") + (text[:40] + "…" if len(text) > 40 else text)))
+    for a in alts:
+        text = " ".join(a.text.split())
+        out.append((str(a.index + 1), ("* " if a.active else "") + (text[:40] + "…" if len(text) > 40 else text)))
     return [*out, ("next", "the next alternative"), ("prev", "the previous alternative")]
 
 
@@ -193,13 +192,12 @@ def _alt_complete(repl: Repl) -> list[tuple[str, str]]:
                    args="[N|next|prev]", complete=_alt_complete)
 def _alt(repl: Repl, arg: str) -> None:
     conv = repl.conv
-    last = conv.messages[-1] if conv.messages else None
-    if last is None or last.role != "assistant":
+    alts = conv.alternatives()
+    if not alts:
         raise CommandError("no reply yet")
-    alts = sorted(conv.r.alternatives(last.turn), key=lambda e: int(e.get("alt", 0)))
-    current = next(i for i, e in enumerate(alts) if int(e["mid"]) == last.mid)
+    current = next(a.index for a in alts if a.active)
     if not arg:
-        texts = [" ".join(str(e.get("text", "")).split()) for e in alts]
+        texts = [" ".join(a.text.split()) for a in alts]
         # Alternatives often open alike: show each from a little before where they part ways.
         common = len(os.path.commonprefix(texts)) if len(texts) > 1 else 0
         start = max(0, common - 15) if common > 30 else 0
@@ -208,7 +206,7 @@ def _alt(repl: Repl, arg: str) -> None:
             part = text[start:start + 70]
             shown = ("…" if start and part else "") + part + ("…" if len(text) > start + 70 else "")
             rows.append({"#": f"{i + 1}{' *' if i == current else ''}", "reply": shown or "(same as above)",
-                         "tokens": str(len(alts[i].get("tokens", [])))})
+                         "tokens": str(alts[i].n_tokens)})
         repl.renderer.table(rows, ["#", "reply", "tokens"], to_err=True)
         return
     if arg in ("next", "prev") and len(alts) == 1:
@@ -239,7 +237,7 @@ def _stats(repl: Repl, arg: str) -> None:
     from chatcli.repl.render import human_bytes
 
     conv = repl.conv
-    eng = conv.engine
+    use = conv.context
     last = conv.last_stats
     if last is not None:
         rows = [("evaluated", f"{last.n_eval} tokens ({last.n_prompt} of your message, read in "
@@ -257,12 +255,10 @@ def _stats(repl: Repl, arg: str) -> None:
             rows.append(("saved", f"{human_bytes(last.state_bytes)} of state in {last.save_ms:.0f} ms"))
         repl.renderer.fields("last turn", rows)
     s = conv.session_stats
-    rate = s["n_generated"] / s["gen_seconds"] if s["gen_seconds"] else 0.0
-    pct = 100 * eng.n_past / eng.n_ctx if eng.n_ctx else 0.0
     repl.renderer.fields("session", [
-        ("replies", f"{int(s['turns'])}"),
-        ("tokens", f"{int(s['n_eval'])} evaluated, {int(s['n_generated'])} generated ({rate:.1f} tok/s)"),
-        ("context", f"{eng.n_past}/{eng.n_ctx} tokens ({pct:.0f}%)"),
+        ("replies", f"{s.turns}"),
+        ("tokens", f"{s.n_eval} evaluated, {s.n_generated} generated ({s.tokens_per_second:.1f} tok/s)"),
+        ("context", f"{use.n_past}/{use.n_ctx} tokens ({100 * use.n_past / use.n_ctx if use.n_ctx else 0.0:.0f}%)"),
         ("state file", human_bytes(conv.state_bytes())),
         ("conversation", f"{conv.id} · {conv.title or '(untitled)'} · {conv.n_turns} exchange(s)"),
     ])
@@ -276,7 +272,7 @@ def _persona_complete(repl: Repl) -> list[tuple[str, str]]:
                    complete=_persona_complete)
 def _persona(repl: Repl, arg: str) -> None:
     if not arg:
-        current = repl.conv.meta.get("persona", "")
+        current = repl.conv.persona_name
         names = [n + (" (current)" if n == current else "") for n in sorted(repl.session.personas())]
         raise CommandError("usage: /persona NAME — one of: " + ", ".join(names))
     names = sorted(repl.session.personas())
@@ -292,8 +288,7 @@ def _system(repl: Repl, arg: str) -> None:
     if arg:
         raise CommandError("the system prompt belongs to the persona: start one with /persona NAME, "
                            "or write your own persona file (see `chatcli personas`)")
-    sys_msgs = [m.content for m in repl.conv.r.persona_messages if m.role == "system"]
-    repl.renderer.notice(sys_msgs[0] if sys_msgs else "(no system prompt)")
+    repl.renderer.notice(repl.conv.system_prompt or "(no system prompt)")
 
 
 def _last_code_block(text: str) -> str | None:
@@ -326,13 +321,11 @@ def _copy(repl: Repl, arg: str) -> None:
 
 @REGISTRY.register("save", "write this conversation as Markdown (default: ./chatcli-ID.md)", args="[PATH]")
 def _save(repl: Repl, arg: str) -> None:
-    from chatcli.core.export import to_markdown
-
     path = Path(arg).expanduser() if arg else Path(f"chatcli-{repl.conv.id}.md")
     if path.is_dir():
         path = path / f"chatcli-{repl.conv.id}.md"
     try:
-        path.write_text(to_markdown(repl.conv.meta, repl.conv.r), encoding="utf-8")
+        path.write_text(repl.conv.to_markdown(), encoding="utf-8")
     except OSError as exc:
         raise CommandError(f"cannot write {path}: {exc.strerror or exc}") from None
     repl.renderer.notice(f"saved {repl.conv.n_turns} exchange(s) to {path}")

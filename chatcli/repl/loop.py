@@ -25,13 +25,14 @@ from prompt_toolkit.input import Input
 from prompt_toolkit.output import Output
 
 from chatcli.repl.commands import REGISTRY, CommandError, ReplExit, UnknownCommand, dispatch
-from chatcli.core.conversation import Conversation, ConversationError, Event, ResumeReport
-from chatcli.backends.llamacpp import ContextFullError, EngineError
+from chatcli.core.backend import BackendError, ContextFullError
+from chatcli.core.conversation import Conversation
+from chatcli.core.events import EVENT_TYPES, ConversationError, Event, ResumeReport
 from chatcli.config.personas import PersonaError
 from chatcli.repl.render import Renderer, human_bytes
 from chatcli.core.template import TemplateError
 
-USER_ERRORS = (CommandError, ConversationError, ContextFullError, PersonaError, TemplateError, EngineError, OSError)
+USER_ERRORS = (CommandError, ConversationError, ContextFullError, PersonaError, TemplateError, BackendError, OSError)
 
 
 class ChatIO(Protocol):
@@ -224,15 +225,15 @@ class Repl:
     def toolbar_parts(self) -> list[tuple[int, str, str]]:
         """The toolbar's pieces as (priority, plain text, markup); lower priorities go first when narrow."""
         conv = self.conv
-        eng = conv.engine
-        frac = min(1.0, eng.n_past / eng.n_ctx) if eng.n_ctx else 0.0
+        use = conv.context
+        frac = use.fraction
         bar = context_bar(frac)
         model = self.session.model.info.name if self.session is not None else "?"
         if len(model) > 24:
             model = model[:23] + "…"
-        persona = str(conv.meta.get("persona", ""))
-        ctx = f"ctx {eng.n_past}/{eng.n_ctx} {bar}"
-        ctx_markup = f"ctx {eng.n_past}/{eng.n_ctx} {esc(bar)}"
+        persona = conv.persona_name
+        ctx = f"ctx {use.n_past}/{use.n_ctx} {bar}"
+        ctx_markup = f"ctx {use.n_past}/{use.n_ctx} {esc(bar)}"
         if frac >= 0.9:
             ctx_markup = f"<b>{ctx_markup}</b>"
         state = f"state {human_bytes(conv.state_bytes())}"
@@ -389,17 +390,16 @@ class Repl:
             conv, _ = open_events(self.session.new_conversation(name), self.renderer)
         except BaseException:
             # Creating the new conversation may have cleared the shared context: bring the old one back.
-            if list(old.engine.tokens) != old.r.tokens():
+            if not old.holds_context():
                 old.close()
                 self.conv, _ = open_events(self.session.open_conversation(old.id), self.renderer)
             raise
         old.close()
         self.conv = conv
         self.renderer.notice(f"conversation {old.id} saved (chatcli resume {old.id}); "
-                             f"new conversation {conv.id} with persona {conv.meta.get('persona', name)}")
-        greeting = [m for m in conv.r.persona_messages if m.role == "assistant"]
-        if greeting:
-            self.renderer.reply_text(greeting[-1].content)
+                             f"new conversation {conv.id} with persona {conv.persona_name or name}")
+        if conv.greeting:
+            self.renderer.reply_text(conv.greeting)
 
 
 def context_bar(frac: float, width: int = 10) -> str:
@@ -436,12 +436,12 @@ def open_events(events: Iterable[Event | ResumeReport | Conversation], renderer:
 
     def only_events() -> Iterator[Event]:
         for ev in events:
-            if isinstance(ev, Conversation):
-                box["conv"] = ev
-            elif isinstance(ev, ResumeReport):
+            if isinstance(ev, ResumeReport):
                 box["report"] = ev
-            else:
+            elif isinstance(ev, EVENT_TYPES):
                 yield ev
+            else:  # the conversation itself (or anything implementing its interface)
+                box["conv"] = ev
 
     renderer.stream(only_events(), label="loading")
     return box["conv"], box.get("report")

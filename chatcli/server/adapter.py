@@ -18,16 +18,16 @@ import numpy as np
 from chatcli.backends.llamacpp import ContextFullError, Engine, Sampling
 from chatcli.core import statefile as sf
 from chatcli.core.conversation import (
-    ActiveMessage,
     Conversation,
     Event,
     Notice,
     ResumeReport,
     TurnStats,
-    _make_title,
     replay_events,
 )
 from chatcli.core.forking import _copy_state
+from chatcli.core.reply import make_title
+from chatcli.core.statelog import CellLog
 from chatcli.core.store import ConversationDir, ConversationStore
 from chatcli.core.template import Message
 from chatcli.session import Session
@@ -92,29 +92,24 @@ def adopt(session: Session, eng: Engine, cid: str, *, sampling: Sampling, max_to
         want = r.tokens()
         state = sf.scan(conv_dir.state_path)
         _chunks, logits_rec, n_live = state.live()
-        if (not r.has_prefix or r.problems or eng.tokens[:len(want)] != want or n_live != len(want)
-                or state.dropped_bytes or (state.header or {}).get("identity") != _state_identity(session)):
-            conv_dir.unlock()
-            return None
         conv = Conversation(eng, session.template, conv_dir, meta, r, sampling, identity=session.identity(),
                             max_tokens=max_tokens, reserve=session.settings.reserve)
-        conv.state = state
+        log = conv.log
+        if (not isinstance(log, CellLog) or not r.has_prefix or r.problems or eng.tokens[:len(want)] != want
+                or n_live != len(want) or state.dropped_bytes or (state.header or {}).get("identity") != log.identity):
+            conv_dir.unlock()
+            return None
+        log.state = state
         eng.truncate(len(want))
         if logits_rec is not None and logits_rec.p0 == len(want):
             arr = np.frombuffer(sf.read_payload(conv_dir.state_path, logits_rec), dtype="<f4")
             if arr.shape == (eng.n_vocab,):
-                conv.turn_logits = (logits_rec.p0, arr.copy())
+                log._turn_logits = (logits_rec.p0, arr.copy())
                 eng.set_logits(arr)
         return conv
     except BaseException:
         conv_dir.unlock()
         raise
-
-
-def _state_identity(session: Session) -> dict[str, Any]:
-    from chatcli.core.prefixcache import state_identity
-
-    return state_identity(session.identity(), session.engine.n_ctx)
 
 
 def configure(conv: Conversation, *, sampling: Sampling, max_tokens: int, stop: Sequence[str]) -> None:
@@ -148,12 +143,12 @@ def append_user(conv: Conversation, text: str) -> None:
         raise ContextFullError(f"the history does not fit the context ({eng.n_past + len(toks)} tokens, n_ctx {eng.n_ctx})")
     turn = conv.r.max_turn + 1
     p0 = eng.n_past
-    mid = conv._write_message("user", text, toks, p0, turn)  # transcript first, as in Conversation.send
-    eng.eval(toks)
-    conv._after_user_eval(p0, toks, TurnStats())
-    conv.r.active.append(ActiveMessage(mid, "user", text, toks, p0, turn))
+    conv.transcript.message("user", text, toks, p0, turn)  # transcript first, as in Conversation.send
+    for _ in eng.eval_steps(toks):
+        pass
+    conv.log.user_evaluated(p0, toks, TurnStats())
     if not conv.title:
-        conv.meta["title"] = _make_title(text)
+        conv.meta["title"] = make_title(text)
 
 
 def append_reply(conv: Conversation, text: str) -> None:
@@ -167,12 +162,10 @@ def append_reply(conv: Conversation, text: str) -> None:
     turn = last.turn
     alt = len(conv.r.alternatives(turn))
     p0 = eng.n_past
-    mid = conv._write_message("assistant", text, toks, p0, turn, alt=alt, stop="client")
-    eng.eval(toks)
-    conv.r.active.append(ActiveMessage(mid, "assistant", text, toks, p0, turn, alt, "client"))
-    kv = eng.save_cells(p0, eng.n_past)
-    conv._append([sf.encode_record(sf.CELLS, p0, eng.n_past, sf.cells_payload(toks, kv))], None)
-    conv.turn_logits = None
+    conv.transcript.message("assistant", text, toks, p0, turn, alt=alt, stop="client")
+    for _ in eng.eval_steps(toks):
+        pass
+    conv.log.reply_done(p0, toks, TurnStats())
     conv._touch_meta()
 
 
