@@ -372,6 +372,49 @@ def regen(
 
 
 @app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(
+        "--host", help="Address to listen on (default 127.0.0.1: this machine only).")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="TCP port (default 8765).")] = None,
+    model: ModelOpt = None, n_ctx: NCtxOpt = None, threads: ThreadsOpt = None,
+    parallel: Annotated[int | None, typer.Option("--parallel", help="Conversations kept resident at once.")] = None,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", help="Require 'Authorization: Bearer KEY' on every request.")] = None,
+    max_tokens: MaxTokOpt = None, reserve: ReserveOpt = None,
+    kv_type: KvTypeOpt = None, state_budget: BudgetOpt = None,
+) -> None:
+    """Serve an OpenAI-compatible API whose conversations never re-ingest their history, even after a restart.
+
+    Point any OpenAI client at http://127.0.0.1:8765/v1. Each conversation is stored like a REPL one
+    (`chatcli ls` marks them "api"); a client that resends a history continues the stored conversation
+    with the longest common history, evaluating only the new message.
+
+    Examples: chatcli serve · chatcli serve --port 9000 --api-key $(openssl rand -hex 16)
+    """
+    flags = dict(host=host, port=port, model=model, n_ctx=n_ctx, threads=threads, parallel=parallel,
+                 api_key=api_key, max_tokens=max_tokens, reserve=reserve, kv_type=kv_type, state_budget=state_budget)
+    with user_errors():
+        try:
+            import fastapi  # noqa: F401
+            import sse_starlette  # noqa: F401
+            import uvicorn  # noqa: F401
+        except ImportError as exc:
+            raise CliError(f"chatcli serve needs the 'serve' extra ({exc.name} is missing): "
+                           "pip install 'chatcli[serve]'") from None
+        from chatcli.server.run import serve as run_server
+
+        settings, paths, explicit = _settings(flags)
+        session = _build_session(settings, paths, explicit, quiet=True)
+        for n in session.notices:
+            print(f"warning: {n}", file=sys.stderr)
+        try:
+            code = run_server(settings, paths, session)
+        finally:
+            session.close()
+    raise typer.Exit(code)
+
+
+@app.command()
 def fork(
     conv_id: Annotated[str, typer.Argument(metavar="ID", help="Conversation to fork.")],
     at: Annotated[int | None, typer.Option("--at", help="Keep exchanges 1..TURN (default: all).")] = None,
@@ -418,6 +461,7 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
                 "state_bytes": conv.state_size(), "updated": meta.get("updated", 0),
                 # warm: its KV state is on disk (resume loads it); cold: evicted or never saved (resume rebuilds)
                 "warm": conv.state_size() > 0, "kv_type": str((meta.get("params") or {}).get("type_k", "f16")),
+                "from": "api" if meta.get("source") == "api" else "",
             })
         for problem in problems:
             print(f"warning: {problem}", file=sys.stderr)
@@ -433,7 +477,7 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
             r["updated"] = datetime.fromtimestamp(float(r["updated"])).strftime("%Y-%m-%d %H:%M")
         plain = not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR"))
         Renderer(Console(highlight=False), plain=plain).table(
-            rows, ["id", "title", "persona", "turns", "in_context", "tokens", "state", "updated", "kv"])
+            rows, ["id", "title", "persona", "turns", "in_context", "tokens", "state", "updated", "kv", "from"])
         # The total goes to stderr when stdout is a pipe: scripts read one row per conversation.
         print(_usage_line(len(rows), sum(1 for r in rows if r["warm"])), file=sys.stdout if sys.stdout.isatty() else sys.stderr)
 
@@ -628,6 +672,8 @@ def config_show() -> None:
 
     with user_errors():
         for name, value, origin in describe_settings():
+            if name == "api_key" and value:
+                value = "***"  # a secret: say where it is set, never print it
             print(f"{name} = {value!r}  # {origin}")
 
 

@@ -158,7 +158,8 @@ def test_ls_table_and_json(conv: str) -> None:
     assert len(rows) == 1
     row = rows[0]
     assert set(row) == {"id", "title", "persona", "turns", "in_context", "tokens", "state_bytes", "updated",
-                        "warm", "kv_type"}
+                        "warm", "kv_type", "from"}
+    assert row["from"] == ""  # "api" for conversations made by `chatcli serve`
     assert row["id"] == conv
     assert row["title"] == FIRST_TITLE
     assert (row["persona"], row["turns"], row["in_context"]) == ("alice", 2, 2)

@@ -117,6 +117,11 @@ class Settings:
     server_read_timeout: float = 600.0  # seconds of silence from the server before giving up
     kv_type: str = "f16"  # KV cache type of new conversations: f16 | q8_0 | q4_0
     state_budget: str = "20GB"  # bound on all KV state files + persona prefix cache; 0/none = no limit
+    # `chatcli serve`
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8765
+    parallel: int = 1  # conversations resident at once
+    api_key: str | None = None  # when set, every request needs Authorization: Bearer KEY
 
 
 SETTING_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Settings))
@@ -142,6 +147,10 @@ _KINDS: dict[str, tuple[type, bool]] = {
     "server_read_timeout": (float, False),
     "kv_type": (str, False),
     "state_budget": (str, False),
+    "host": (str, False),
+    "port": (int, False),
+    "parallel": (int, False),
+    "api_key": (str, True),
 }
 
 
@@ -176,6 +185,10 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "server_read_timeout": (lambda v: v > 0, "must be greater than 0"),
     "kv_type": (lambda v: v in KV_TYPE_NAMES, f"must be one of {', '.join(KV_TYPE_NAMES)}"),
     "state_budget": (_is_size, "must be a size such as 20GB or 500MB, or 0/none for no limit"),
+    "host": (lambda v: bool(v.strip()), "must not be empty"),
+    "port": (lambda v: 1 <= v <= 65535, "must be between 1 and 65535"),
+    "parallel": (lambda v: 1 <= v <= 64, "must be between 1 and 64"),
+    "api_key": (lambda v: len(v.strip()) >= 8, "must be at least 8 characters"),
 }
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
