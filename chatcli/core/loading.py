@@ -1,0 +1,102 @@
+"""Creating a conversation from a persona, or opening one from its files.
+
+Both take the conversation's lock and yield the open ``Conversation`` last. If either fails, or its
+consumer goes away before it gets the conversation, the lock is released: a long-lived process (the
+server) can try again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Generator, Iterator, TypeVar
+
+from chatcli.core import prefixcache
+from chatcli.core.backend import Backend, Sampling
+from chatcli.core.conversation import Conversation
+from chatcli.core.events import ConversationError, Event, Notice, ResumeReport
+from chatcli.core.store import ConversationDir, ConversationStore
+from chatcli.core.template import ChatTemplate, Message
+from chatcli.core.transcript import Transcript, replay_events
+
+
+def create_conversation(
+    store: ConversationStore, backend: Backend, template: ChatTemplate, *, persona_name: str,
+    persona_messages: list[Message], persona_hash: str, identity: dict[str, Any], model_path: str,
+    sampling: Sampling, seed: int, prefix_cache_dir: Path | None = None, max_tokens: int = 1024, reserve: int = 256,
+) -> Iterator[Event | Conversation]:
+    """Start a conversation from a persona; yields progress, then the Conversation itself."""
+    meta = {
+        "title": "", "persona": persona_name, "persona_hash": persona_hash, "model": {"path": model_path, **identity},
+        "params": backend.identity(), "seed": seed, "turns": 0, "tokens": 0,
+    }
+    conv = store.create(meta)
+    conv.lock()
+
+    def body() -> Generator[Event, None, Conversation]:
+        prefix_tokens = prefixcache.persona_prefix_tokens(backend, template, persona_messages)
+        conv.append_event({
+            "type": "prefix", "persona": persona_name, "persona_hash": persona_hash, "tokens": prefix_tokens,
+            "messages": [m.as_dict() for m in persona_messages], "span": [0, len(prefix_tokens)],
+        })
+        replay = replay_events(conv.read_transcript().events)
+        c = Conversation(backend, template, conv, conv.read_meta(), replay, sampling, identity=identity,
+                         max_tokens=max_tokens, reserve=reserve)
+        cache_file = None
+        if prefix_cache_dir is not None:
+            cache_file = prefixcache.cache_path(prefix_cache_dir, c.state_identity(), persona_hash, template.source)
+        yield from c.start(cache_file)
+        return c
+
+    yield (yield from _unlock_if_failed(conv, body()))
+
+
+def open_conversation(
+    store: ConversationStore, ref: str | None, backend: Backend, template: ChatTemplate, *,
+    identity: dict[str, Any], sampling: Sampling, max_tokens: int = 1024, reserve: int = 256, lock: bool = True,
+    persona_messages: list[Message] | None = None,
+) -> Iterator[Event | ResumeReport | Conversation]:
+    """Resume a conversation: restore its KV from what was saved, evaluating only what is missing."""
+    conv = store.resolve(ref)
+    if lock:
+        conv.lock()
+
+    def body() -> Generator[Event | ResumeReport, None, Conversation]:
+        meta = conv.read_meta()
+        tr = conv.read_transcript()
+        conv.repair_transcript_tail()
+        for p in tr.problems:
+            yield Notice(p, "warn")
+        replay = replay_events(tr.events)
+        for p in replay.problems:
+            yield Notice(p, "warn")
+        if not replay.has_prefix:
+            if replay.all or persona_messages is None:
+                raise ConversationError(f"conversation {conv.id}: its transcript lost the persona prefix record")
+            # Killed before the first transcript line was written: start the prefix now from the persona.
+            toks = prefixcache.persona_prefix_tokens(backend, template, persona_messages)
+            Transcript(conv, replay).append({
+                "type": "prefix", "persona": meta.get("persona", ""), "persona_hash": meta.get("persona_hash", ""),
+                "messages": [m.as_dict() for m in persona_messages], "tokens": toks, "span": [0, len(toks)]})
+            yield Notice("the conversation had no transcript yet: started it from its persona", "warn")
+        c = Conversation(backend, template, conv, meta, replay, sampling, identity=identity,
+                         max_tokens=max_tokens, reserve=reserve)
+        report = ResumeReport()
+        yield from c.restore(report)
+        yield report
+        return c
+
+    yield (yield from _unlock_if_failed(conv, body()))
+
+
+_R = TypeVar("_R")
+
+
+def _unlock_if_failed(conv: ConversationDir, body: Generator[Any, None, _R]) -> Generator[Any, None, _R]:
+    """Run an opening ``body``; if it fails, or its consumer goes away first, release the lock (a no-op when
+    this process did not take it). The conversation itself is yielded after this, outside: a consumer
+    that closes the generator once it has the conversation keeps it open."""
+    try:
+        return (yield from body)
+    except BaseException:
+        conv.unlock()
+        raise
