@@ -208,6 +208,9 @@ class Engine:
         other._candidates = np.zeros_like(self._candidates)
         return other
 
+    def take_notices(self) -> list[str]:
+        return []  # everything this engine has to say is an error (raised) or in the conversation's events
+
     def close(self) -> None:
         if self._closed:
             return

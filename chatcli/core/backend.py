@@ -158,4 +158,9 @@ class Backend(Protocol):
         """Restore ``name`` if it holds exactly ``tokens``; False when it is missing or does not match."""
         ...
 
+    def take_notices(self) -> list[str]:
+        """What the user should hear about from inside the engine since the last call (e.g. a server
+        without persistence); the conversation passes them on as warnings."""
+        ...
+
     def close(self) -> None: ...

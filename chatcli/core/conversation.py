@@ -413,7 +413,7 @@ class Conversation(ConversationViews):
     def _notices(self) -> list[Notice]:
         """Save failures since the last call, as warnings, said by the operation that hit them (once), and
         any other pending notice (the state budget)."""
-        texts = list(dict.fromkeys([*self.log.failures, *self._failures]))
+        texts = list(dict.fromkeys([*self.log.failures, *self._failures, *self.backend.take_notices()]))
         self.log.failures.clear()
         self._failures.clear()
         return [*(Notice(t, "warn") for t in texts), *self.take_notices()]
