@@ -203,7 +203,7 @@ def test_failed_open_or_create_releases_the_lock(sess: Any, monkeypatch: pytest.
         with pytest.raises(OSError, match="simulated"):
             list(sess.new_conversation("alice"))
     (half_made,) = set(sess.store.ids()) - ids
-    conv, report = open_conv(sess, half_made)  # it opens (and rebuilds its state): not left locked
+    conv, _ = open_conv(sess, half_made)  # it opens (and rebuilds its state): not left locked
     assert list(conv.engine.tokens) == conv.r.prefix_tokens
     conv.close()
 
@@ -266,6 +266,6 @@ def test_failed_state_write_is_reported_by_the_operation_that_hit_it(
         assert list(conv.engine.tokens) == conv.r.tokens()
     finally:
         conv.close()
-    conv, report = open_conv(sess, conv.id)
+    conv, _ = open_conv(sess, conv.id)
     assert list(conv.engine.tokens) == conv.r.tokens()
     conv.close()

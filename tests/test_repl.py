@@ -24,16 +24,24 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from chatcli.cli import app
-from chatcli.repl.commands import REGISTRY, CommandError
 from chatcli.core.conversation import Alternative
 from chatcli.core.events import (
-    ContextUsage, ConversationError, Notice, Progress, ReplyEnd, ReplyStart, ReplyText, SessionStats, TurnStats,
+    ContextUsage,
+    ConversationError,
+    Notice,
+    Progress,
+    ReplyEnd,
+    ReplyStart,
+    ReplyText,
+    SessionStats,
+    TurnStats,
 )
 from chatcli.core.export import to_markdown
-from chatcli.core.transcript import ActiveMessage, Replay
-from chatcli.repl.render import Renderer, stats_line
-from chatcli.repl.loop import LineIO, Repl, SlashCompleter, TerminalIO, context_bar, copy_to_clipboard, open_events
 from chatcli.core.template import Message
+from chatcli.core.transcript import ActiveMessage, Replay
+from chatcli.repl.commands import REGISTRY, CommandError
+from chatcli.repl.loop import LineIO, Repl, SlashCompleter, TerminalIO, context_bar, copy_to_clipboard, open_events
+from chatcli.repl.render import Renderer, stats_line
 
 CODE_REPLY = "Here you are:\n\n```python\ndef add(a, b):\n    return a + b\n```\n\nThat is **all**."
 

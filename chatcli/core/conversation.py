@@ -18,7 +18,16 @@ from typing import Any, Callable, Iterator, Sequence
 from chatcli.core import budget, prefixcache, rebuild
 from chatcli.core.backend import Backend, ContextFullError, Sampling
 from chatcli.core.events import (
-    ConversationError, Event, Notice, Progress, ReplyEnd, ReplyStart, ReplyText, ResumeReport, SessionStats, TurnStats,
+    ConversationError,
+    Event,
+    Notice,
+    Progress,
+    ReplyEnd,
+    ReplyStart,
+    ReplyText,
+    ResumeReport,
+    SessionStats,
+    TurnStats,
 )
 from chatcli.core.reply import Draft, closing_tokens, make_title, reply_seed, stream_reply
 from chatcli.core.statelog import StateLog, make_state_log

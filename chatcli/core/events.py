@@ -7,7 +7,7 @@ leaf: it imports nothing from chatcli at run time, so any front end may import i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from chatcli.core.transcript import ActiveMessage
@@ -110,5 +110,5 @@ class ContextUsage:
         return min(1.0, self.n_past / self.n_ctx) if self.n_ctx else 0.0
 
 
-Event = Union[Notice, Progress, ReplyStart, ReplyText, ReplyEnd]
+Event = Notice | Progress | ReplyStart | ReplyText | ReplyEnd
 EVENT_TYPES = (Notice, Progress, ReplyStart, ReplyText, ReplyEnd)
