@@ -82,7 +82,7 @@ def make_paths(home: str | Path) -> Any:
 
 
 def build_session(home: str | Path, *, model: str | None, n_ctx: int, threads: int, max_tokens: int,
-                  persona: str = "alice", reserve: int = 256) -> Any:
+                  persona: str = "alice", reserve: int = 256, model_ref: Any = None) -> Any:
     """A chatcli Session rooted at ``home`` with greedy decoding (what ``chatcli talk --temperature 0`` builds)."""
     from chatcli.config.settings import load_settings_explicit
     from chatcli.models.resolve import resolve_model
@@ -93,7 +93,8 @@ def build_session(home: str | Path, *, model: str | None, n_ctx: int, threads: i
              "persona": persona, "threads": threads, "model": model}
     env = {"CHATCLI_HOME": str(home)}
     settings, explicit = load_settings_explicit(flags, paths=paths, env=env)
-    return Session.build(settings, paths, model=resolve_model(model, env=env), explicit=explicit)
+    ref = model_ref if model_ref is not None else resolve_model(model, env=env)
+    return Session.build(settings, paths, model=ref, explicit=explicit)
 
 
 def drain(gen: Iterator[Any]) -> tuple[Any, Any, list[Any], list[Any]]:

@@ -162,6 +162,14 @@ ReserveOpt = Annotated[int | None, typer.Option(
 PlainOpt = Annotated[bool | None, typer.Option(
     "--plain/--rich",
     help="Plain text: no colours, no Markdown rendering, no toolbar (also when NO_COLOR is set or output is piped).")]
+KvTypeOpt = Annotated[str | None, typer.Option(
+    "--kv-type",
+    help="KV cache type: f16, q8_0 (about half the state bytes) or q4_0. "
+         "A conversation keeps its type; resuming with another rebuilds its KV.")]
+BudgetOpt = Annotated[str | None, typer.Option(
+    "--state-budget",
+    help="Disk budget for all saved KV state, e.g. 20GB, 500MB; 0/none = no limit. "
+         "Least recently used conversations' state is dropped (their transcripts stay).")]
 
 
 def _settings(flags: Mapping[str, object]) -> tuple[Settings, Paths, set[str]]:
@@ -223,6 +231,7 @@ def talk(
     model: ModelOpt = None, n_ctx: NCtxOpt = None, threads: ThreadsOpt = None, seed: SeedOpt = None,
     temperature: TempOpt = None, top_p: TopPOpt = None, top_k: TopKOpt = None, repeat_penalty: RepeatOpt = None,
     max_tokens: MaxTokOpt = None, reserve: ReserveOpt = None, plain: PlainOpt = None,
+    kv_type: KvTypeOpt = None, state_budget: BudgetOpt = None,
 ) -> None:
     """Start a new conversation.
 
@@ -237,7 +246,7 @@ def talk(
 
     flags = dict(model=model, n_ctx=n_ctx, threads=threads, seed=seed, temperature=temperature, top_p=top_p,
                  top_k=top_k, repeat_penalty=repeat_penalty, max_tokens=max_tokens, reserve=reserve, plain=plain,
-                 persona=persona)
+                 persona=persona, kv_type=kv_type, state_budget=state_budget)
     with user_errors():
         settings, paths, explicit = _settings(flags)
         from chatcli.config.personas import get_persona
@@ -266,6 +275,7 @@ def resume(
     model: ModelOpt = None, n_ctx: NCtxOpt = None, threads: ThreadsOpt = None,
     temperature: TempOpt = None, top_p: TopPOpt = None, top_k: TopKOpt = None, repeat_penalty: RepeatOpt = None,
     max_tokens: MaxTokOpt = None, reserve: ReserveOpt = None, plain: PlainOpt = None,
+    kv_type: KvTypeOpt = None, state_budget: BudgetOpt = None,
 ) -> None:
     """Continue a conversation where it stopped, restoring its KV state (no re-processing).
 
@@ -274,16 +284,19 @@ def resume(
     Examples: chatcli resume · chatcli resume k3f9x2 · chatcli resume k3 --max-tokens 200
     """
     flags = dict(model=model, n_ctx=n_ctx, threads=threads, temperature=temperature, top_p=top_p, top_k=top_k,
-                 repeat_penalty=repeat_penalty, max_tokens=max_tokens, reserve=reserve, plain=plain)
+                 repeat_penalty=repeat_penalty, max_tokens=max_tokens, reserve=reserve, plain=plain,
+                 kv_type=kv_type, state_budget=state_budget)
     with user_errors():
         settings, paths, explicit = _settings(flags)
-        session, conv, renderer, interactive = _open(settings, paths, explicit, conv_id, model, n_ctx)
+        session, conv, renderer, interactive = _open(settings, paths, explicit, conv_id, model, n_ctx,
+                                                     kv_type_flag=kv_type)
         code = _run_repl(session, conv, renderer, interactive)
     raise typer.Exit(code)
 
 
 def _open(settings: Settings, paths: Paths, explicit: set[str], conv_id: str | None, model_flag: str | None,
-          n_ctx_flag: int | None, *, show_history: bool = True) -> tuple[Session, Conversation, Renderer, bool]:
+          n_ctx_flag: int | None, *, show_history: bool = True,
+          kv_type_flag: str | None = None) -> tuple[Session, Conversation, Renderer, bool]:
     """Resolve the conversation first (cheap errors before loading a model), then restore it."""
     from chatcli.config.settings import get_paths
     from chatcli.core.store import ConversationStore
@@ -310,6 +323,11 @@ def _open(settings: Settings, paths: Paths, explicit: set[str], conv_id: str | N
                 note = f"the conversation's model {saved} is gone; using {settings.model or 'the default model'}"
     if n_ctx_flag is None:
         settings.n_ctx = int((meta.get("params") or {}).get("n_ctx", settings.n_ctx))
+    # Like n_ctx: the conversation keeps its KV type unless --kv-type asks for another (then its KV is
+    # rebuilt from the transcript, and the open says so).
+    saved_kv = str((meta.get("params") or {}).get("type_k", "f16"))
+    if kv_type_flag is None and saved_kv in ("f16", "q8_0", "q4_0"):
+        settings.kv_type = saved_kv
     interactive = _interactive()
     session = _build_session(settings, paths, explicit, model_path=model_path)
     renderer = _renderer(settings, interactive)
@@ -350,6 +368,49 @@ def regen(
         else:
             conv.close()
             code = 0
+    raise typer.Exit(code)
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(
+        "--host", help="Address to listen on (default 127.0.0.1: this machine only).")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="TCP port (default 8765).")] = None,
+    model: ModelOpt = None, n_ctx: NCtxOpt = None, threads: ThreadsOpt = None,
+    parallel: Annotated[int | None, typer.Option("--parallel", help="Conversations kept resident at once.")] = None,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", help="Require 'Authorization: Bearer KEY' on every request.")] = None,
+    max_tokens: MaxTokOpt = None, reserve: ReserveOpt = None,
+    kv_type: KvTypeOpt = None, state_budget: BudgetOpt = None,
+) -> None:
+    """Serve an OpenAI-compatible API whose conversations never re-ingest their history, even after a restart.
+
+    Point any OpenAI client at http://127.0.0.1:8765/v1. Each conversation is stored like a REPL one
+    (`chatcli ls` marks them "api"); a client that resends a history continues the stored conversation
+    with the longest common history, evaluating only the new message.
+
+    Examples: chatcli serve · chatcli serve --port 9000 --api-key $(openssl rand -hex 16)
+    """
+    flags = dict(host=host, port=port, model=model, n_ctx=n_ctx, threads=threads, parallel=parallel,
+                 api_key=api_key, max_tokens=max_tokens, reserve=reserve, kv_type=kv_type, state_budget=state_budget)
+    with user_errors():
+        try:
+            import fastapi  # noqa: F401
+            import sse_starlette  # noqa: F401
+            import uvicorn  # noqa: F401
+        except ImportError as exc:
+            raise CliError(f"chatcli serve needs the 'serve' extra ({exc.name} is missing): "
+                           "pip install 'chatcli[serve]'") from None
+        from chatcli.server.run import serve as run_server
+
+        settings, paths, explicit = _settings(flags)
+        session = _build_session(settings, paths, explicit, quiet=True)
+        for n in session.notices:
+            print(f"warning: {n}", file=sys.stderr)
+        try:
+            code = run_server(settings, paths, session)
+        finally:
+            session.close()
     raise typer.Exit(code)
 
 
@@ -398,6 +459,9 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
                 "id": conv.id, "title": meta.get("title", ""), "persona": meta.get("persona", ""),
                 "turns": turns, "in_context": in_context, "tokens": meta.get("tokens", 0),
                 "state_bytes": conv.state_size(), "updated": meta.get("updated", 0),
+                # warm: its KV state is on disk (resume loads it); cold: evicted or never saved (resume rebuilds)
+                "warm": conv.state_size() > 0, "kv_type": str((meta.get("params") or {}).get("type_k", "f16")),
+                "from": "api" if meta.get("source") == "api" else "",
             })
         for problem in problems:
             print(f"warning: {problem}", file=sys.stderr)
@@ -409,10 +473,57 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
             return
         for r in rows:
             r["state"] = human_bytes(r["state_bytes"])
+            r["kv"] = f"warm {r['kv_type']}" if r["warm"] else "cold"
             r["updated"] = datetime.fromtimestamp(float(r["updated"])).strftime("%Y-%m-%d %H:%M")
         plain = not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR"))
         Renderer(Console(highlight=False), plain=plain).table(
-            rows, ["id", "title", "persona", "turns", "in_context", "tokens", "state", "updated"])
+            rows, ["id", "title", "persona", "turns", "in_context", "tokens", "state", "updated", "kv", "from"])
+        # The total goes to stderr when stdout is a pipe: scripts read one row per conversation.
+        print(_usage_line(len(rows), sum(1 for r in rows if r["warm"])), file=sys.stdout if sys.stdout.isatty() else sys.stderr)
+
+
+def _usage_line(n: int, n_warm: int) -> str:
+    """The total under `ls`: warm/cold counts, the bytes of all state, and the budget they are held to."""
+    from chatcli.config.settings import SettingsError, get_paths, load_settings
+    from chatcli.core.budget import format_size, parse_size, scan_usage
+
+    paths = get_paths()
+    usage = scan_usage(paths.conversations_dir, paths.prefix_cache_dir)
+    try:
+        limit = parse_size(load_settings(paths=paths).state_budget)
+        budget = f"budget {format_size(limit)}" if limit is not None else "no budget"
+    except SettingsError:
+        budget = "budget unreadable (see `chatcli config show`)"
+    return (f"{n} conversations: {n_warm} warm, {n - n_warm} cold · KV state {format_size(usage.total)} "
+            f"(conversations {format_size(usage.conversations)}, persona prefixes {format_size(usage.prefixes)}) "
+            f"· {budget}")
+
+
+@app.command()
+def gc(
+    budget: Annotated[str | None, typer.Option(
+        "--budget",
+        help="Apply this size instead of state_budget, e.g. 500MB; 0 drops every state file not in use.")] = None,
+) -> None:
+    """Apply the state budget now: drop the least recently used KV state files until all fit.
+
+    Transcripts are never touched and open conversations are spared; a dropped conversation resumes by
+    re-evaluating its transcript. Example: chatcli gc --budget 2GB
+    """
+    from chatcli.config.settings import get_paths
+    from chatcli.core.budget import BudgetError, enforce, parse_size
+
+    with user_errors():
+        settings, paths, _ = _settings({})
+        paths = get_paths()
+        text = settings.state_budget if budget is None else budget
+        try:
+            # `gc --budget 0` means "keep nothing": in a setting 0 means no limit, here it is a size.
+            limit = 0 if budget is not None and budget.strip() == "0" else parse_size(text)
+        except BudgetError as exc:
+            raise CliError(f"--budget: {exc}", EXIT_USAGE) from None
+        freed = enforce(paths.conversations_dir, paths.prefix_cache_dir, limit)
+        print(freed.summary())
 
 
 @app.command()
@@ -561,6 +672,8 @@ def config_show() -> None:
 
     with user_errors():
         for name, value, origin in describe_settings():
+            if name == "api_key" and value:
+                value = "***"  # a secret: say where it is set, never print it
             print(f"{name} = {value!r}  # {origin}")
 
 

@@ -157,7 +157,9 @@ def test_ls_table_and_json(conv: str) -> None:
     rows = ls_json()
     assert len(rows) == 1
     row = rows[0]
-    assert set(row) == {"id", "title", "persona", "turns", "in_context", "tokens", "state_bytes", "updated"}
+    assert set(row) == {"id", "title", "persona", "turns", "in_context", "tokens", "state_bytes", "updated",
+                        "warm", "kv_type", "from"}
+    assert row["from"] == ""  # "api" for conversations made by `chatcli serve`
     assert row["id"] == conv
     assert row["title"] == FIRST_TITLE
     assert (row["persona"], row["turns"], row["in_context"]) == ("alice", 2, 2)
@@ -169,6 +171,7 @@ def test_ls_table_and_json(conv: str) -> None:
     assert cells[:6] == [conv, FIRST_TITLE, "alice", "2", "2", str(row["tokens"])]
     assert cells[6] == human_bytes(row["state_bytes"])
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", cells[7])
+    assert cells[8] == "warm f16" and row["warm"] is True and row["kv_type"] == "f16"
 
 
 def test_ls_with_no_conversations() -> None:

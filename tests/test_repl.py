@@ -78,8 +78,13 @@ class FakeConversation:
         self.last_stats: TurnStats | None = None
         self.session_stats = SessionStats()
         self.save_error = ""
+        self.pending_notices: list[Notice] = []  # what take_notices() hands the REPL (e.g. the state budget)
         self.closed = False
         self.sent: list[str] = []
+
+    def take_notices(self) -> list[Notice]:
+        out, self.pending_notices = self.pending_notices, []
+        return out
 
     # -- views --
     @property
@@ -706,3 +711,12 @@ def test_piped_talk_prints_only_the_reply_on_stdout_and_stats_on_stderr() -> Non
     assert re.search(r"^\d+ tok evaluated · ttft \d+ ms · [\d.]+ tok/s · ctx \d+/\d+", result.stderr, re.M)
     assert "last turn" in result.stderr and "session" in result.stderr
     assert f"resume with: chatcli resume {conv_dir.id}" in result.stderr
+
+
+def test_notices_raised_outside_a_reply_are_shown_after_the_command() -> None:
+    """E.g. the state budget's line after an /undo or /alt wrote state: shown once, after the command."""
+    conv = FakeConversation()
+    conv.pending_notices.append(Notice("state budget 1.0 KB: freed 5.0 MB by dropping the KV state of 1 conversation"))
+    _, out, err = drive("/help\r/help\r\x04", conv)
+    assert (out + err).count("state budget 1.0 KB: freed 5.0 MB") == 1
+    assert conv.pending_notices == []

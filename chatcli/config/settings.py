@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import platformdirs
 
+from chatcli.backends.kvformat import KV_TYPE_NAMES  # no llama_cpp behind it
+
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
@@ -109,6 +111,13 @@ class Settings:
     server_slot: int = 0  # the server slot this process uses (llama-server -np N gives N slots)
     server_connect_timeout: float = 10.0  # seconds
     server_read_timeout: float = 600.0  # seconds of silence from the server before giving up
+    kv_type: str = "f16"  # KV cache type of new conversations: f16 | q8_0 | q4_0
+    state_budget: str = "20GB"  # bound on all KV state files + persona prefix cache; 0/none = no limit
+    # `chatcli serve`
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8765
+    parallel: int = 1  # conversations resident at once
+    api_key: str | None = None  # when set, every request needs Authorization: Bearer KEY
 
 
 SETTING_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Settings))
@@ -132,7 +141,24 @@ _KINDS: dict[str, tuple[type, bool]] = {
     "server_slot": (int, False),
     "server_connect_timeout": (float, False),
     "server_read_timeout": (float, False),
+    "kv_type": (str, False),
+    "state_budget": (str, False),
+    "host": (str, False),
+    "port": (int, False),
+    "parallel": (int, False),
+    "api_key": (str, True),
 }
+
+
+
+def _is_size(value: str) -> bool:
+    from chatcli.core.budget import BudgetError, parse_size
+
+    try:
+        parse_size(value)
+    except BudgetError:
+        return False
+    return True
 
 # name -> (predicate, what the value must be). Ranges follow what llama.cpp accepts.
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -153,6 +179,12 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "server_slot": (lambda v: v >= 0, "must be 0 or more"),
     "server_connect_timeout": (lambda v: v > 0, "must be greater than 0"),
     "server_read_timeout": (lambda v: v > 0, "must be greater than 0"),
+    "kv_type": (lambda v: v in KV_TYPE_NAMES, f"must be one of {', '.join(KV_TYPE_NAMES)}"),
+    "state_budget": (_is_size, "must be a size such as 20GB or 500MB, or 0/none for no limit"),
+    "host": (lambda v: bool(v.strip()), "must not be empty"),
+    "port": (lambda v: 1 <= v <= 65535, "must be between 1 and 65535"),
+    "parallel": (lambda v: 1 <= v <= 64, "must be between 1 and 64"),
+    "api_key": (lambda v: len(v.strip()) >= 8, "must be at least 8 characters"),
 }
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -191,6 +223,8 @@ def check_setting(name: str, value: Any) -> Any:
     if name not in _KINDS:
         raise SettingsError(_unknown_setting(name))
     kind, optional = _KINDS[name]
+    if name == "state_budget" and isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)  # `state_budget = 0` in TOML: a size in bytes
     # TOML has no null, so "none" (or "") is how a file resets an optional setting such as seed.
     if optional and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE)):
         return None

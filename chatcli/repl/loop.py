@@ -300,6 +300,8 @@ class Repl:
                                 if len(self.conv.user_messages()) == n_users:
                                     pending = line  # refused, so it comes back in the prompt: nothing is lost
                                 raise
+                    for notice in self.conv.take_notices():  # e.g. the state budget after /undo or /alt
+                        self.renderer.notice(notice.text, notice.level)
                 except ReplExit:
                     break
                 except BrokenPipeError:
