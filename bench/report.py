@@ -139,7 +139,25 @@ def headline(res: dict[str, Any], s: dict[str, Any]) -> list[str]:
     turns = res["build"]["turns"]
     tl = turns[-1]
     m = res["memory"]
-    return [f"- **Resume** a {last['tokens']:,}-token conversation in a new process: first token after " f"**{f_ms(last['chatcli_ttft'])} ms** vs {f_ms(last['cold_ttft'])} ms re-ingesting it " f"(**{f_x(last['cold_ttft'] / last['chatcli_ttft'])} faster**); llama-cpp-python `load_state` " f"{f_ms(last['ls_ttft'])} ms, `LlamaDiskCache` {f_ms(last['dc_ttft'])} ms.", f"- **Per-turn save** at {tl['n_past']:,} tokens: chatcli appends {f_mib(tl['append_bytes'])} in " f"{f_ms(tl['append_ms'])} ms; rewriting the whole state would write {f_mib(tl['rewrite_bytes'])} in " f"{f_ms(tl['rewrite_ms'])} ms ({f_x(tl['rewrite_bytes'] / max(1, tl['append_bytes']))} the bytes).", f"- **/regen** at {last['tokens']:,} tokens: {f_ms(last['regen'])} ms to the first new token vs " f"{f_ms(last['regen_re'])} ms re-ingesting ({f_x(last['regen_re'] / last['regen'])}); **/edit** " f"{f_ms(last['edit'])} ms vs {f_ms(last['edit_re'])} ms ({f_x(last['edit_re'] / last['edit'])}).", f"- **Engine overhead** vs a bare llama-cpp-python loop (per CPU-second / wall clock): prompt eval " f"{s['thr']['prompt_cpu_overhead']:+.1f} % / {s['thr']['prompt_overhead']:+.1f} %, decode " f"{s['thr']['decode_cpu_overhead']:+.1f} % / {s['thr']['decode_overhead']:+.1f} % (positive = chatcli slower).", f"- **Memory**: `chatcli talk` peaks at {f_mib(m['chatcli_talk_rss'])} = " f"{f_x(m['chatcli_talk_rss'] / (m['model_file_bytes'] + m['kv_bytes']))} model + KV " f"({f_mib(m['model_file_bytes'] + m['kv_bytes'])}); bare `Llama` peaks at {f_mib(m['llama_rss'])}.", f"- **Persona prefix cache** ({s['persona']['prefix_tokens']:,} tokens): new conversation to first token in " f"{f_ms(s['persona']['cached'])} ms cached vs {f_ms(s['persona']['uncached'])} ms uncached " f"({f_x(s['persona']['uncached'] / s['persona']['cached'])}).", *_headline_ba(s.get("ba"))]
+    return [f"- **Resume** a {last['tokens']:,}-token conversation in a new process: first token after "
+        f"**{f_ms(last['chatcli_ttft'])} ms** vs {f_ms(last['cold_ttft'])} ms re-ingesting it "
+        f"(**{f_x(last['cold_ttft'] / last['chatcli_ttft'])} faster**); llama-cpp-python `load_state` "
+        f"{f_ms(last['ls_ttft'])} ms, `LlamaDiskCache` {f_ms(last['dc_ttft'])} ms.",
+        f"- **Per-turn save** at {tl['n_past']:,} tokens: chatcli appends {f_mib(tl['append_bytes'])} in "
+        f"{f_ms(tl['append_ms'])} ms; rewriting the whole state would write {f_mib(tl['rewrite_bytes'])} in "
+        f"{f_ms(tl['rewrite_ms'])} ms ({f_x(tl['rewrite_bytes'] / max(1, tl['append_bytes']))} the bytes).",
+        f"- **/regen** at {last['tokens']:,} tokens: {f_ms(last['regen'])} ms to the first new token vs "
+        f"{f_ms(last['regen_re'])} ms re-ingesting ({f_x(last['regen_re'] / last['regen'])}); **/edit** "
+        f"{f_ms(last['edit'])} ms vs {f_ms(last['edit_re'])} ms ({f_x(last['edit_re'] / last['edit'])}).",
+        f"- **Engine overhead** vs a bare llama-cpp-python loop (per CPU-second / wall clock): prompt eval "
+        f"{s['thr']['prompt_cpu_overhead']:+.1f} % / {s['thr']['prompt_overhead']:+.1f} %, decode "
+        f"{s['thr']['decode_cpu_overhead']:+.1f} % / {s['thr']['decode_overhead']:+.1f} % (positive = chatcli slower).",
+        f"- **Memory**: `chatcli talk` peaks at {f_mib(m['chatcli_talk_rss'])} = "
+        f"{f_x(m['chatcli_talk_rss'] / (m['model_file_bytes'] + m['kv_bytes']))} model + KV "
+        f"({f_mib(m['model_file_bytes'] + m['kv_bytes'])}); bare `Llama` peaks at {f_mib(m['llama_rss'])}.",
+        f"- **Persona prefix cache** ({s['persona']['prefix_tokens']:,} tokens): new conversation to first token in "
+        f"{f_ms(s['persona']['cached'])} ms cached vs {f_ms(s['persona']['uncached'])} ms uncached "
+        f"({f_x(s['persona']['uncached'] / s['persona']['cached'])}).", *_headline_ba(s.get("ba"))]
 
 
 def _headline_ba(ba: dict[str, Any] | None) -> list[str]:

@@ -12,12 +12,13 @@ from typing import Any, Callable, Iterable, Iterator
 
 from chatcli.backends.llamacpp import Engine
 from chatcli.config.personas import Persona, get_persona, load_personas
-from chatcli.config.settings import Paths, Settings, ensure_dir
+from chatcli.config.settings import Paths, Settings
 from chatcli.core import prefixcache
 from chatcli.core.backend import Sampling
 from chatcli.core.budget import Freed, enforce, parse_size, total_bytes
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import Event, Notice, ResumeReport
+from chatcli.core.fsutil import ensure_private_dir
 from chatcli.core.loading import create_conversation, open_conversation
 from chatcli.core.prefixcache import effective_n_ctx
 from chatcli.core.store import ConversationStore
@@ -80,7 +81,7 @@ class Session:
         )
         if template.is_fallback:
             notices.append("the model has no chat template; using ChatML")
-        ensure_dir(paths.data_dir)
+        ensure_private_dir(paths.data_dir)
         store = ConversationStore(paths.conversations_dir)
         return cls(settings, paths, ref, engine, template, store, set(explicit or ()), notices)
 
@@ -99,7 +100,7 @@ class Session:
             identity=self.identity(), model_path=str(self.model.path),
             sampling=sampling_from(s, persona, self.explicit),
             seed=seed if seed is not None else (s.seed if s.seed is not None else secrets.randbits(31)),
-            prefix_cache_dir=ensure_dir(self.paths.prefix_cache_dir),
+            prefix_cache_dir=ensure_private_dir(self.paths.prefix_cache_dir),
             max_tokens=self._max_tokens(persona), reserve=s.reserve,
         ))
 

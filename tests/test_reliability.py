@@ -764,7 +764,7 @@ def test_prompt_history_file_is_private() -> None:
     from prompt_toolkit.input import create_pipe_input
     from prompt_toolkit.output import DummyOutput
 
-    from chatcli.core.fsutil import ensure_private_dir as ensure_dir
+    from chatcli.core.fsutil import ensure_private_dir
     from chatcli.repl.loop import TerminalIO
 
     class AnyRepl:  # TerminalIO only asks the REPL for callbacks (toolbar, hints)
@@ -772,7 +772,7 @@ def test_prompt_history_file_is_private() -> None:
             return lambda *a, **k: ""
 
     path = get_paths().history_file
-    ensure_dir(path.parent)
+    ensure_private_dir(path.parent)
     with create_pipe_input() as pipe:
         tio = TerminalIO(AnyRepl(), history_file=path, input=pipe, output=DummyOutput())  # type: ignore[arg-type]
         pipe.send_text("my secret message\r")

@@ -19,12 +19,12 @@ from chatcli.config.settings import (
     Settings,
     SettingsError,
     describe_settings,
-    ensure_dir,
     get_paths,
     load_settings,
     packaged_config_file,
     parse_setting,
 )
+from chatcli.core.fsutil import ensure_private_dir
 
 
 @pytest.fixture
@@ -84,13 +84,13 @@ def test_relative_chatcli_home_is_made_absolute(tmp_path: Path, monkeypatch: pyt
 def test_ensure_dir_creates_private_dirs_and_tightens_existing(tmp_path: Path) -> None:
     old = os.umask(0o022)
     try:
-        created = ensure_dir(tmp_path / "a" / "b")
+        created = ensure_private_dir(tmp_path / "a" / "b")
         assert created == tmp_path / "a" / "b"
         assert stat.S_IMODE(created.stat().st_mode) == 0o700
         loose = tmp_path / "loose"
         loose.mkdir(mode=0o755)
         assert stat.S_IMODE(loose.stat().st_mode) == 0o755
-        ensure_dir(loose)
+        ensure_private_dir(loose)
         assert stat.S_IMODE(loose.stat().st_mode) == 0o700
     finally:
         os.umask(old)

@@ -127,6 +127,9 @@ def test_end_marker_outside_the_vocabulary_never_reaches_the_reply(model_path: P
         assert shown == stored and stored.strip()
         for text in (shown, stored, conv.messages[-1].text):
             assert "<turn" not in text and "</" not in text, text
+        # The context holds the marker once, as the template writes it: the closing adds only what follows it.
+        held = session.engine.detokenize(conv.messages[-1].tokens)
+        assert held.endswith("</turn>\n") and held.count("</turn>") == 1, held
         conv.close()
     finally:
         session.close()

@@ -146,7 +146,8 @@ class Engine:
         ctx = llama_cpp.llama_init_from_model(model, cparams)
         if not ctx:
             llama_cpp.llama_model_free(model)
-            raise EngineError(f"llama.cpp could not create a context of {n_ctx} tokens (KV {kv_type}): {_last_error() or 'unknown error'}")
+            raise EngineError(f"llama.cpp could not create a context of {n_ctx} tokens (KV {kv_type}): "
+                              f"{_last_error() or 'unknown error'}")
         self._ctx = ctx
         self._cparams = cparams  # for sibling contexts over the same model
         self._owns_model = True
@@ -577,6 +578,7 @@ class Engine:
 
 
 __all__ = [
-    "KV_PARAMS", "KV_TYPES", "KV_TYPE_NAMES", "BackendError", "Capabilities", "ContextFullError", "Engine", "EngineError", "EvalStats",
+    "KV_PARAMS", "KV_TYPES", "KV_TYPE_NAMES", "BackendError", "Capabilities", "ContextFullError", "Engine", "EngineError",
+    "EvalStats",
     "GenerationResult", "Sampling", "TokenEvent",
 ]

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 import platformdirs
 
 from chatcli.backends.kvformat import KV_TYPE_NAMES  # no llama_cpp behind it
-from chatcli.core.fsutil import ensure_private_dir
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -70,9 +69,6 @@ class Paths:
     def prefix_cache_dir(self) -> Path:
         return self.cache_dir / "prefix"
 
-
-# The older name, until every caller imports ensure_private_dir from chatcli.core.fsutil.
-ensure_dir = ensure_private_dir
 
 
 def get_paths(env: Mapping[str, str] | None = None) -> Paths:

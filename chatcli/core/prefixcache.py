@@ -16,6 +16,7 @@ from typing import Any, Generator, Sequence
 
 from chatcli.core.backend import Backend
 from chatcli.core.events import Event, Notice, Progress
+from chatcli.core.fsutil import ensure_private_dir
 from chatcli.core.template import ChatTemplate, Message
 
 
@@ -99,7 +100,7 @@ def load_or_build(
     records = [header, sf.encode_record(sf.CELLS, 0, n, sf.cells_payload(prefix_tokens, kv))]
     if cache_file is not None and n:
         try:
-            cache_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            ensure_private_dir(cache_file.parent)
             sf.StateWriter(cache_file).rewrite(records)
         except OSError:
             pass  # a cache that cannot be written only costs time later

@@ -68,6 +68,13 @@ def closing_tokens(backend: Backend, template: ChatTemplate, history: list[Messa
         # template's whole closing still follows, so the next turn reads as the template expects.
         if eog_text and closing.startswith(eog_text):
             closing = closing[len(eog_text):]
+    elif stop == "stop" and reply_tokens:
+        # Stopped at a closing marker the model spelled out in ordinary pieces (its vocabulary lacks it as
+        # one token): the context already holds the marker; only what follows it is still missing.
+        marker = closing.rstrip()
+        tail = b"".join(backend.piece(t, special=True) for t in reply_tokens[-32:]).decode("utf-8", "replace")
+        if marker and tail.endswith(marker):
+            closing = closing[len(marker):]
     return backend.tokenize(closing, add_special=False) if closing else []
 
 

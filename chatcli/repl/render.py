@@ -19,7 +19,6 @@ from typing import Any, TextIO
 
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.live import Live
-from rich.markdown import Markdown
 from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
 from rich.segment import Segment
@@ -314,6 +313,8 @@ class Renderer:
     def markdown_lines(self, text: str) -> list[list[Segment]]:
         width = max(10, min(self.console.width, self.max_width))
         options = self.console.options.update(width=width)
+        from rich.markdown import Markdown  # here: it loads a Markdown parser that `chatcli ls` never needs
+
         lines = self.console.render_lines(Markdown(_drop_dangling_fence(text)), options, pad=False)
         return [_rstrip(line) for line in lines]
 

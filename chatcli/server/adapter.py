@@ -59,13 +59,13 @@ def _drain(gen: Iterator[Any]) -> Opened:
 def create(session: Session, engine: Engine, *, persona: Sequence[Message], persona_name: str, persona_hash: str, seed: int,
            sampling: Sampling, max_tokens: int, meta: dict[str, Any]) -> Opened:
     """A new conversation from a persona (its prefix from the shared prefix cache when present)."""
-    from chatcli.config.settings import ensure_dir
+    from chatcli.core.fsutil import ensure_private_dir
 
     opened = _drain(create_conversation(
         session.store, engine, session.template,
         persona_name=persona_name, persona_messages=list(persona), persona_hash=persona_hash,
         identity=session.identity(), model_path=str(session.model.path), sampling=sampling, seed=seed,
-        prefix_cache_dir=ensure_dir(session.paths.prefix_cache_dir), max_tokens=max_tokens,
+        prefix_cache_dir=ensure_private_dir(session.paths.prefix_cache_dir), max_tokens=max_tokens,
         reserve=session.settings.reserve,
     ))
     opened.conv.meta.update(meta)
