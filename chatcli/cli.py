@@ -145,6 +145,7 @@ TopKOpt = Annotated[Optional[int], typer.Option("--top-k", help="Sample only fro
 RepeatOpt = Annotated[Optional[float], typer.Option("--repeat-penalty", help="Penalty for repeating recent tokens (1.0 = none).")]
 MaxTokOpt = Annotated[Optional[int], typer.Option("--max-tokens", help="Longest reply in tokens.")]
 ReserveOpt = Annotated[Optional[int], typer.Option("--reserve", help="Tokens kept free for a reply when old turns must leave the context.")]
+ServerOpt = Annotated[Optional[str], typer.Option("--server", help="Run the model on a llama-server at this URL (http://HOST:PORT; 'none' = the local model).")]
 PlainOpt = Annotated[Optional[bool], typer.Option("--plain/--rich", help="Plain text: no colours, no Markdown rendering, no toolbar (also when NO_COLOR is set or output is piped).")]
 
 
@@ -163,8 +164,13 @@ def _build_session(settings: Any, paths: Any, explicit: set[str], *, model_path:
     from chatcli.models.resolve import resolve_model
     from chatcli.session import Session
 
-    ref = resolve_model(model_path or settings.model)
     console = _err_console()
+    if settings.server:
+        if quiet or not sys.stderr.isatty():
+            return Session.build_remote(settings, paths, explicit=explicit)
+        with console.status(f"connecting to {settings.server} …"):
+            return Session.build_remote(settings, paths, explicit=explicit)
+    ref = resolve_model(model_path or settings.model)
     if quiet or not sys.stderr.isatty():
         session = Session.build(settings, paths, model=ref, explicit=explicit)
     else:
@@ -206,7 +212,7 @@ def talk(
     persona: Annotated[Optional[str], typer.Option("--persona", "-p", help="Persona name (see `chatcli personas`).")] = None,
     model: ModelOpt = None, n_ctx: NCtxOpt = None, threads: ThreadsOpt = None, seed: SeedOpt = None,
     temperature: TempOpt = None, top_p: TopPOpt = None, top_k: TopKOpt = None, repeat_penalty: RepeatOpt = None,
-    max_tokens: MaxTokOpt = None, reserve: ReserveOpt = None, plain: PlainOpt = None,
+    max_tokens: MaxTokOpt = None, reserve: ReserveOpt = None, plain: PlainOpt = None, server: ServerOpt = None,
 ) -> None:
     """Start a new conversation.
 
@@ -221,7 +227,7 @@ def talk(
 
     flags = dict(model=model, n_ctx=n_ctx, threads=threads, seed=seed, temperature=temperature, top_p=top_p,
                  top_k=top_k, repeat_penalty=repeat_penalty, max_tokens=max_tokens, reserve=reserve, plain=plain,
-                 persona=persona)
+                 persona=persona, server=server)
     with user_errors():
         settings, paths, explicit = _settings(flags)
         from chatcli.config.personas import get_persona
@@ -234,7 +240,7 @@ def talk(
             renderer.notice(n, "warn")
         conv, _ = open_events(session.new_conversation(settings.persona), renderer)
         if interactive:
-            renderer.notice(f"conversation {conv.id} · persona {settings.persona} · {session.model.info.name} · /help for commands")
+            renderer.notice(f"conversation {conv.id} · persona {settings.persona} · {session.model_name} · /help for commands")
         if conv.greeting and interactive:
             renderer.reply_text(conv.greeting)
         code = _run_repl(session, conv, renderer, interactive)
@@ -246,7 +252,7 @@ def resume(
     conv_id: Annotated[Optional[str], typer.Argument(metavar="[ID]", help="Conversation id or unique prefix (default: most recent).")] = None,
     model: ModelOpt = None, n_ctx: NCtxOpt = None, threads: ThreadsOpt = None,
     temperature: TempOpt = None, top_p: TopPOpt = None, top_k: TopKOpt = None, repeat_penalty: RepeatOpt = None,
-    max_tokens: MaxTokOpt = None, reserve: ReserveOpt = None, plain: PlainOpt = None,
+    max_tokens: MaxTokOpt = None, reserve: ReserveOpt = None, plain: PlainOpt = None, server: ServerOpt = None,
 ) -> None:
     """Continue a conversation where it stopped, restoring its KV state (no re-processing).
 
@@ -255,7 +261,7 @@ def resume(
     Examples: chatcli resume · chatcli resume k3f9x2 · chatcli resume k3 --max-tokens 200
     """
     flags = dict(model=model, n_ctx=n_ctx, threads=threads, temperature=temperature, top_p=top_p, top_k=top_k,
-                 repeat_penalty=repeat_penalty, max_tokens=max_tokens, reserve=reserve, plain=plain)
+                 repeat_penalty=repeat_penalty, max_tokens=max_tokens, reserve=reserve, plain=plain, server=server)
     with user_errors():
         settings, paths, explicit = _settings(flags)
         session, conv, renderer, interactive = _open(settings, paths, explicit, conv_id, model, n_ctx)
@@ -282,7 +288,13 @@ def _open(settings: Any, paths: Any, explicit: set[str], conv_id: str | None, mo
     saved = (meta.get("model") or {}).get("path")
     model_path = model_flag
     note = ""
-    if not model_path:
+    # Likewise a conversation remembers its llama-server: only --server (or --model) moves it elsewhere;
+    # CHATCLI_SERVER and the config choose where *new* conversations run.
+    if "server" not in explicit:
+        settings.server = None if model_flag else (meta.get("model") or {}).get("server")
+    if settings.server:
+        model_path = None
+    elif not model_path:
         if saved and os.path.exists(saved):
             model_path = saved
         else:
@@ -296,6 +308,9 @@ def _open(settings: Any, paths: Any, explicit: set[str], conv_id: str | None, mo
     renderer = _renderer(settings, interactive)
     if note:
         renderer.notice(note, "warn")
+    if session.server:
+        for n in session.notices:
+            renderer.notice(n, "warn")
     conv, report = open_events(session.open_conversation(conv_dir.id), renderer)
     if show_history:
         renderer.history(conv.messages, settings.history_preview)
@@ -314,12 +329,13 @@ def regen(
     seed: SeedOpt = None,
     interactive_flag: Annotated[bool, typer.Option("--interactive", "-i", help="Continue in the REPL afterwards.")] = False,
     model: ModelOpt = None, temperature: TempOpt = None, max_tokens: MaxTokOpt = None, plain: PlainOpt = None,
+    server: ServerOpt = None,
 ) -> None:
     """Replace the last reply of a conversation with a new one (the old one stays as an alternative).
 
     Example: chatcli regen k3f9x2 --seed 7
     """
-    flags = dict(model=model, temperature=temperature, max_tokens=max_tokens, plain=plain)
+    flags = dict(model=model, temperature=temperature, max_tokens=max_tokens, plain=plain, server=server)
     with user_errors():
         settings, paths, explicit = _settings(flags)
         session, conv, renderer, interactive = _open(settings, paths, explicit, conv_id, model, None, show_history=False)
@@ -364,8 +380,11 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
             rows.append({
                 "id": conv.id, "title": meta.get("title", ""), "persona": meta.get("persona", ""),
                 "turns": meta.get("turns", 0), "tokens": meta.get("tokens", 0), "state_bytes": conv.state_size(),
-                "updated": meta.get("updated", 0),
+                "updated": meta.get("updated", 0), "server": (meta.get("model") or {}).get("server"),
             })
+            ck = meta.get("checkpoint")
+            if rows[-1]["server"] and isinstance(ck, dict):
+                rows[-1]["state_bytes"] = int(ck.get("bytes", 0))  # the slot file on the server
         if as_json:
             print(json.dumps(rows, indent=2, ensure_ascii=False))
             return
@@ -375,9 +394,12 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
         for r in rows:
             r["state"] = human_bytes(r["state_bytes"])
             r["updated"] = datetime.fromtimestamp(float(r["updated"])).strftime("%Y-%m-%d %H:%M")
+            r["server"] = str(r["server"]).split("://", 1)[-1] if r["server"] else "local"
         plain = not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR"))
+        # The server column only once some conversation runs on a llama-server (its state lives there).
+        where = ["server"] if any(r["server"] != "local" for r in rows) else []
         Renderer(Console(highlight=False), plain=plain).table(
-            rows, ["id", "title", "persona", "turns", "tokens", "state", "updated"])
+            rows, ["id", "title", "persona", "turns", "tokens", "state", *where, "updated"])
 
 
 @app.command()

@@ -132,6 +132,7 @@ class Settings:
     server_slot: int = 0  # the server slot this process uses (llama-server -np N gives N slots)
     server_connect_timeout: float = 10.0  # seconds
     server_read_timeout: float = 600.0  # seconds of silence from the server before giving up
+    server_api_key: str | None = None  # llama-server --api-key (better in CHATCLI_SERVER_API_KEY than in a file)
 
 
 SETTING_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Settings))
@@ -155,6 +156,7 @@ _KINDS: dict[str, tuple[type, bool]] = {
     "server_slot": (int, False),
     "server_connect_timeout": (float, False),
     "server_read_timeout": (float, False),
+    "server_api_key": (str, True),
 }
 
 # name -> (predicate, what the value must be). Ranges follow what llama.cpp accepts.

@@ -58,6 +58,10 @@ class TurnStats:
     kept: int | None = None  # rollbacks: tokens kept / dropped / re-evaluated
     dropped: int | None = None
     reevaluated: int | None = None
+    # What an engine that evaluates lazily (a llama-server) reported for this reply's prompt: tokens it
+    # evaluated and tokens it found already in its cache. None for the local engine.
+    server_evaluated: int | None = None
+    server_cached: int | None = None
 
     @property
     def tokens_per_second(self) -> float:

@@ -228,7 +228,7 @@ class Repl:
         use = conv.context
         frac = use.fraction
         bar = context_bar(frac)
-        model = self.session.model.info.name if self.session is not None else "?"
+        model = self.session.model_name if self.session is not None else "?"
         if len(model) > 24:
             model = model[:23] + "…"
         persona = conv.persona_name
