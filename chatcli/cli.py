@@ -380,11 +380,13 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
             rows.append({
                 "id": conv.id, "title": meta.get("title", ""), "persona": meta.get("persona", ""),
                 "turns": meta.get("turns", 0), "tokens": meta.get("tokens", 0), "state_bytes": conv.state_size(),
-                "updated": meta.get("updated", 0), "server": (meta.get("model") or {}).get("server"),
+                "updated": meta.get("updated", 0),
             })
-            ck = meta.get("checkpoint")
-            if rows[-1]["server"] and isinstance(ck, dict):
-                rows[-1]["state_bytes"] = int(ck.get("bytes", 0))  # the slot file on the server
+            server = (meta.get("model") or {}).get("server")
+            if server:  # a llama-server conversation: its state is the slot file on the server
+                ck = meta.get("checkpoint")
+                rows[-1]["server"] = server
+                rows[-1]["state_bytes"] = int(ck.get("bytes", 0)) if isinstance(ck, dict) else 0
         if as_json:
             print(json.dumps(rows, indent=2, ensure_ascii=False))
             return
@@ -394,7 +396,7 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
         for r in rows:
             r["state"] = human_bytes(r["state_bytes"])
             r["updated"] = datetime.fromtimestamp(float(r["updated"])).strftime("%Y-%m-%d %H:%M")
-            r["server"] = str(r["server"]).split("://", 1)[-1] if r["server"] else "local"
+            r["server"] = str(r["server"]).split("://", 1)[-1] if r.get("server") else "local"
         plain = not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR"))
         # The server column only once some conversation runs on a llama-server (its state lives there).
         where = ["server"] if any(r["server"] != "local" for r in rows) else []
