@@ -681,12 +681,12 @@ class LlamaServerBackend:
         return ok
 
     def _restore(self, name: str, toks: list[int]) -> bool:
+        self._held = 0  # a failed restore leaves the slot empty (server-context.cpp: prompt_clear)
         data = self._request("POST", f"/slots/{self.config.slot}?action=restore", {"filename": self.checkpoint_file(name)},
                              what="restore the conversation's slot")
         self.stats.last_restore = data
         n = int(data.get("n_restored", -1))
         if n != len(toks):
-            self._held = 0
             return False
         self._held = n
         self._checkpoints[name] = tuple(toks)
