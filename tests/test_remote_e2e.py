@@ -128,12 +128,14 @@ def test_server_killed_mid_reply(live: LlamaServer) -> None:
     say(conv, MSGS[0])
     conv_id = conv.id
     shown = ""
+    killer = threading.Thread(target=live.kill)
     with pytest.raises(BackendError) as err:
         for ev in conv.send("Count from one to fifty, in words, separated by commas."):
             if isinstance(ev, ReplyText):
                 shown += ev.text
-                if len(shown) > 12:
-                    threading.Thread(target=live.kill).start()
+                if len(shown) > 12 and not killer.is_alive() and live.proc is not None:
+                    killer.start()
+    killer.join()
     msg = str(err.value)
     assert "\n" not in msg and "llama-server" in msg
     # Recorded like a Ctrl-C'd reply: the user's message and what was shown are in the transcript.
@@ -190,7 +192,7 @@ def test_cli_talk_ls_resume_remembers_the_server(live: LlamaServer) -> None:
     rows = json.loads(runner.invoke(app, ["ls", "--json"]).stdout)
     assert rows[0]["server"] == live.url and rows[0]["turns"] == 2 and rows[0]["state_bytes"] > 0
     table = runner.invoke(app, ["ls"]).stdout
-    assert "server" in table and f"127.0.0.1:{live.port}" in table
+    assert f"\t127.0.0.1:{live.port}\t" in table  # the server column (plain output has no header)
     # No --server: the conversation's own server. The slot was saved: nothing to re-evaluate.
     res = runner.invoke(app, ["resume", "--plain"], input=f"{MSGS[2]}\n")
     assert res.exit_code == 0, res.stderr
