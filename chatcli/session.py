@@ -10,13 +10,13 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
-from chatcli.backends.llamacpp import Engine
 from chatcli.backends.llama_server import LlamaServerBackend, ServerConfig
-from chatcli.core import prefixcache
-from chatcli.core.budget import Freed, enforce, parse_size, total_bytes
+from chatcli.backends.llamacpp import Engine
 from chatcli.config.personas import Persona, get_persona, load_personas
 from chatcli.config.settings import Paths, Settings, ensure_dir
+from chatcli.core import prefixcache
 from chatcli.core.backend import Sampling
+from chatcli.core.budget import Freed, enforce, parse_size, total_bytes
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import Event, Notice, ResumeReport
 from chatcli.core.prefixcache import effective_n_ctx
@@ -105,6 +105,19 @@ class Session:
         ensure_dir(paths.data_dir)
         store = ConversationStore(paths.conversations_dir)
         return cls(settings, paths, None, backend, template, store, set(explicit or ()), notices, server=backend.url)
+
+    @property
+    def local_model(self) -> ModelRef:
+        """The local model file (front ends that need one, such as ``chatcli serve``, refuse ``--server``)."""
+        if self.model is None:
+            raise ValueError("this needs a local model: not available with --server")
+        return self.model
+
+    @property
+    def local_engine(self) -> Engine:
+        if not isinstance(self.engine, Engine):
+            raise ValueError("this needs the local engine: not available with --server")
+        return self.engine
 
     @property
     def model_name(self) -> str:
