@@ -151,6 +151,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         "slot_file_bytes": saved_bytes, "save": save, "identity": identity, "samples": samples,
         "same_greedy_reply": same, "load": [load0, load1], "started": t_start, "seconds": time.time() - t_start,
         "platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+        "binary": str(server_binary()),
         "command": "python -m bench.remote " + " ".join(sys.argv[1:]),
     }
 
@@ -168,17 +169,20 @@ def report(res: dict[str, Any], out: Path) -> list[Path]:
     lines = [
         "# Remote engine: resume through a llama-server slot file vs re-ingesting",
         "",
-        f"Model **{res['model']}** ({res['model_bytes'] / 2**20:.1f} MiB) on llama-server (built by "
-        f"`scripts/build_llama_server.sh`), n_ctx {res['n_ctx']}, {res['threads']} threads, one slot, greedy; "
+        f"Model **{res['model']}** ({res['model_bytes'] / 2**20:.1f} MiB) on llama-server `{res.get('binary', '?')}` "
+        f"({res.get('binary_note', 'built by scripts/build_llama_server.sh')}), n_ctx {res['n_ctx']}, "
+        f"{res['threads']} threads, one slot, greedy; "
         f"{res['reps']} repetition(s) of each method, alternating, medians shown. Run {when} UTC in "
         f"{res['seconds'] / 60:.1f} min on {res['cpus']} CPUs ({res['platform']}); load average "
         f"{res['load'][0]:.1f} at start, {res['load'][1]:.1f} at end.",
         "",
         f"Command: `{res['command'].strip()}`. Each repetition starts a new server process (empty slot, empty RAM "
         "prompt cache), then times from the first request to the first token of the reply to the same next "
-        f"message ({res['next_tokens']} tokens). The evaluated/cached counts are the server's own `timings`.",
+        f"message ({res['next_tokens']} tokens). The evaluated/cached counts are the server's own `timings`; "
+        "re-ingesting evaluates the history in a first request (with progress), so its reply finds it cached.",
         "",
-        "| method | history (tokens) | first token (ms) | restore (ms) | server evaluated | server cached |",
+        "| method | history (tokens) | first token (ms) | restore (ms) | server evaluated (all requests) | "
+        "cached at the reply |",
         "|---|---:|---:|---:|---:|---:|",
         f"| slot restore (`/slots/0?action=restore`) | {res['tokens']:,} | {s['restore']['ttft_ms']:,.0f} | "
         f"{s['restore']['restore_ms']:,.0f} | {s['restore']['prompt_evaluated']:,.0f} | {s['restore']['prompt_cached']:,.0f} |",

@@ -162,6 +162,9 @@ ReserveOpt = Annotated[int | None, typer.Option(
 PlainOpt = Annotated[bool | None, typer.Option(
     "--plain/--rich",
     help="Plain text: no colours, no Markdown rendering, no toolbar (also when NO_COLOR is set or output is piped).")]
+ServerOpt = Annotated[str | None, typer.Option(
+    "--server",
+    help="Run the model on a llama-server at this URL (http://HOST:PORT; 'none' = the local model).")]
 KvTypeOpt = Annotated[str | None, typer.Option(
     "--kv-type",
     help="KV cache type: f16, q8_0 (about half the state bytes) or q4_0. "
@@ -185,8 +188,13 @@ def _build_session(settings: Settings, paths: Paths, explicit: set[str], *, mode
     from chatcli.models.resolve import resolve_model
     from chatcli.session import Session
 
-    ref = resolve_model(model_path or settings.model)
     console = _err_console()
+    if settings.server:
+        if quiet or not sys.stderr.isatty():
+            return Session.build_remote(settings, paths, explicit=explicit)
+        with console.status(f"connecting to {settings.server} …"):
+            return Session.build_remote(settings, paths, explicit=explicit)
+    ref = resolve_model(model_path or settings.model)
     if quiet or not sys.stderr.isatty():
         session = Session.build(settings, paths, model=ref, explicit=explicit)
     else:
@@ -231,7 +239,7 @@ def talk(
     model: ModelOpt = None, n_ctx: NCtxOpt = None, threads: ThreadsOpt = None, seed: SeedOpt = None,
     temperature: TempOpt = None, top_p: TopPOpt = None, top_k: TopKOpt = None, repeat_penalty: RepeatOpt = None,
     max_tokens: MaxTokOpt = None, reserve: ReserveOpt = None, plain: PlainOpt = None,
-    kv_type: KvTypeOpt = None, state_budget: BudgetOpt = None,
+    kv_type: KvTypeOpt = None, state_budget: BudgetOpt = None, server: ServerOpt = None,
 ) -> None:
     """Start a new conversation.
 
@@ -246,7 +254,7 @@ def talk(
 
     flags = dict(model=model, n_ctx=n_ctx, threads=threads, seed=seed, temperature=temperature, top_p=top_p,
                  top_k=top_k, repeat_penalty=repeat_penalty, max_tokens=max_tokens, reserve=reserve, plain=plain,
-                 persona=persona, kv_type=kv_type, state_budget=state_budget)
+                 persona=persona, kv_type=kv_type, state_budget=state_budget, server=server)
     with user_errors():
         settings, paths, explicit = _settings(flags)
         from chatcli.config.personas import get_persona
@@ -259,7 +267,7 @@ def talk(
             renderer.notice(n, "warn")
         conv, _ = open_events(session.new_conversation(settings.persona), renderer)
         if interactive:
-            renderer.notice(f"conversation {conv.id} · persona {settings.persona} · {session.model.info.name} · "
+            renderer.notice(f"conversation {conv.id} · persona {settings.persona} · {session.model_name} · "
                             "/help for commands")
         if conv.greeting and interactive:
             renderer.reply_text(conv.greeting)
@@ -275,7 +283,7 @@ def resume(
     model: ModelOpt = None, n_ctx: NCtxOpt = None, threads: ThreadsOpt = None,
     temperature: TempOpt = None, top_p: TopPOpt = None, top_k: TopKOpt = None, repeat_penalty: RepeatOpt = None,
     max_tokens: MaxTokOpt = None, reserve: ReserveOpt = None, plain: PlainOpt = None,
-    kv_type: KvTypeOpt = None, state_budget: BudgetOpt = None,
+    kv_type: KvTypeOpt = None, state_budget: BudgetOpt = None, server: ServerOpt = None,
 ) -> None:
     """Continue a conversation where it stopped, restoring its KV state (no re-processing).
 
@@ -285,7 +293,7 @@ def resume(
     """
     flags = dict(model=model, n_ctx=n_ctx, threads=threads, temperature=temperature, top_p=top_p, top_k=top_k,
                  repeat_penalty=repeat_penalty, max_tokens=max_tokens, reserve=reserve, plain=plain,
-                 kv_type=kv_type, state_budget=state_budget)
+                 kv_type=kv_type, state_budget=state_budget, server=server)
     with user_errors():
         settings, paths, explicit = _settings(flags)
         session, conv, renderer, interactive = _open(settings, paths, explicit, conv_id, model, n_ctx,
@@ -314,7 +322,13 @@ def _open(settings: Settings, paths: Paths, explicit: set[str], conv_id: str | N
     saved = (meta.get("model") or {}).get("path")
     model_path = model_flag
     note = ""
-    if not model_path:
+    # Likewise a conversation remembers its llama-server: only --server (or --model) moves it elsewhere;
+    # CHATCLI_SERVER and the config choose where *new* conversations run.
+    if "server" not in explicit:
+        settings.server = None if model_flag else (meta.get("model") or {}).get("server")
+    if settings.server:
+        model_path = None
+    elif not model_path:
         if saved and os.path.exists(saved):
             model_path = saved
         else:
@@ -333,6 +347,9 @@ def _open(settings: Settings, paths: Paths, explicit: set[str], conv_id: str | N
     renderer = _renderer(settings, interactive)
     if note:
         renderer.notice(note, "warn")
+    if session.server:
+        for n in session.notices:
+            renderer.notice(n, "warn")
     conv, report = open_events(session.open_conversation(conv_dir.id), renderer)
     if show_history:
         renderer.history(conv.messages, settings.history_preview)
@@ -351,12 +368,13 @@ def regen(
     seed: SeedOpt = None,
     interactive_flag: Annotated[bool, typer.Option("--interactive", "-i", help="Continue in the REPL afterwards.")] = False,
     model: ModelOpt = None, temperature: TempOpt = None, max_tokens: MaxTokOpt = None, plain: PlainOpt = None,
+    server: ServerOpt = None,
 ) -> None:
     """Replace the last reply of a conversation with a new one (the old one stays as an alternative).
 
     Example: chatcli regen k3f9x2 --seed 7
     """
-    flags = dict(model=model, temperature=temperature, max_tokens=max_tokens, plain=plain)
+    flags = dict(model=model, temperature=temperature, max_tokens=max_tokens, plain=plain, server=server)
     with user_errors():
         settings, paths, explicit = _settings(flags)
         session, conv, renderer, interactive = _open(settings, paths, explicit, conv_id, model, None, show_history=False)
@@ -463,6 +481,12 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
                 "warm": conv.state_size() > 0, "kv_type": str((meta.get("params") or {}).get("type_k", "f16")),
                 "from": "api" if meta.get("source") == "api" else "",
             })
+            server = (meta.get("model") or {}).get("server")
+            if server:  # a llama-server conversation: its state is the slot file on the server
+                ck = meta.get("checkpoint")
+                rows[-1]["server"] = server
+                rows[-1]["state_bytes"] = int(ck.get("bytes", 0)) if isinstance(ck, dict) else 0
+                rows[-1]["warm"] = bool(rows[-1]["state_bytes"])
         for problem in problems:
             print(f"warning: {problem}", file=sys.stderr)
         if as_json:
@@ -475,9 +499,12 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
             r["state"] = human_bytes(r["state_bytes"])
             r["kv"] = f"warm {r['kv_type']}" if r["warm"] else "cold"
             r["updated"] = datetime.fromtimestamp(float(r["updated"])).strftime("%Y-%m-%d %H:%M")
+            r["server"] = str(r["server"]).split("://", 1)[-1] if r.get("server") else "local"
         plain = not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR"))
+        # The server column only once some conversation runs on a llama-server (its state lives there).
+        where = ["server"] if any(r["server"] != "local" for r in rows) else []
         Renderer(Console(highlight=False), plain=plain).table(
-            rows, ["id", "title", "persona", "turns", "in_context", "tokens", "state", "updated", "kv", "from"])
+            rows, ["id", "title", "persona", "turns", "in_context", "tokens", "state", *where, "updated", "kv", "from"])
         # The total goes to stderr when stdout is a pipe: scripts read one row per conversation.
         print(_usage_line(len(rows), sum(1 for r in rows if r["warm"])), file=sys.stdout if sys.stdout.isatty() else sys.stderr)
 

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 def prefix_status(settings: Settings, paths: Paths, persona: Persona, session: Session | None = None) -> str:
     """"cached" or "not cached" for the current model, without loading it."""
     if session is not None:
+        if session.model is None:
+            return "kept by the server"  # a llama-server holds persona prefixes in its own slot files
         ref, backend_id, tmpl = session.model, session.engine.identity(), session.template.source
     else:
         try:

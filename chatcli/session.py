@@ -10,6 +10,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
+from chatcli.backends.llama_server import LlamaServerBackend, ServerConfig
 from chatcli.backends.llamacpp import Engine
 from chatcli.config.personas import Persona, get_persona, load_personas
 from chatcli.config.settings import Paths, Settings
@@ -48,12 +49,13 @@ class Session:
 
     settings: Settings
     paths: Paths
-    model: ModelRef
-    engine: Engine
+    model: ModelRef | None  # None when the model runs on a llama-server (``server``)
+    engine: Engine | LlamaServerBackend
     template: ChatTemplate
     store: ConversationStore
     explicit: set[str] = field(default_factory=set)
     notices: list[str] = field(default_factory=list)
+    server: str | None = None  # the llama-server URL this process talks to, if any
 
     @classmethod
     def build(
@@ -85,8 +87,55 @@ class Session:
         store = ConversationStore(paths.conversations_dir)
         return cls(settings, paths, ref, engine, template, store, set(explicit or ()), notices)
 
+    @classmethod
+    def build_remote(cls, settings: Settings, paths: Paths, *, explicit: set[str] | None = None) -> Session:
+        """The same objects over a llama-server (``settings.server``): the model, its chat template and its
+        tokenizer are the server's; the context size is the server's slot size."""
+        assert settings.server
+        backend = LlamaServerBackend(ServerConfig(
+            settings.server, slot=settings.server_slot, connect_timeout=settings.server_connect_timeout,
+            read_timeout=settings.server_read_timeout, api_key=settings.server_api_key))
+        notices = backend.take_notices()
+
+        def text(tok: int) -> str:
+            return backend.piece(tok).decode("utf-8", "replace") if tok >= 0 else ""
+
+        template = ChatTemplate(backend.chat_template or None, bos_token=text(backend.bos_token),
+                                eos_token=text(backend.eos_token))
+        if template.is_fallback:
+            notices.append("the server's model has no chat template; using ChatML")
+        ensure_dir(paths.data_dir)
+        store = ConversationStore(paths.conversations_dir)
+        return cls(settings, paths, None, backend, template, store, set(explicit or ()), notices, server=backend.url)
+
+    @property
+    def local_model(self) -> ModelRef:
+        """The local model file (front ends that need one, such as ``chatcli serve``, refuse ``--server``)."""
+        if self.model is None:
+            raise ValueError("this needs a local model: not available with --server")
+        return self.model
+
+    @property
+    def local_engine(self) -> Engine:
+        if not isinstance(self.engine, Engine):
+            raise ValueError("this needs the local engine: not available with --server")
+        return self.engine
+
+    @property
+    def model_name(self) -> str:
+        if self.model is not None:
+            return self.model.info.name
+        assert isinstance(self.engine, LlamaServerBackend)
+        return f"{self.engine.identity()['model']} on {self.server}"
+
     def identity(self) -> dict[str, Any]:
-        return self.model.identity()
+        if self.model is not None:
+            return self.model.identity()
+        # What a conversation records as its model: the server it ran on (so ``resume`` finds it again) and
+        # the model the server reported. The context size is part of the backend's identity.
+        assert isinstance(self.engine, LlamaServerBackend)
+        ident = self.engine.identity()
+        return {"server": self.server, **{k: ident[k] for k in ("model", "model_size", "n_params", "n_vocab", "ftype")}}
 
     def personas(self) -> dict[str, Persona]:
         return load_personas(self.paths.personas_dir)
@@ -97,7 +146,7 @@ class Session:
         yield from self._budgeted(create_conversation(
             self.store, self.engine, self.template,
             persona_name=persona.name, persona_messages=persona.messages(), persona_hash=persona.text_hash(),
-            identity=self.identity(), model_path=str(self.model.path),
+            identity=self.identity(), model_path=str(self.model.path) if self.model is not None else str(self.server),
             sampling=sampling_from(s, persona, self.explicit),
             seed=seed if seed is not None else (s.seed if s.seed is not None else secrets.randbits(31)),
             prefix_cache_dir=ensure_private_dir(self.paths.prefix_cache_dir),

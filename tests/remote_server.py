@@ -6,6 +6,7 @@ through ``$CHATCLI_LLAMA_SERVER`` or that script's cache directory.
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import os
@@ -21,8 +22,10 @@ LLAMA_VERSION = "0.3.36"
 FLAVOUR = "portable"
 
 
+@functools.cache
 def server_binary() -> Path | None:
-    """The llama-server to test with, or None when it was not built."""
+    """The llama-server to test with, or None when it was not built. Looked up once, at collection (the
+    tests' autouse fixture clears CHATCLI_* variables later)."""
     explicit = os.environ.get("CHATCLI_LLAMA_SERVER")
     if explicit:
         path = Path(explicit)
@@ -132,7 +135,9 @@ class LlamaServer:
 
     def kill(self) -> None:
         """Die at once, like a crashed or unplugged server."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        self.proc = None
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+        if self.proc is proc:  # called from another thread, start() may already have run again
+            self.proc = None

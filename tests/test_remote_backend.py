@@ -312,12 +312,13 @@ def test_url_forms() -> None:
     assert parse_server_url("https://gpu.example/llama/") == ("https", "gpu.example", 443, "/llama")
 
 
-def test_slot_files_are_the_servers(server: LlamaServer) -> None:
-    """Slot files are written by the server process with its umask: the README says so; this pins it."""
-    files = list(server.slot_save_path.glob("*.bin"))  # type: ignore[union-attr]
-    assert files
-    mode = stat.S_IMODE(files[0].stat().st_mode)
-    assert mode == 0o666 & ~_umask()
+def test_slot_files_are_the_servers(server: LlamaServer, backend: LlamaServerBackend) -> None:
+    """Slot files are written by the server process with its own umask (the README says so; this pins it)."""
+    backend.clear()
+    evaluate(backend, chat_prompt(backend, "Hello."))
+    assert backend.checkpoint("conv-mode") > 0
+    path = server.slot_save_path / "conv-mode.bin"  # type: ignore[operator]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~_umask()
 
 
 def _umask() -> int:

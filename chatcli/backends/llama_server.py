@@ -492,11 +492,13 @@ class LlamaServerBackend:
                         prog = ev.get("prompt_progress")
                         if isinstance(prog, dict) and first_progress:
                             first_progress = False
-                            if attempt == 0 and self._lost_slot(int(prog.get("cache", 0)), prompt):
-                                restart = True  # the slot lost our tokens; a checkpoint put them back: ask again
+                            if attempt == 0 and self._recoverable(int(prog.get("cache", 0)), prompt):
+                                restart = True  # the slot lost our tokens: drop this request, restore, ask again
                                 break
                         if ev.get("stop") is True:
                             final = ev
+                        if isinstance(prog, dict):
+                            continue  # progress events carry a placeholder token id (server-context.cpp)
                         new = [int(t) for t in ev.get("tokens") or []]
                         if not new:
                             continue
@@ -518,6 +520,7 @@ class LlamaServerBackend:
                     stream.close()
                 if not restart:
                     break
+                self._recover(prompt)
             if not final:
                 if self._cancel.is_set():
                     res.stop_reason = "cancelled"
@@ -566,22 +569,27 @@ class LlamaServerBackend:
             return redo
         return [*redo[:-1], new[-1]] if redo else new
 
-    def _lost_slot(self, cached: int, prompt: list[int]) -> bool:
-        """True when the slot holds far less of ``prompt`` than it did (the server restarted, or another
-        client took the slot) and this process saved a checkpoint that restores more, which it now did."""
-        expect = min(self._held, len(prompt) - 1)
+    def _recoverable(self, cached: int, prompt: list[int]) -> bool:
+        """The slot holds far less of ``prompt`` than it did (the server restarted, or another client took
+        the slot) and this process saved a checkpoint of a longer prefix of it."""
         name = self._last_checkpoint
-        if name is None or cached >= expect:
+        if name is None or cached >= min(self._held, len(prompt) - 1):
             return False
         held = self._checkpoints.get(name, ())
-        n = len(held)
-        if n <= cached + 1 or tuple(prompt[:n]) != held:
-            return False
+        return len(held) > cached + 1 and tuple(prompt[: len(held)]) == held
+
+    def _recover(self, prompt: list[int]) -> None:
+        """Restore the last checkpoint into the slot (same model and context size only); on any failure the
+        request is simply sent again and the server evaluates what it lacks."""
+        name = self._last_checkpoint
+        assert name is not None
         self._check_identity()
         try:
-            return self._restore(name, prompt[:n])
+            self._restore(name, prompt[: len(self._checkpoints[name])])
+        except ServerConnectionError:
+            raise
         except BackendError:
-            return False
+            pass
 
     def _check_identity(self) -> None:
         before = self.identity()
@@ -681,12 +689,12 @@ class LlamaServerBackend:
         return ok
 
     def _restore(self, name: str, toks: list[int]) -> bool:
+        self._held = 0  # a failed restore leaves the slot empty (server-context.cpp: prompt_clear)
         data = self._request("POST", f"/slots/{self.config.slot}?action=restore", {"filename": self.checkpoint_file(name)},
                              what="restore the conversation's slot")
         self.stats.last_restore = data
         n = int(data.get("n_restored", -1))
         if n != len(toks):
-            self._held = 0
             return False
         self._held = n
         self._checkpoints[name] = tuple(toks)

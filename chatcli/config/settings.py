@@ -111,6 +111,7 @@ class Settings:
     server_slot: int = 0  # the server slot this process uses (llama-server -np N gives N slots)
     server_connect_timeout: float = 10.0  # seconds
     server_read_timeout: float = 600.0  # seconds of silence from the server before giving up
+    server_api_key: str | None = None  # llama-server --api-key (better in CHATCLI_SERVER_API_KEY than in a file)
     kv_type: str = "f16"  # KV cache type of new conversations: f16 | q8_0 | q4_0
     state_budget: str = "20GB"  # bound on all KV state files + persona prefix cache; 0/none = no limit
     # `chatcli serve`
@@ -141,6 +142,7 @@ _KINDS: dict[str, tuple[type, bool]] = {
     "server_slot": (int, False),
     "server_connect_timeout": (float, False),
     "server_read_timeout": (float, False),
+    "server_api_key": (str, True),
     "kv_type": (str, False),
     "state_budget": (str, False),
     "host": (str, False),

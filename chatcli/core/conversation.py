@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from chatcli.core import budget, prefixcache, rebuild
-from chatcli.core.backend import Backend, ContextFullError, Sampling
+from chatcli.core.backend import Backend, BackendError, ContextFullError, Sampling
 from chatcli.core.events import (
     ConversationError,
     Event,
@@ -213,20 +213,33 @@ class Conversation(ConversationViews):
         # If our consumer stops listening (closes us, or dies with an error), the reply produced so far is
         # still recorded like a Ctrl-C'd one: the context and the transcript must never disagree.
         abandoned = False
+        failed: BackendError | None = None
         try:
             yield from stream_reply(eng, self.sampling, draft, seed=use_seed, max_tokens=self.max_tokens,
                                     stop_strings=self._stop_strings, turn=turn, alt=alt)
         except GeneratorExit:
             abandoned = True
+        except BackendError as exc:
+            # The engine failed mid-reply (a remote server died): what it delivered is recorded like a
+            # Ctrl-C'd reply, then the error goes on to the front end.
+            failed = exc
+            res.stop_reason = "cancelled"
         if abandoned and res.stop_reason in ("", "eog", "stop", "length"):
             res.stop_reason = res.stop_reason or "cancelled"
         reply_tokens = eng.tokens[p0:]
         # Close the reply now (e.g. the "\n" after <|im_end|>) so every message holds its whole rendering:
         # then whole exchanges can be dropped by a context shift without leaving half a turn behind.
-        closing = closing_tokens(eng, self.template, self.history(), draft.text, reply_tokens, res.stop_reason)
+        try:
+            closing = closing_tokens(eng, self.template, self.history(), draft.text, reply_tokens, res.stop_reason)
+        except BackendError:
+            if failed is None:
+                raise
+            closing = []  # a dead server cannot tokenize the closing: the partial reply is kept without it
         if closing and eng.n_past + len(closing) <= eng.n_ctx:
             _eval(eng, closing)
             reply_tokens = eng.tokens[p0:]
+        stats.server_evaluated = res.n_prompt_evaluated
+        stats.server_cached = res.n_prompt_cached
         # Time to first token as the user feels it: reading their message plus sampling the first token.
         stats.ttft = stats.prompt_seconds + res.ttft
         stats.n_generated = len(res.tokens)
@@ -247,6 +260,8 @@ class Conversation(ConversationViews):
         stats.n_ctx = eng.n_ctx
         self.last_stats = stats
         self.session_stats.add(stats)
+        if failed is not None:
+            raise failed
         if abandoned:
             return  # a closed generator must not yield again (what went wrong is said by the next operation)
         yield from self._notices()

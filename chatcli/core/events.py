@@ -59,6 +59,10 @@ class TurnStats:
     dropped: int | None = None
     reevaluated: int | None = None
     notices: list[Notice] = field(default_factory=list)  # what went wrong saving (rollbacks that return stats)
+    # What an engine that evaluates lazily (a llama-server) reported for this reply's prompt: tokens it
+    # evaluated and tokens it found already in its cache. None for the local engine.
+    server_evaluated: int | None = None
+    server_cached: int | None = None
 
     @property
     def tokens_per_second(self) -> float:

@@ -26,7 +26,8 @@ def fork_conversation(store: ConversationStore, ref: str, at: int | None) -> tup
     cut = users[at].p0 if at < turns else (r.active[-1].p1 if r.active else len(r.prefix_tokens))
     keep = [m for m in r.active if m.p1 <= cut]
 
-    child_meta = {k: v for k, v in meta.items() if k not in ("id", "created", "updated")}
+    # A checkpoint (a llama-server slot file) belongs to the parent: the child saves its own under a new name.
+    child_meta = {k: v for k, v in meta.items() if k not in ("id", "created", "updated", "checkpoint")}
     child_meta.update(title=f"{meta.get('title') or parent.id} (fork at {at})", forked_from=parent.id,
                       turns=at, tokens=cut)
     child = store.create(child_meta)

@@ -356,7 +356,24 @@ class CheckpointLog:
             yield Progress(label, done, total, time.perf_counter() - t0)
 
     def start(self, prefix_tokens: list[int], cache_file: Path | None) -> Iterator[Event]:
-        yield from self._eval(prefix_tokens, "evaluating persona prefix")
+        # The persona prefix is a checkpoint of its own (named after the prefix cache key: model, context,
+        # persona, template), restored for each new conversation instead of evaluated.
+        eng = self.eng
+        name = f"chatcli-prefix-{cache_file.stem[:40]}" if cache_file is not None else ""
+        restored = False
+        if name and eng.caps.checkpoint and prefix_tokens:
+            try:
+                restored = eng.restore_checkpoint(name, prefix_tokens)
+            except BackendError:
+                restored = False
+        if not restored:
+            eng.clear()
+            yield from self._eval(prefix_tokens, "evaluating persona prefix")
+            if name and eng.caps.checkpoint and prefix_tokens:
+                try:
+                    eng.checkpoint(name)
+                except BackendError:
+                    pass  # only a cache: the conversation's own checkpoint follows
         self.settle()
 
     def restore(self, want: list[int], report: ResumeReport, plan: list[tuple[int, int]] | None = None) -> Iterator[Event]:
@@ -367,7 +384,11 @@ class CheckpointLog:
             report.reason = "no saved state"
         else:
             n = int(info.get("tokens", 0))
-            if n > len(want) or tokens_digest(want[:n]) != info.get("sha256"):
+            if info.get("identity", eng.identity()) != eng.identity():
+                # Another model or context size behind the same name (a llama-server restarted with other
+                # flags): its saved sequence must not be loaded, the context is rebuilt from the tokens.
+                report.reason = "saved state is for another model or context size"
+            elif n > len(want) or tokens_digest(want[:n]) != info.get("sha256"):
                 report.reason = "saved state does not match the transcript"
             else:
                 try:
@@ -424,7 +445,7 @@ class CheckpointLog:
         self.save_error = ""
         self._saved = list(eng.tokens)
         self.meta["checkpoint"] = {"name": self.name, "tokens": eng.n_past, "sha256": tokens_digest(eng.tokens),
-                                   "bytes": n_bytes}
+                                   "bytes": n_bytes, "identity": eng.identity()}
         self.meta_changed = True
 
     def size_bytes(self) -> int:

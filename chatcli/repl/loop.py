@@ -227,7 +227,9 @@ class Repl:
         use = conv.context
         frac = use.fraction
         bar = context_bar(frac)
-        model = self.session.model.info.name if self.session is not None else "?"
+        s = self.session
+        # A llama-server session has no local model file: its name comes from the server.
+        model = "?" if s is None else s.model.info.name if s.model is not None else s.model_name
         if len(model) > 24:
             model = model[:23] + "…"
         persona = conv.persona_name

@@ -56,6 +56,8 @@ def stats_line(s: TurnStats) -> str:
         parts.append(f"ttft {s.ttft * 1000:.0f} ms")
         parts.append(f"{s.tokens_per_second:.1f} tok/s")
     parts.append(f"ctx {s.n_past}/{s.n_ctx}")
+    if s.server_evaluated is not None:
+        parts.append(f"server evaluated {s.server_evaluated}, reused {s.server_cached or 0}")
     if s.kept is not None:
         parts.append(f"kept {s.kept}, dropped {s.dropped or 0}, re-evaluated {s.reevaluated or 0}")
     if s.state_bytes:

@@ -64,7 +64,7 @@ def create(session: Session, engine: Engine, *, persona: Sequence[Message], pers
     opened = _drain(create_conversation(
         session.store, engine, session.template,
         persona_name=persona_name, persona_messages=list(persona), persona_hash=persona_hash,
-        identity=session.identity(), model_path=str(session.model.path), sampling=sampling, seed=seed,
+        identity=session.identity(), model_path=str(session.local_model.path), sampling=sampling, seed=seed,
         prefix_cache_dir=ensure_private_dir(session.paths.prefix_cache_dir), max_tokens=max_tokens,
         reserve=session.settings.reserve,
     ))

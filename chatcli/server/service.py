@@ -162,8 +162,9 @@ class ChatService:
             self.index.refresh()
         # ``parallel`` contexts over the one model: that many conversations stay resident; switching among
         # them restores nothing. The least recently used is released (its state is already on disk).
-        self._slots = [_Slot(session.engine)] + [_Slot(session.engine.sibling()) for _ in range(parallel - 1)]
-        self.model_name = session.model.info.name or Path(str(session.model.path)).stem
+        engine, model = session.local_engine, session.local_model
+        self._slots = [_Slot(engine)] + [_Slot(engine.sibling()) for _ in range(parallel - 1)]
+        self.model_name = model.info.name or Path(str(model.path)).stem
 
     # -- the one operation ------------------------------------------------------------------------------
 
