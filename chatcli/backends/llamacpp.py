@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, cast
 
 import numpy as np
 
@@ -52,14 +52,14 @@ EngineError = BackendError  # llama.cpp refused an operation (model load, decode
 _LOG: collections.deque[str] = collections.deque(maxlen=50)
 
 
-@llama_cpp.llama_log_callback
-def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+def _log_to_ring(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     try:
         _LOG.append(text.decode("utf-8", errors="replace"))
     except Exception:  # never raise into C
         pass
 
 
+_log_callback = llama_cpp.llama_log_callback(_log_to_ring)
 llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
 _BACKEND_READY = False
 
@@ -437,7 +437,7 @@ class Engine:
                 llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(s.top_p, 1))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(s.temperature))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
-        return chain
+        return cast(ctypes.c_void_p, chain)  # llama_cpp declares no return types
 
     # -- memory ------------------------------------------------------------------------------------
 

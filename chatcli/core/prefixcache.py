@@ -70,13 +70,13 @@ def load_or_build(
                     and chunks[0].record.p0 == 0 and chunks[0].record.p1 == n:
                 rec = chunks[0].record
                 try:
-                    toks, kv = ms.cells(rec)
+                    toks, cells = ms.cells(rec)
                     try:
                         if toks == prefix_tokens:
-                            engine.load_cells(0, n, kv, toks)
+                            engine.load_cells(0, n, cells, toks)
                             record = bytes(ms.record_bytes(rec))
                     finally:
-                        kv.release()
+                        cells.release()
                 except Exception as exc:  # a bad cache entry is rebuilt, never fatal
                     engine.clear()
                     problem = str(exc)
