@@ -68,8 +68,8 @@ def resolve_model(flag: str | None, config_value: str | None = None, env: dict[s
             )
         return ModelRef(path, _read(path), "bundled")
     if spec.startswith("hf:"):
-        path, info = _from_hub(spec)
-        return ModelRef(path, info, "hf")
+        hub_path, hub_info = _from_hub(spec)
+        return ModelRef(hub_path, hub_info, "hf")
     # Absolute, because conversations remember it: `resume` from another directory must find it again.
     path = Path(spec).expanduser().absolute()
     return ModelRef(path, _read(path), origin)
@@ -88,7 +88,7 @@ def _from_hub(spec: str) -> tuple[Path, GGUFInfo]:
         raise ModelError(f"bad model spec {spec!r}: use hf:OWNER/REPO:FILE.gguf")
     _, repo, filename = parts
     try:
-        import huggingface_hub  # type: ignore[import-not-found,unused-ignore]  # noqa: F401
+        import huggingface_hub  # noqa: F401
     except ImportError:
         raise ModelError("hf: models need huggingface_hub: pip install 'chatcli[hf]'") from None
     try:
