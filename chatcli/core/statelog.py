@@ -123,7 +123,8 @@ class CellLog:
             idx = ms.records  # from the record headers; ms.wait_ok(rec) before using a record's bytes
             usable = idx.header is not None and idx.header.get("identity") == self.identity
             if idx.header is None:
-                report.reason = "no saved state" if idx.problem in ("missing", "empty") else f"state file unusable ({idx.problem})"
+                missing = idx.problem in ("missing", "empty")
+                report.reason = "no saved state" if missing else f"state file unusable ({idx.problem})"
             elif not usable:
                 report.reason = prefixcache.identity_mismatch(idx.header.get("identity"), self.identity)
             else:
