@@ -84,7 +84,6 @@ def make_paths(home: str | Path) -> Any:
 def build_session(home: str | Path, *, model: str | None, n_ctx: int, threads: int, max_tokens: int,
                   persona: str = "alice", reserve: int = 256, model_ref: Any = None) -> Any:
     """A chatcli Session rooted at ``home`` with greedy decoding (what ``chatcli talk --temperature 0`` builds)."""
-    from chatcli.config import settings as settings_mod
     from chatcli.models.resolve import resolve_model
     from chatcli.session import Session
 
@@ -92,11 +91,15 @@ def build_session(home: str | Path, *, model: str | None, n_ctx: int, threads: i
     flags = {"temperature": 0.0, "seed": 1234, "n_ctx": n_ctx, "reserve": reserve, "max_tokens": max_tokens,
              "persona": persona, "threads": threads, "model": model}
     env = {"CHATCLI_HOME": str(home)}
-    if hasattr(settings_mod, "load_settings_explicit"):
-        settings, explicit = settings_mod.load_settings_explicit(flags, paths=paths, env=env)
-    else:  # the older chatcli a --before run measures predates it: every flag given here is explicit
-        settings = settings_mod.load_settings(flags, paths=paths, env=env)
+    try:
+        from chatcli.config.settings import load_settings_explicit
+    except ImportError:  # chatcli before #12 (the --before tree of bench/run.py)
+        from chatcli.config.settings import load_settings
+
+        settings = load_settings(flags, paths=paths, env=env)
         explicit = {k for k, v in flags.items() if v is not None}
+    else:
+        settings, explicit = load_settings_explicit(flags, paths=paths, env=env)
     ref = model_ref if model_ref is not None else resolve_model(model, env=env)
     return Session.build(settings, paths, model=ref, explicit=explicit)
 
@@ -106,31 +109,35 @@ def drain(gen: Iterator[Any]) -> tuple[Any, Any, list[Any], list[Any]]:
     try:
         from chatcli.core.events import Notice, ReplyEnd
         from chatcli.core.opening import split_opening
-    except ImportError:  # the older chatcli a --before run measures: its events lived in conversation.py
-        from chatcli.core.conversation import Conversation, Notice, ReplyEnd, ResumeReport
-
-        conv = report = None
-        ends: list[Any] = []
-        notices: list[Any] = []
-        for ev in gen:
-            if isinstance(ev, Conversation):
-                conv = ev
-            elif isinstance(ev, ResumeReport):
-                report = ev
-            elif isinstance(ev, ReplyEnd):
-                ends.append(ev)
-            elif isinstance(ev, Notice):
-                notices.append(ev)
-        return conv, report, ends, notices
+    except ImportError:  # chatcli before #12 (the --before tree of bench/run.py)
+        return _drain_old(gen)
     events, opened = split_opening(gen)
-    ends = []
-    notices = []
+    ends: list[Any] = []
+    notices: list[Any] = []
     for ev in events:
         if isinstance(ev, ReplyEnd):
             ends.append(ev)
         elif isinstance(ev, Notice):
             notices.append(ev)
     return opened.conversation, opened.report, ends, notices
+
+
+def _drain_old(gen: Iterator[Any]) -> tuple[Any, Any, list[Any], list[Any]]:
+    from chatcli.core.conversation import Conversation, Notice, ReplyEnd, ResumeReport
+
+    conv = report = None
+    ends: list[Any] = []
+    notices: list[Any] = []
+    for ev in gen:
+        if isinstance(ev, Conversation):
+            conv = ev
+        elif isinstance(ev, ResumeReport):
+            report = ev
+        elif isinstance(ev, ReplyEnd):
+            ends.append(ev)
+        elif isinstance(ev, Notice):
+            notices.append(ev)
+    return conv, report, ends, notices
 
 
 def first_token(conv: Any, gen: Iterator[Any]) -> tuple[float, Any]:

@@ -104,7 +104,7 @@ class Session:
                                 eos_token=text(backend.eos_token))
         if template.is_fallback:
             notices.append("the server's model has no chat template; using ChatML")
-        ensure_dir(paths.data_dir)
+        ensure_private_dir(paths.data_dir)
         store = ConversationStore(paths.conversations_dir)
         return cls(settings, paths, None, backend, template, store, set(explicit or ()), notices, server=backend.url)
 

@@ -77,21 +77,34 @@ def load_or_build(
     n = len(prefix_tokens)
     if cache_file is not None and cache_file.exists() and n:
         t0 = time.perf_counter()
-        res = sf.scan(cache_file)
-        chunks, _, n_live = res.live()
-        if (res.header or {}).get("identity") == identity and n_live == n and len(chunks) == 1:
-            try:
-                payload = sf.read_payload(cache_file, chunks[0].record)
-                toks, kv = sf.split_cells(payload, n)
-                if toks == prefix_tokens:
-                    engine.load_cells(0, n, kv, toks)
-                    _touch(cache_file)
-                    ms = 1000 * (time.perf_counter() - t0)
-                    yield Notice(f"persona prefix: {n} tokens loaded from cache in {ms:.0f} ms (not evaluated)")
-                    return [header, sf.encode_record(sf.CELLS, 0, n, payload)], True
-            except Exception as exc:  # a bad cache entry is rebuilt, never fatal
-                engine.clear()
-                yield Notice(f"persona cache entry unusable ({exc}); evaluating the prefix", "warn")
+        record: bytes | None = None
+        problem = ""
+        # Mapped: one crc check per record, the cells go to llama.cpp from the mapping, and the record is
+        # copied once, as it is, into the conversation's own state file (same bytes as re-encoding it).
+        with sf.map_state(cache_file) as ms:
+            res = ms.result
+            chunks, _, n_live = res.live()
+            if (res.header or {}).get("identity") == identity and n_live == n and len(chunks) == 1 \
+                    and chunks[0].record.p0 == 0 and chunks[0].record.p1 == n:
+                rec = chunks[0].record
+                try:
+                    toks, cells = ms.cells(rec)
+                    try:
+                        if toks == prefix_tokens:
+                            engine.load_cells(0, n, cells, toks)
+                            record = bytes(ms.record_bytes(rec))
+                    finally:
+                        cells.release()
+                except Exception as exc:  # a bad cache entry is rebuilt, never fatal
+                    engine.clear()
+                    problem = str(exc)
+        if record is not None:
+            _touch(cache_file)
+            ms_taken = 1000 * (time.perf_counter() - t0)
+            yield Notice(f"persona prefix: {n} tokens loaded from cache in {ms_taken:.0f} ms (not evaluated)")
+            return [header, record], True
+        if problem:
+            yield Notice(f"persona cache entry unusable ({problem}); evaluating the prefix", "warn")
     if n:
         t0 = time.perf_counter()
         for done, total in engine.eval_steps(prefix_tokens):

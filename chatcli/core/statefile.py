@@ -259,6 +259,12 @@ class MappedState:
         start = rec.offset + HEADER_SIZE
         return self._view[start:start + rec.length]
 
+    def record_bytes(self, rec: Record) -> memoryview:
+        """The whole encoded record (header and payload), as in the file: a view into the mapping."""
+        if self._view is None:
+            raise StateFileError("state file is closed or empty")
+        return self._view[rec.offset:rec.offset + rec.size]
+
     def cells(self, rec: Record) -> tuple[list[int], memoryview]:
         """A CELLS/SNAPSHOT record's token ids and a view of its llama.cpp cell bytes."""
         return split_cells(self.payload(rec), rec.p1 - rec.p0)

@@ -116,49 +116,52 @@ class CellLog:
     def restore(self, want: list[int], report: ResumeReport, plan: list[tuple[int, int]] | None = None) -> Iterator[Event]:
         eng = self.eng
         t0 = time.perf_counter()
-        res = sf.scan(self.path)
         loaded_bytes = 0
         logits_rec: sf.Record | None = None
-        usable = res.header is not None and res.header.get("identity") == self.identity
-        if res.header is None:
-            missing = res.problem in ("missing", "empty")
-            report.reason = "no saved state" if missing else f"state file unusable ({res.problem})"
-        elif not usable:
-            report.reason = prefixcache.identity_mismatch(res.header.get("identity"), self.identity)
-        else:
-            if res.dropped_bytes:
+        # One pass over the file: it is mapped, each record's crc is checked once (in a second thread, one
+        # record ahead of the loading), and the cells go to llama.cpp straight from the mapping. The
+        # mapping is closed before anything below writes to the file.
+        with sf.map_state(self.path, background=True) as ms:
+            idx = ms.records  # from the record headers; ms.wait_ok(rec) before using a record's bytes
+            usable = idx.header is not None and idx.header.get("identity") == self.identity
+            if idx.header is None:
+                missing = idx.problem in ("missing", "empty")
+                report.reason = "no saved state" if missing else f"state file unusable ({idx.problem})"
+            elif not usable:
+                report.reason = prefixcache.identity_mismatch(idx.header.get("identity"), self.identity)
+            else:
+                chunks, logits_rec, _ = idx.live()
+                for ch in chunks:
+                    rec = ch.record
+                    if not ms.wait_ok(rec):
+                        break  # a damaged record: the rest is re-evaluated (the reason is set below)
+                    toks, kv = ms.cells(rec)
+                    try:
+                        if want[rec.p0:ch.end] != toks[: ch.end - rec.p0]:
+                            report.reason = "saved state does not match the transcript"
+                            break
+                        try:
+                            eng.load_cells(rec.p0, rec.p1, kv, toks)
+                        except Exception as exc:  # llama.cpp rejected it: rebuild from tokens instead
+                            report.reason = f"saved cells rejected ({exc})"
+                            break
+                    finally:
+                        kv.release()
+                    if ch.end < rec.p1:
+                        eng.truncate(ch.end)
+                    loaded_bytes += rec.size
+            res = ms.result  # waits for the remaining crc checks: the scan's final answer
+            if usable and res.dropped_bytes and not report.reason:
                 report.reason = f"dropped {res.dropped_bytes} bytes of a damaged state record ({res.problem})"
-            chunks, logits_rec, _ = res.live()
-            for ch in chunks:
-                rec = ch.record
-                try:
-                    payload = sf.read_payload(self.path, rec)
-                except sf.StateFileError as exc:
-                    report.reason = f"state record unreadable ({exc})"
-                    break
-                toks, kv = sf.split_cells(payload, rec.p1 - rec.p0)
-                if want[rec.p0:ch.end] != toks[: ch.end - rec.p0]:
-                    report.reason = "saved state does not match the transcript"
-                    break
-                try:
-                    eng.load_cells(rec.p0, rec.p1, kv, toks)
-                except Exception as exc:  # llama.cpp rejected it: rebuild from tokens instead
-                    report.reason = f"saved cells rejected ({exc})"
-                    break
-                if ch.end < rec.p1:
-                    eng.truncate(ch.end)
-                loaded_bytes += rec.size
-        report.restored_tokens = eng.n_past
-        report.restored_bytes = loaded_bytes
-        report.seconds = time.perf_counter() - t0
-        n_ok = eng.n_past
-        if logits_rec is not None and logits_rec.p0 <= n_ok:
-            try:
-                arr = np.frombuffer(sf.read_payload(self.path, logits_rec), dtype="<f4")
+            report.restored_tokens = eng.n_past
+            report.restored_bytes = loaded_bytes
+            report.seconds = time.perf_counter() - t0
+            n_ok = eng.n_past
+            if logits_rec is not None and logits_rec.p0 <= n_ok and ms.wait_ok(logits_rec):
+                arr = np.frombuffer(ms.payload(logits_rec), dtype="<f4")
                 if arr.shape == (eng.n_vocab,):
                     self._turn_logits = (logits_rec.p0, arr.copy())
-            except sf.StateFileError:
-                pass
+                del arr
         # Catch up: evaluate only the tail the state file did not have.
         tail = want[n_ok:]
         if tail:
