@@ -99,6 +99,10 @@ class FakeConversation:
         return len(self.user_messages())
 
     @property
+    def n_exchanges(self) -> int:
+        return self.n_turns  # nothing ever leaves a fake's context
+
+    @property
     def pending_user(self) -> bool:
         return bool(self._r.active) and self._r.active[-1].role == "user"
 
@@ -215,7 +219,7 @@ class FakeConversation:
 
 
 class FakeModel:
-    class info:  # noqa: N801 - mimics ModelRef.info
+    class info:
         name = "Tiny Test Model"
 
 
@@ -387,7 +391,7 @@ def test_alt_keys_only_act_on_an_empty_line() -> None:
 
 def test_ctrl_c_at_the_prompt_clears_the_line_and_twice_exits() -> None:
     conv = FakeConversation()
-    _, out, _ = drive("typo\x03hello\r\x03\x03", conv)  # no Ctrl-D: the double Ctrl-C must end the loop
+    _, _out, _ = drive("typo\x03hello\r\x03\x03", conv)  # no Ctrl-D: the double Ctrl-C must end the loop
     assert conv.sent == ["hello"]
     assert conv.closed
 
@@ -674,7 +678,7 @@ def test_ctrl_c_on_the_real_model_keeps_the_partial_reply_and_a_consistent_conte
 
 
 def test_persona_switch_on_the_real_model(real_session: Any) -> None:
-    renderer, out = rich_renderer()
+    renderer, _out = rich_renderer()
     conv, _ = open_events(real_session.new_conversation("alice"), renderer)
     with create_pipe_input() as pipe:
         pipe.send_text("/persona pirate\r\x04")
@@ -699,7 +703,7 @@ def test_piped_talk_prints_only_the_reply_on_stdout_and_stats_on_stderr() -> Non
     from chatcli.config.settings import get_paths
     from chatcli.core.store import ConversationStore
 
-    (conv_dir, meta), = ConversationStore(get_paths().conversations_dir).list()
+    (conv_dir, _meta), = ConversationStore(get_paths().conversations_dir).list()
     r = __import__("chatcli.core.conversation", fromlist=["replay_events"]).replay_events(conv_dir.read_transcript().events)
     reply = r.active[-1].text
     assert result.stdout == reply + "\n"  # nothing but the reply: no prompt, no colours, no stats
