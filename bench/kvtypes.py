@@ -155,16 +155,17 @@ def measure_all(model: str, text_tokens: list[int], o: argparse.Namespace, work:
         ref = rows["f16"]
         for t in TYPES[1:]:
             r, eng = rows[t], engines[t]
-            same = [a == b for a, b in zip(r["generated"], ref["generated"])]
+            same = [a == b for a, b in zip(r["generated"], ref["generated"], strict=True)]
             r["free_agreement"] = sum(same) / len(same)
             r["first_divergence"] = same.index(False) if False in same else len(same)
             eng.truncate(r["n_tokens"])
             eng.set_logits(r["_logits_after"])
             f_logits = forced(eng, ref["generated"])
-            kls = [kl(p, q) for p, q in zip(ref["_logits"], f_logits)]
+            kls = [kl(p, q) for p, q in zip(ref["_logits"], f_logits, strict=True)]
             r["kl_mean"] = float(np.mean(kls))
             r["kl_max"] = float(np.max(kls))
-            r["forced_top1_agreement"] = float(np.mean([int(np.argmax(q)) == tok for q, tok in zip(f_logits, ref["generated"])]))
+            top1 = [int(np.argmax(q)) == tok for q, tok in zip(f_logits, ref["generated"], strict=True)]
+            r["forced_top1_agreement"] = float(np.mean(top1))
         return [rows[t] for t in TYPES]
     finally:
         for eng in engines.values():

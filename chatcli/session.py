@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 from chatcli.backends.llamacpp import Engine
-from chatcli.core import prefixcache
-from chatcli.core.budget import Freed, enforce, parse_size, total_bytes
 from chatcli.config.personas import Persona, get_persona, load_personas
 from chatcli.config.settings import Paths, Settings, ensure_dir
+from chatcli.core import prefixcache
 from chatcli.core.backend import Sampling
+from chatcli.core.budget import Freed, enforce, parse_size, total_bytes
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import Event, Notice, ResumeReport
 from chatcli.core.prefixcache import effective_n_ctx

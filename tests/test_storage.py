@@ -50,9 +50,9 @@ def test_budget_and_kv_type_settings(chatcli_home: Path) -> None:
     assert (s.state_budget, s.kv_type) == ("500MB", "q8_0")
     assert load_settings({"state_budget": "none"}).state_budget == "none"
     assert budget.parse_size(load_settings().state_budget) == 20 << 30  # the default
-    with pytest.raises(SettingsError, match="CHATCLI_STATE_BUDGET.*size"):
+    with pytest.raises(SettingsError, match=r"CHATCLI_STATE_BUDGET.*size"):
         load_settings(env={"CHATCLI_STATE_BUDGET": "lots", "CHATCLI_HOME": str(chatcli_home)})
-    with pytest.raises(SettingsError, match="--kv-type.*f16, q8_0, q4_0"):
+    with pytest.raises(SettingsError, match=r"--kv-type.*f16, q8_0, q4_0"):
         load_settings({"kv_type": "q5_1"})
     cfg = chatcli_home / "config"
     cfg.mkdir(parents=True)
