@@ -11,6 +11,8 @@ model file, thread count and context size. For each type:
 - **restore**: reading that state file and loading its cells into the cleared context (``statefile.scan``
   + ``read_payload`` + ``Engine.load_cells``: what ``resume`` does), file in the page cache, median of
   ``--reps``, the three types taking turns (order rotated each repetition);
+- **rates**: the text is evaluated in 500-token chunks and the greedy tokens decoded one at a time, the
+  engines taking turns chunk by chunk and token by token, so every type sees the same machine load;
 - **quality** against f16 on the same fixed text: the f16 engine generates 256 greedy tokens (argmax, no
   penalty) after the text; each quantized engine (a) generates its own 256 greedy tokens — agreement is the
   share of positions holding the same token, and the first position that differs — and (b) is fed f16's
@@ -70,17 +72,6 @@ def kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
     return float(np.sum(np.exp(lp) * (lp - lq)))
 
 
-def greedy(eng: Any, n: int) -> tuple[list[int], list[np.ndarray]]:
-    toks, logits = [], []
-    for _ in range(n):
-        lg = eng.logits()
-        tok = int(np.argmax(lg))
-        toks.append(tok)
-        logits.append(lg)
-        eng.eval([tok])
-    return toks, logits
-
-
 def forced(eng: Any, tokens: list[int]) -> list[np.ndarray]:
     out = []
     for tok in tokens:
@@ -111,10 +102,14 @@ def measure_all(model: str, text_tokens: list[int], o: argparse.Namespace, work:
     engines = {t: Engine(model, n_ctx=o.n_ctx, n_threads=o.threads, kv_type=t) for t in TYPES}
     try:
         rows: dict[str, dict[str, Any]] = {}
+        # The text in 500-token chunks, the engines taking turns chunk by chunk (same chunks for every type).
+        eval_s = dict.fromkeys(TYPES, 0.0)
+        for c0 in range(0, len(text_tokens), 500):
+            for t, eng in engines.items():
+                t0 = time.perf_counter()
+                eng.eval(text_tokens[c0:c0 + 500])
+                eval_s[t] += time.perf_counter() - t0
         for t, eng in engines.items():
-            t0 = time.perf_counter()
-            eng.eval(text_tokens)
-            eval_s = time.perf_counter() - t0
             n = eng.n_past
             cells = eng.save_cells(0, n)
             path = work / f"{t}.kv"
@@ -128,7 +123,7 @@ def measure_all(model: str, text_tokens: list[int], o: argparse.Namespace, work:
             eng.eval([probe])
             probe_logits = eng.logits()
             eng.truncate(n)
-            rows[t] = {"kv_type": t, "kv_params": eng.kv_params, "n_tokens": n, "eval_s": eval_s,
+            rows[t] = {"kv_type": t, "kv_params": eng.kv_params, "n_tokens": n, "eval_s": eval_s[t],
                        "cells_bytes": len(cells), "file_bytes": path.stat().st_size,
                        "cells_per_token": len(cells) / n, "file_per_token": path.stat().st_size / n,
                        "restore_ms": [], "_path": path, "_logits_after": logits_after, "_probe": probe,
@@ -146,23 +141,31 @@ def measure_all(model: str, text_tokens: list[int], o: argparse.Namespace, work:
             r["restore_logits_identical"] = bool(np.array_equal(eng.logits(), r["_probe_logits"]))
             eng.truncate(n)
             eng.set_logits(r["_logits_after"])
-            t0 = time.perf_counter()
-            r["generated"], r["_logits"] = greedy(eng, o.gen)
-            r["gen_s"] = time.perf_counter() - t0
+            r["generated"], r["_logits"], r["gen_s"] = [], [], 0.0
+        for _ in range(o.gen):  # one greedy token per engine in turn
+            for t, eng in engines.items():
+                r = rows[t]
+                t0 = time.perf_counter()
+                lg = eng.logits()
+                tok = int(np.argmax(lg))
+                eng.eval([tok])
+                r["gen_s"] += time.perf_counter() - t0
+                r["generated"].append(tok)
+                r["_logits"].append(lg)
         ref = rows["f16"]
         for t in TYPES[1:]:
             r, eng = rows[t], engines[t]
-            same = [a == b for a, b in zip(r["generated"], ref["generated"], strict=False)]
+            same = [a == b for a, b in zip(r["generated"], ref["generated"], strict=True)]
             r["free_agreement"] = sum(same) / len(same)
             r["first_divergence"] = same.index(False) if False in same else len(same)
             eng.truncate(r["n_tokens"])
             eng.set_logits(r["_logits_after"])
             f_logits = forced(eng, ref["generated"])
-            kls = [kl(p, q) for p, q in zip(ref["_logits"], f_logits, strict=False)]
+            kls = [kl(p, q) for p, q in zip(ref["_logits"], f_logits, strict=True)]
             r["kl_mean"] = float(np.mean(kls))
             r["kl_max"] = float(np.max(kls))
-            r["forced_top1_agreement"] = float(np.mean([int(np.argmax(q)) == tok
-                                                         for q, tok in zip(f_logits, ref["generated"], strict=False)]))
+            top1 = [int(np.argmax(q)) == tok for q, tok in zip(f_logits, ref["generated"], strict=True)]
+            r["forced_top1_agreement"] = float(np.mean(top1))
         return [rows[t] for t in TYPES]
     finally:
         for eng in engines.values():

@@ -180,12 +180,17 @@ class Session:
         (opening may have written a whole state file)."""
         for ev in events:
             if isinstance(ev, Conversation):
-                conv = ev
-                conv.after_save = lambda: self.budget_notice([conv])
-                text = conv.after_save()
+                text = self.attach_budget(ev)
                 if text:
                     yield Notice(text)
             yield ev
+
+    def attach_budget(self, conv: Conversation) -> str | None:
+        """Give ``conv`` the state-budget hook (every later state write applies the budget) and apply it
+        once now; returns the line to show, if any. Other conversations this process has open are spared by
+        their locks (``flock`` refuses a second file description of the same process too)."""
+        conv.after_save = lambda: self.budget_notice([conv])
+        return conv.after_save()
 
     def budget_notice(self, open_convs: Iterable[Conversation]) -> str | None:
         """The line to show after a save, or None. Nothing is said when nothing could be dropped (only the

@@ -311,3 +311,28 @@ def test_kvtypes_bench_quick(tmp_path: Path) -> None:
     assert abs(rows["q4_0"]["cells_per_token"] / rows["f16"]["cells_per_token"] - 18 / 64) < 0.01
     assert rows["q8_0"]["kv_params"]["flash_attn"] and not rows["f16"]["kv_params"]["flash_attn"]
     assert 0 <= rows["q4_0"]["kl_mean"] and 0 <= rows["q8_0"]["forced_top1_agreement"] <= 1
+
+
+def test_server_conversations_apply_the_budget_too(engines: dict[str, Any]) -> None:
+    """`chatcli serve` opens conversations through its adapter, not the Session: the hook is attached there."""
+    from chatcli.server import adapter
+
+    s = here(engines["f16"], state_budget="1KB")
+    old = new_conv(s, "pirate", "Ahoy.")  # the Session's own hook: nothing else to drop yet
+    old.close()
+    assert s.store.resolve(old.id).state_path.exists()  # spared while open; closed now
+    opened = adapter.create(s, s.engine, persona=[], persona_name="alice", persona_hash="x", seed=1,
+                            sampling=build_sampling(), max_tokens=8, meta={})
+    conv = opened.conv
+    assert conv.after_save is not None
+    notices = [ev.text for ev in conv.send("Hello.") if isinstance(ev, Notice)] + opened.notices
+    assert any(old.id in n and "freed" in n for n in notices), notices
+    assert not s.store.resolve(old.id).state_path.exists()
+    assert s.store.resolve(conv.id).state_path.exists()
+    conv.close()
+
+
+def build_sampling() -> Any:
+    from chatcli.core.backend import Sampling
+
+    return Sampling(temperature=0.0)

@@ -41,13 +41,17 @@ class Opened:
     report: ResumeReport | None = None
 
 
-def _drain(gen: Iterator[Any]) -> Opened:
+def _drain(gen: Iterator[Any], session: Session | None = None) -> Opened:
     conv: Conversation | None = None
     report: ResumeReport | None = None
     notices: list[str] = []
     for ev in gen:
         if isinstance(ev, Conversation):
             conv = ev
+            if session is not None:  # the state budget applies after every state write (see Session)
+                text = session.attach_budget(conv)
+                if text:
+                    notices.append(text)
         elif isinstance(ev, ResumeReport):
             report = ev
         elif isinstance(ev, Notice):
@@ -67,7 +71,7 @@ def create(session: Session, engine: Engine, *, persona: Sequence[Message], pers
         identity=session.identity(), model_path=str(session.local_model.path), sampling=sampling, seed=seed,
         prefix_cache_dir=ensure_private_dir(session.paths.prefix_cache_dir), max_tokens=max_tokens,
         reserve=session.settings.reserve,
-    ))
+    ), session)
     opened.conv.meta.update(meta)
     opened.conv._touch_meta()
     return opened
@@ -78,7 +82,7 @@ def open_(session: Session, engine: Engine, cid: str, *, sampling: Sampling, max
     return _drain(open_conversation(
         session.store, cid, engine, session.template, identity=session.identity(),
         sampling=sampling, max_tokens=max_tokens, reserve=session.settings.reserve, lock=True,
-    ))
+    ), session)
 
 
 def adopt(session: Session, eng: Engine, cid: str, *, sampling: Sampling, max_tokens: int) -> Conversation | None:
@@ -95,6 +99,7 @@ def adopt(session: Session, eng: Engine, cid: str, *, sampling: Sampling, max_to
         _chunks, logits_rec, n_live = state.live()
         conv = Conversation(eng, session.template, conv_dir, meta, r, sampling, identity=session.identity(),
                             max_tokens=max_tokens, reserve=session.settings.reserve)
+        conv.after_save = lambda: session.budget_notice([conv])
         log = conv.log
         if (not isinstance(log, CellLog) or not r.has_prefix or r.problems or eng.tokens[:len(want)] != want
                 or n_live != len(want) or state.dropped_bytes or (state.header or {}).get("identity") != log.identity):
