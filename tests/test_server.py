@@ -424,6 +424,34 @@ def test_disconnect_mid_stream_records_the_reply_so_far(server: Server) -> None:
     assert nxt.conv == cid and nxt.cached == last.p1
 
 
+def test_sigterm_mid_stream_records_the_reply_and_exits_cleanly(tmp_path: Path) -> None:
+    srv = Server(tmp_path / "term", api_key=None)
+    srv.start()
+    try:
+        body = {"model": "any", "messages": [{"role": "user", "content": "Tell me a very long story."}],
+                "temperature": 0, "max_tokens": 400, "stream": True}
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=120)
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        cid = resp.getheader("x-chatcli-conversation")
+        got = ""
+        while len(got) <= 20:
+            line = resp.readline().decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                got += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+        assert srv.proc is not None
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(90) == 0
+        conn.close()
+    finally:
+        srv.stop()
+    assert "Traceback" not in srv.log.read_text()
+    r = srv.replay(cid)
+    last = r.active[-1]
+    assert last.role == "assistant" and last.stop == "cancelled" and last.text.startswith(got.strip())
+    assert sf.scan(srv.conv(cid).state_path).live()[2] == last.p1
+
+
 # -- other front ends --------------------------------------------------------------------------------------
 
 
