@@ -186,7 +186,8 @@ def report(res: dict[str, Any], out: Path) -> list[Path]:
         f"{s['reingest']['prompt_evaluated']:,.0f} | {s['reingest']['prompt_cached']:,.0f} |",
         "",
         f"**Slot restore is {ratio:.1f}× faster to the first token.** The slot file holds {res['tokens']:,} tokens in "
-        f"{res['slot_file_bytes'] / 2**20:.1f} MiB (saved in {res['save'].get('timings', {}).get('save_ms', float('nan')):.0f} ms "
+        f"{res['slot_file_bytes'] / 2**20:.1f} MiB "
+        f"(saved in {res['save'].get('timings', {}).get('save_ms', float('nan')):.0f} ms "
         f"server-side); the restore itself took {s['restore']['server_restore_ms']:.0f} ms server-side. "
         f"Greedy replies identical across methods and repetitions: **{'yes' if res['same_greedy_reply'] else 'NO'}**.",
         "",
@@ -208,7 +209,7 @@ def report(res: dict[str, Any], out: Path) -> list[Path]:
     names = ["slot restore", "re-ingest"]
     vals = [s["restore"]["ttft_ms"], s["reingest"]["ttft_ms"]]
     bars = ax.barh(names, vals, color=["tab:green", "tab:gray"])
-    for bar, v in zip(bars, vals):
+    for bar, v in zip(bars, vals, strict=True):
         ax.text(v, bar.get_y() + bar.get_height() / 2, f" {v:,.0f} ms", va="center")
     ax.set_xlabel("ms from the first request to the first token of the next reply")
     ax.set_xlim(0, max(vals) * 1.25)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 
 def med(xs: Sequence[float]) -> float:
@@ -69,7 +70,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     t = res["throughput"]
     def overhead(c: list[float], b: list[float]) -> float:
         # Paired: each pair ran back to back, so the per-pair ratio cancels most of the machine's drift.
-        return 100 * (1 - med([x / y for x, y in zip(c, b)]))
+        return 100 * (1 - med([x / y for x, y in zip(c, b, strict=True)]))
 
     thr: dict[str, float] = {
         "prompt_tokens": t["prompt_tokens"][0], "decode_tokens": med(t["decode_n"]), "pairs": len(t["decode_n"]),
@@ -89,7 +90,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
 
 def _thr_overheads(t: dict[str, Any]) -> dict[str, float]:
     def overhead(c: list[float], b: list[float]) -> float:
-        return 100 * (1 - med([x / y for x, y in zip(c, b)]))
+        return 100 * (1 - med([x / y for x, y in zip(c, b, strict=False)]))
 
     return {f"{kind}{clock}": overhead(t[f"chatcli_{kind}{clock}_tps"], t[f"bare_{kind}{clock}_tps"])
             for kind in ("prompt", "decode") for clock in ("", "_cpu")}
@@ -103,7 +104,7 @@ def before_after(res: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, A
     if not res.get("before"):
         return None
     out: dict[str, Any] = {"rev": res["before"], "rows": []}
-    for row, ck in zip(rows, res["checkpoints"]):
+    for row, ck in zip(rows, res["checkpoints"], strict=False):
         rb = res["resume"][str(ck["target"])].get("resume_before", [])
         out["rows"].append({
             "target": row["target"], "tokens": row["tokens"],
@@ -138,27 +139,7 @@ def headline(res: dict[str, Any], s: dict[str, Any]) -> list[str]:
     turns = res["build"]["turns"]
     tl = turns[-1]
     m = res["memory"]
-    return [
-        f"- **Resume** a {last['tokens']:,}-token conversation in a new process: first token after "
-        f"**{f_ms(last['chatcli_ttft'])} ms** vs {f_ms(last['cold_ttft'])} ms re-ingesting it "
-        f"(**{f_x(last['cold_ttft'] / last['chatcli_ttft'])} faster**); llama-cpp-python `load_state` "
-        f"{f_ms(last['ls_ttft'])} ms, `LlamaDiskCache` {f_ms(last['dc_ttft'])} ms.",
-        f"- **Per-turn save** at {tl['n_past']:,} tokens: chatcli appends {f_mib(tl['append_bytes'])} in "
-        f"{f_ms(tl['append_ms'])} ms; rewriting the whole state would write {f_mib(tl['rewrite_bytes'])} in "
-        f"{f_ms(tl['rewrite_ms'])} ms ({f_x(tl['rewrite_bytes'] / max(1, tl['append_bytes']))} the bytes).",
-        f"- **/regen** at {last['tokens']:,} tokens: {f_ms(last['regen'])} ms to the first new token vs "
-        f"{f_ms(last['regen_re'])} ms re-ingesting ({f_x(last['regen_re'] / last['regen'])}); **/edit** "
-        f"{f_ms(last['edit'])} ms vs {f_ms(last['edit_re'])} ms ({f_x(last['edit_re'] / last['edit'])}).",
-        f"- **Engine overhead** vs a bare llama-cpp-python loop (per CPU-second / wall clock): prompt eval "
-        f"{s['thr']['prompt_cpu_overhead']:+.1f} % / {s['thr']['prompt_overhead']:+.1f} %, decode "
-        f"{s['thr']['decode_cpu_overhead']:+.1f} % / {s['thr']['decode_overhead']:+.1f} % (positive = chatcli slower).",
-        f"- **Memory**: `chatcli talk` peaks at {f_mib(m['chatcli_talk_rss'])} = "
-        f"{f_x(m['chatcli_talk_rss'] / (m['model_file_bytes'] + m['kv_bytes']))} model + KV "
-        f"({f_mib(m['model_file_bytes'] + m['kv_bytes'])}); bare `Llama` peaks at {f_mib(m['llama_rss'])}.",
-        f"- **Persona prefix cache** ({s['persona']['prefix_tokens']:,} tokens): new conversation to first token in "
-        f"{f_ms(s['persona']['cached'])} ms cached vs {f_ms(s['persona']['uncached'])} ms uncached "
-        f"({f_x(s['persona']['uncached'] / s['persona']['cached'])}).",
-    ] + _headline_ba(s.get("ba"))
+    return [f"- **Resume** a {last['tokens']:,}-token conversation in a new process: first token after " f"**{f_ms(last['chatcli_ttft'])} ms** vs {f_ms(last['cold_ttft'])} ms re-ingesting it " f"(**{f_x(last['cold_ttft'] / last['chatcli_ttft'])} faster**); llama-cpp-python `load_state` " f"{f_ms(last['ls_ttft'])} ms, `LlamaDiskCache` {f_ms(last['dc_ttft'])} ms.", f"- **Per-turn save** at {tl['n_past']:,} tokens: chatcli appends {f_mib(tl['append_bytes'])} in " f"{f_ms(tl['append_ms'])} ms; rewriting the whole state would write {f_mib(tl['rewrite_bytes'])} in " f"{f_ms(tl['rewrite_ms'])} ms ({f_x(tl['rewrite_bytes'] / max(1, tl['append_bytes']))} the bytes).", f"- **/regen** at {last['tokens']:,} tokens: {f_ms(last['regen'])} ms to the first new token vs " f"{f_ms(last['regen_re'])} ms re-ingesting ({f_x(last['regen_re'] / last['regen'])}); **/edit** " f"{f_ms(last['edit'])} ms vs {f_ms(last['edit_re'])} ms ({f_x(last['edit_re'] / last['edit'])}).", f"- **Engine overhead** vs a bare llama-cpp-python loop (per CPU-second / wall clock): prompt eval " f"{s['thr']['prompt_cpu_overhead']:+.1f} % / {s['thr']['prompt_overhead']:+.1f} %, decode " f"{s['thr']['decode_cpu_overhead']:+.1f} % / {s['thr']['decode_overhead']:+.1f} % (positive = chatcli slower).", f"- **Memory**: `chatcli talk` peaks at {f_mib(m['chatcli_talk_rss'])} = " f"{f_x(m['chatcli_talk_rss'] / (m['model_file_bytes'] + m['kv_bytes']))} model + KV " f"({f_mib(m['model_file_bytes'] + m['kv_bytes'])}); bare `Llama` peaks at {f_mib(m['llama_rss'])}.", f"- **Persona prefix cache** ({s['persona']['prefix_tokens']:,} tokens): new conversation to first token in " f"{f_ms(s['persona']['cached'])} ms cached vs {f_ms(s['persona']['uncached'])} ms uncached " f"({f_x(s['persona']['uncached'] / s['persona']['cached'])}).", *_headline_ba(s.get("ba"))]
 
 
 def _headline_ba(ba: dict[str, Any] | None) -> list[str]:

@@ -24,8 +24,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import report  # noqa: E402
-from bench.common import PERSONA_FACTS, REPO, RESULT_PREFIX  # noqa: E402
+from bench import report
+from bench.common import PERSONA_FACTS, REPO, RESULT_PREFIX
 
 WORKERS = Path(__file__).resolve().parent / "workers.py"
 
@@ -229,7 +229,7 @@ class Bench:
                         else:
                             args = ["talk", "--n-ctx", str(self.o.n_ctx)] if kind == "talk" else ["resume", ck["conv_id"]]
                             o[f"{kind}_cli_ms"].append(self.timed_cmd(py + args + common, b"hi\n", home, tree))
-                o["ls_cli_ms"].append(self.timed_cmd(py + ["ls"], b"", ls_home, tree))
+                o["ls_cli_ms"].append(self.timed_cmd([*py, "ls"], b"", ls_home, tree))
             self.log(f"  rep {rep + 1}/{c['reps']} done")
         return out
 
@@ -337,7 +337,8 @@ class Bench:
                                     self.work / "rss-home2")
         if code2 != 0:
             raise RuntimeError(f"llama_rss worker exited with {code2}; see {self.work / 'logs'}")
-        code3, rss3 = self.peak_rss([sys.executable, "-c", "import chatcli.cli, chatcli.backends.llamacpp, chatcli.repl.loop"], b"",
+        code3, rss3 = self.peak_rss(
+            [sys.executable, "-c", "import chatcli.cli, chatcli.backends.llamacpp, chatcli.repl.loop"], b"",
                                     self.work / "rss-home3")
         # And resuming the longest conversation: restoring its state file adds buffers of its own.
         last = cks[-1]

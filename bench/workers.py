@@ -21,8 +21,17 @@ from typing import Any, Callable  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402
-    EDIT_MSG, NEXT_MSG, PARAGRAPHS, build_session, dir_bytes, drain, emit, first_token, llama_kwargs,
-    read_llama_state, write_llama_state,
+    EDIT_MSG,
+    NEXT_MSG,
+    PARAGRAPHS,
+    build_session,
+    dir_bytes,
+    drain,
+    emit,
+    first_token,
+    llama_kwargs,
+    read_llama_state,
+    write_llama_state,
 )
 
 # ``BENCH_CHATCLI_ROOT``: measure another copy of chatcli (the "before" tree: main at an older commit) with
@@ -341,9 +350,8 @@ def llama_diskcache(a: dict[str, Any]) -> dict[str, Any]:
 
 def rollback(a: dict[str, Any]) -> dict[str, Any]:
     """Per checkpoint and rep: chatcli's /regen, then /edit of the last message, each to its first new token."""
-    from chatcli.core.store import ConversationStore
-
     from bench.common import make_paths
+    from chatcli.core.store import ConversationStore
 
     out: dict[str, Any] = {}
     session = build_session(a["checkpoints"][0]["home"], model=a["model"], n_ctx=a["n_ctx"], threads=a["threads"],
@@ -443,7 +451,8 @@ def throughput(a: dict[str, Any]) -> dict[str, Any]:
         step = a["prompt_chunk"]
         for i in range(0, len(prompt), step):
             part = prompt[i:i + step]
-            sides = [("chatcli", lambda: eng.eval(part)), ("bare", lambda: bare_eval(part, start=i))]
+            # Bound now: each lambda runs in this same iteration, but say so rather than rely on it.
+            sides = [("chatcli", lambda part=part: eng.eval(part)), ("bare", lambda part=part, i=i: bare_eval(part, start=i))]
             for name, fn in (sides if chatcli_first else sides[::-1]):
                 w, c = timed(fn)
                 tot[name][0] += w
@@ -517,7 +526,7 @@ def throughput(a: dict[str, Any]) -> dict[str, Any]:
     eng.eval(prompt[:32])
     bare_eval(prompt[:32])
     for p in range(a["pairs"]):
-        for name, (w, c) in zip(("chatcli", "bare"), prompt_pair(chatcli_first=p % 2 == 0)):
+        for name, (w, c) in zip(("chatcli", "bare"), prompt_pair(chatcli_first=p % 2 == 0), strict=True):
             res[f"{name}_prompt_tps"].append(len(prompt) / w)
             res[f"{name}_prompt_cpu_tps"].append(len(prompt) / c)
         (cw, cc), (bw, bc), n = decode_pair(chatcli_first=p % 2 == 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
-from chatcli.backends.kvformat import engine_identity
+from chatcli.backends.kvformat import engine_identity, kv_params_for
 from chatcli.config.personas import Persona
 from chatcli.config.settings import Paths, Settings
 from chatcli.core import prefixcache
@@ -27,7 +27,8 @@ def prefix_status(settings: Settings, paths: Paths, persona: Persona, session: S
             ref = resolve_model(settings.model)
         except Exception:
             return "no model"
-        backend_id = engine_identity(effective_n_ctx(settings.n_ctx, ref.info.context_length))
+        backend_id = engine_identity(effective_n_ctx(settings.n_ctx, ref.info.context_length),
+                                     kv_params_for(settings.kv_type))
         tmpl = ChatTemplate(ref.info.chat_template).source
     identity = prefixcache.state_identity(ref.identity(), backend_id)
     path = prefixcache.cache_path(paths.prefix_cache_dir, identity, persona.text_hash(), tmpl)

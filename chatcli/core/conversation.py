@@ -13,9 +13,9 @@ from __future__ import annotations
 import secrets
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
-from chatcli.core import prefixcache
+from chatcli.core import budget, prefixcache, rebuild
 from chatcli.core.backend import Backend, ContextFullError, Sampling
 from chatcli.core.events import (
     ConversationError,
@@ -73,6 +73,11 @@ class Conversation(ConversationViews):
         self._stop_strings = template.reply_stop_strings()
         self._warned_no_shift = False
         self._meta_error = ""
+        # Set by the Session: called after every successful state write (the state budget); returns a line
+        # to show, or None. Its notices are yielded before the next ReplyEnd, or taken by the front end.
+        self.after_save: Callable[[], str | None] | None = None
+        self._pending_notices: list[Notice] = []
+        self.log.on_saved = self._saved
 
     # -- construction ------------------------------------------------------------------------------
 
@@ -160,9 +165,48 @@ class Conversation(ConversationViews):
         if len(want) + 1 > eng.n_ctx:
             raise ConversationError(
                 f"conversation holds {len(want)} tokens but the context is {eng.n_ctx}: resume with --n-ctx {len(want) + self.reserve}")
-        yield from self.log.restore(want, report)
+        plan = rebuild.segments(len(self.r.prefix_tokens), self.r.active, self._closing_len)
+        yield from self.log.restore(want, report, plan)
+        if report.reason == "no saved state" and budget.was_evicted(self.meta):
+            report.reason = "its KV state was dropped to keep within the state budget"
         if self.log.meta_changed:
             self._touch_meta()
+        self._remember_state_params()
+
+    def _closing_len(self, i: int) -> int:
+        """How many tokens at the end of reply ``i`` are the template's closing (evaluated as one batch)."""
+        m = self.r.active[i]
+        history = [*self.r.persona_messages, *(x.as_message() for x in self.r.active[:i])]
+        for n in range(0, min(len(m.tokens) - 1, 16) + 1):
+            reply = m.tokens[:len(m.tokens) - n]
+            if closing_tokens(self.backend, self.template, history, m.text, reply, m.stop) == m.tokens[len(reply):]:
+                return n
+        return 0  # the closing did not fit in the context (or the template changed): all decoded one by one
+
+    def _remember_state_params(self) -> None:
+        """The metadata says which KV format the saved state holds (resuming with another --kv-type changes
+        it) and forgets an eviction once the state is back."""
+        params = self.backend.identity()
+        if self.meta.get("params") == params and "evicted" not in self.meta:
+            return
+        self.meta["params"] = params
+        self.meta.pop("evicted", None)
+        try:
+            self.dir.write_meta(self.meta)
+        except OSError as exc:
+            self._meta_error = f"could not update metadata ({exc.strerror or exc})"
+
+    def _saved(self) -> None:
+        """Every successful state write ends here: the one place the state budget is applied."""
+        if self.after_save is not None:
+            text = self.after_save()
+            if text:
+                self._pending_notices.append(Notice(text))
+
+    def take_notices(self) -> list[Notice]:
+        """Notices raised outside a reply (e.g. by /undo, /alt): for the front end to show."""
+        out, self._pending_notices = self._pending_notices, []
+        return out
 
     def __enter__(self) -> Conversation:
         return self
@@ -257,6 +301,7 @@ class Conversation(ConversationViews):
         self.session_stats.add(stats)
         if abandoned:
             return  # a closed generator must not yield again
+        yield from self.take_notices()
         yield ReplyEnd(msg, stats)
 
     def cancel(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Generator, Sequence
@@ -35,6 +36,22 @@ def persona_prefix_tokens(backend: Backend, template: ChatTemplate, messages: Se
         return [backend.bos_token] if backend.add_bos else []
     add = backend.add_bos and not (template.bos_token and text.startswith(template.bos_token))
     return backend.tokenize(text, add_special=add)
+
+
+def identity_mismatch(saved: Any, current: dict[str, Any]) -> str:
+    """Why a saved state does not fit this context, in one line (the resume report's reason)."""
+    if not isinstance(saved, dict):
+        return "saved state has no identity"
+    if saved.get("model") != current.get("model"):
+        return "saved state is for another model"
+    if saved.get("n_ctx") != current.get("n_ctx"):
+        return f"saved state is for a context of {saved.get('n_ctx')} tokens (this one: {current.get('n_ctx')})"
+    kv = ("type_k", "type_v", "flash_attn")
+    if any(saved.get(k) != current.get(k) for k in kv):
+        def name(i: dict[str, Any]) -> str:
+            return f"{i.get('type_k')}{' + flash attention' if i.get('flash_attn') else ''}"
+        return f"saved state uses KV type {name(saved)}, this context {name(current)}"
+    return "saved state is for other context parameters"
 
 
 def cache_path(cache_dir: Path, identity: dict[str, Any], persona_hash: str, template_source: str) -> Path:
@@ -67,6 +84,7 @@ def load_or_build(
                 toks, kv = sf.split_cells(payload, n)
                 if toks == prefix_tokens:
                     engine.load_cells(0, n, kv, toks)
+                    _touch(cache_file)
                     ms = 1000 * (time.perf_counter() - t0)
                     yield Notice(f"persona prefix: {n} tokens loaded from cache in {ms:.0f} ms (not evaluated)")
                     return [header, sf.encode_record(sf.CELLS, 0, n, payload)], True
@@ -86,6 +104,14 @@ def load_or_build(
         except OSError:
             pass  # a cache that cannot be written only costs time later
     return records, False
+
+
+def _touch(path: Path) -> None:
+    """Mark a prefix file as used now: the state budget evicts prefix files by mtime (least recent first)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
 
 
 def effective_n_ctx(requested: int, trained: int | None) -> int:

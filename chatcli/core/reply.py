@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 
 from chatcli.core.backend import Backend, GenerationResult, Sampling
 from chatcli.core.events import Event, ReplyStart, ReplyText
-from chatcli.core.template import ChatTemplate, Message
+from chatcli.core.template import ChatTemplate, Message, hold_back_stops
 
 
 def reply_seed(conv_seed: int, turn: int, alt: int) -> int:
@@ -36,8 +36,9 @@ def stream_reply(backend: Backend, sampling: Sampling, draft: Draft, *, seed: in
                  stop_strings: Sequence[str], turn: int, alt: int) -> Iterator[Event]:
     """Sample a reply into ``draft``, yielding its text as it comes; each token joins the backend's sequence."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    gen = backend.generate(sampling, seed=seed, max_tokens=max_tokens, result=draft.result,
-                           stop_strings=stop_strings)
+    # Pieces that may begin a stop string are held back until it is clear: markup is never shown.
+    gen = hold_back_stops(backend.generate(sampling, seed=seed, max_tokens=max_tokens, result=draft.result,
+                                           stop_strings=stop_strings), stop_strings)
     try:
         yield ReplyStart(turn, alt)
         for ev in gen:

@@ -14,6 +14,10 @@ A state file is a sequence of checksummed records::
 The crc covers the header fields and the payload, so a torn or bit-flipped record is detected; reading
 stops at the first bad record and the rest is treated as missing (re-evaluated from the transcript).
 The file is a cache: the transcript is the truth, and deleting this file only costs a re-evaluation.
+
+Versions (the rule is in migrations.py): the header's ``format`` is the file's major version; a newer one
+is refused, never rebuilt over. A record of a kind this version does not know, but whose framing and crc
+are sound, was added by a newer chatcli under the same major version: it is skipped, not taken for damage.
 """
 
 from __future__ import annotations
@@ -28,12 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-import numpy as np
-
+from chatcli.core import migrations
 from chatcli.core.fsutil import append_durably, atomic_write_bytes
 
 MAGIC = b"CKV1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = migrations.STATE_VERSION
 _HDR = struct.Struct("<4sBBHiiQI")  # magic kind flags reserved p0 p1 length crc
 HEADER_SIZE = _HDR.size
 
@@ -76,6 +79,8 @@ def records_at(raws: list[bytes], offset: int) -> tuple[list[Record], int]:
 
 
 def cells_payload(tokens: list[int], kv: bytes) -> bytes:
+    import numpy as np  # here, not at the top: `chatcli ls` reads headers and must not load numpy
+
     return np.asarray(tokens, dtype="<i4").tobytes() + kv
 
 
@@ -101,6 +106,7 @@ class ScanResult:
     valid_bytes: int = 0  # everything after this offset is torn/corrupt
     dropped_bytes: int = 0
     problem: str = ""
+    newer_format: bool = False  # written by a newer chatcli: unusable here, and not to be overwritten
 
     def live(self) -> tuple[list[LiveChunk], Record | None, int]:
         """Replay the records: the live chunks, the live logits record, and the state's length."""
@@ -146,6 +152,10 @@ class ScanResult:
 
 def scan(path: Path) -> ScanResult:
     """Read record headers, checking every payload's crc (payloads are not kept in memory)."""
+    try:
+        check_format(path)
+    except migrations.FormatError as exc:
+        return ScanResult(header=None, problem=str(exc), newer_format=True, dropped_bytes=0)
     with map_state(path) as ms:
         return ms.result
 
@@ -303,7 +313,15 @@ def _scan_buffer(buf: memoryview, *, check_crc: bool) -> tuple[ScanResult, list[
             if not isinstance(header, dict):
                 res.problem = "unreadable header"
                 break
-            res.header = header
+            try:
+                migrations.check("state file", header.get("format"), FORMAT_VERSION)
+            except migrations.FormatError as exc:
+                res.problem, res.newer_format = str(exc), True
+                break
+            except ValueError:
+                res.problem = "unreadable header"
+                break
+            res.header = migrations.upgrade_state_header(header)
         elif rec.kind == HEADER:
             res.problem = "second header"
             break
@@ -339,7 +357,8 @@ def _check_record(buf: memoryview, offset: int, size: int, check_crc: bool) -> t
     magic, kind, _flags, _res, p0, p1, length, crc = _HDR.unpack_from(buf, offset)
     if magic != MAGIC:
         return None, 0, "bad magic" if offset else "not a chatcli state file"
-    if kind not in KIND_NAMES or length > _MAX_PAYLOAD or p0 < 0 or p1 < p0:
+    # An unknown kind is a record of a newer chatcli (same major version): the framing rules still hold.
+    if length > _MAX_PAYLOAD or (kind in KIND_NAMES and (p0 < 0 or p1 < p0)):
         return None, 0, "bad record header"
     if offset + HEADER_SIZE + length > size:
         return None, 0, "truncated record"
@@ -347,6 +366,34 @@ def _check_record(buf: memoryview, offset: int, size: int, check_crc: bool) -> t
     if check_crc and _record_crc(buf, rec) != crc:
         return None, 0, "checksum mismatch"
     return rec, crc, ""
+
+
+def check_format(path: Path) -> None:
+    """Raise ``migrations.FormatError`` if ``path`` is a state file of a newer major version.
+
+    Reads only the first record: cheap enough for every ``chatcli ls``. Damage is not reported here (a
+    damaged cache is rebuilt by its reader); only a newer format, which must not be rebuilt over.
+    """
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(HEADER_SIZE)
+            if len(head) < HEADER_SIZE:
+                return
+            magic, kind, _flags, _res, _p0, _p1, length, _crc = _HDR.unpack(head)
+            payload = fh.read(length) if magic == MAGIC and kind == HEADER and length <= 1 << 20 else b""
+    except OSError:
+        return
+    if magic[:3] == MAGIC[:3] and magic[3:].isdigit() and int(magic[3:]) > int(MAGIC[3:]):
+        # A newer record framing (its digit counts framings, not formats): refuse, never rebuild over it.
+        migrations.check("state file record framing", int(magic[3:]), int(MAGIC[3:]))
+    try:
+        header = json.loads(payload) if payload else None
+        if isinstance(header, dict):
+            migrations.check("state file", header.get("format"), FORMAT_VERSION)
+    except migrations.FormatError:
+        raise
+    except ValueError:
+        return  # damage: the reader rebuilds the cache
 
 
 def read_payload(path: Path, rec: Record) -> bytes:
@@ -365,6 +412,8 @@ def read_payload(path: Path, rec: Record) -> bytes:
 def split_cells(payload: bytes | memoryview, n_tokens: int) -> tuple[list[int], Any]:
     """Token ids and cell bytes of a CELLS payload; the cell bytes are a slice of the same kind (a
     memoryview payload gives a view: no copy)."""
+    import numpy as np  # lazily: commands that only read headers must not load numpy
+
     tok: list[int] = np.frombuffer(payload, dtype="<i4", count=n_tokens).tolist()
     return tok, payload[4 * n_tokens:]
 
@@ -410,6 +459,7 @@ __all__ = [
     "StateFileError",
     "StateWriter",
     "cells_payload",
+    "check_format",
     "encode_record",
     "header_payload",
     "map_state",

@@ -22,11 +22,11 @@ from __future__ import annotations
 import hashlib
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from chatcli.core import prefixcache
+from chatcli.core import prefixcache, rebuild
 from chatcli.core import statefile as sf
 from chatcli.core.backend import Backend, BackendError
 from chatcli.core.events import Event, Progress, ResumeReport, TurnStats
@@ -40,6 +40,7 @@ class StateLog(Protocol):
 
     save_error: str  # the last save failure ("" once a save succeeds): the transcript is intact either way
     meta_changed: bool  # the log changed the conversation's metadata: write it
+    on_saved: Callable[[], None] | None  # called after every successful write to this machine's disk
 
     @property
     def turn_logits(self) -> tuple[int, Logits] | None: ...
@@ -48,8 +49,9 @@ class StateLog(Protocol):
         """Put the persona prefix in the (empty) backend and start the saved state from it."""
         ...
 
-    def restore(self, want: list[int], report: ResumeReport) -> Iterator[Event]:
-        """Make the (empty) backend hold ``want``, loading what was saved and evaluating the rest."""
+    def restore(self, want: list[int], report: ResumeReport, plan: list[tuple[int, int]] | None = None) -> Iterator[Event]:
+        """Make the (empty) backend hold ``want``, loading what was saved and evaluating the rest (batched as
+        ``plan`` says, see rebuild.py)."""
         ...
 
     def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats) -> None: ...
@@ -96,6 +98,7 @@ class CellLog:
         self._turn_logits: tuple[int, Logits] | None = None
         self.save_error = ""
         self.meta_changed = False
+        self.on_saved: Callable[[], None] | None = None
         self._needs_snapshot = False
 
     @property
@@ -108,7 +111,7 @@ class CellLog:
         self.writer.rewrite(records)
         self.state = sf.scan(self.path)
 
-    def restore(self, want: list[int], report: ResumeReport) -> Iterator[Event]:
+    def restore(self, want: list[int], report: ResumeReport, plan: list[tuple[int, int]] | None = None) -> Iterator[Event]:
         eng = self.eng
         t0 = time.perf_counter()
         res = sf.scan(self.path)
@@ -118,7 +121,7 @@ class CellLog:
         if res.header is None:
             report.reason = "no saved state" if res.problem in ("missing", "empty") else f"state file unusable ({res.problem})"
         elif not usable:
-            report.reason = "saved state is for another model or context size"
+            report.reason = prefixcache.identity_mismatch(res.header.get("identity"), self.identity)
         else:
             if res.dropped_bytes:
                 report.reason = f"dropped {res.dropped_bytes} bytes of a damaged state record ({res.problem})"
@@ -157,7 +160,8 @@ class CellLog:
         tail = want[n_ok:]
         if tail:
             t1 = time.perf_counter()
-            for done, total in eng.eval_steps(tail):
+            # Batched as the tokens were when first evaluated, so the rebuilt KV is bit-identical (rebuild.py).
+            for done, total in rebuild.evaluate(eng, want, n_ok, plan or [(0, len(want))]):
                 yield Progress("rebuilding context from the transcript", done, total, time.perf_counter() - t1)
             report.reevaluated = len(tail)
         # Bring the state file in line with the context (one rewrite; the common case writes nothing).
@@ -279,6 +283,8 @@ class CellLog:
         self.state.records.extend(added)
         if stats is not None:
             stats.save_ms += 1000 * (time.perf_counter() - t0)
+        if self.on_saved is not None:
+            self.on_saved()  # the state budget
         return n
 
     def _rewrite_state(self) -> bytes | None:
@@ -301,6 +307,8 @@ class CellLog:
         st = sf.ScanResult(header={"identity": self.identity})
         st.records, st.valid_bytes = sf.records_at(recs, 0)
         self.state = st
+        if self.on_saved is not None:
+            self.on_saved()  # the state budget
         return kv
 
 
@@ -326,6 +334,7 @@ class CheckpointLog:
         self.name = str(info["name"]) if isinstance(info, dict) and info.get("name") else name
         self.save_error = ""
         self.meta_changed = False
+        self.on_saved: Callable[[], None] | None = None  # its saves live on the server: nothing to budget here
         self._saved: list[int] | None = None  # the tokens of the last checkpoint this process made
 
     @property
@@ -341,7 +350,7 @@ class CheckpointLog:
         yield from self._eval(prefix_tokens, "evaluating persona prefix")
         self.settle()
 
-    def restore(self, want: list[int], report: ResumeReport) -> Iterator[Event]:
+    def restore(self, want: list[int], report: ResumeReport, plan: list[tuple[int, int]] | None = None) -> Iterator[Event]:
         eng = self.eng
         t0 = time.perf_counter()
         info = self.meta.get("checkpoint")

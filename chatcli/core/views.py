@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from chatcli.core.events import ContextUsage, SessionStats, TurnStats
-from chatcli.core.export import to_markdown
+from chatcli.core.export import exchange_counts, to_markdown
 from chatcli.core.template import Message
 from chatcli.core.transcript import ActiveMessage, Replay, Transcript
 
@@ -89,6 +89,11 @@ class ConversationViews:
     @property
     def n_turns(self) -> int:
         return sum(1 for m in self.r.active if m.role == "user")
+
+    @property
+    def n_exchanges(self) -> int:
+        """Exchanges of the whole conversation, also those that left the context (``n_turns``: in it)."""
+        return exchange_counts(self.r)[0]
 
     @property
     def pending_user(self) -> bool:

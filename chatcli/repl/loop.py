@@ -14,32 +14,31 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Protocol, TextIO
+from typing import IO, TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator, TextIO
 
 from prompt_toolkit import PromptSession
 from prompt_toolkit.completion import Completer, Completion
 from prompt_toolkit.document import Document
 from prompt_toolkit.formatted_text import HTML
-from prompt_toolkit.history import FileHistory, InMemoryHistory
+from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.input import Input
 from prompt_toolkit.output import Output
 
-from chatcli.repl.commands import REGISTRY, CommandError, ReplExit, UnknownCommand, dispatch
+from chatcli.config.personas import PersonaError
 from chatcli.core.backend import BackendError, ContextFullError
 from chatcli.core.conversation import Conversation
-from chatcli.core.events import EVENT_TYPES, ConversationError, Event, ResumeReport
-from chatcli.config.personas import PersonaError
-from chatcli.repl.render import Renderer, human_bytes
+from chatcli.core.events import ConversationError, Event, ResumeReport
+from chatcli.core.fsutil import ensure_private_dir
+from chatcli.core.opening import split_opening
 from chatcli.core.template import TemplateError
+from chatcli.repl.commands import REGISTRY, CommandError, ReplExit, UnknownCommand, dispatch
+from chatcli.repl.context import ChatConversation, ChatIO, CommandContext
+from chatcli.repl.render import Renderer, human_bytes
+
+if TYPE_CHECKING:
+    from chatcli.session import Session
 
 USER_ERRORS = (CommandError, ConversationError, ContextFullError, PersonaError, TemplateError, BackendError, OSError)
-
-
-class ChatIO(Protocol):
-    def read(self, default: str = "") -> str: ...
-    def edit_text(self, text: str) -> str | None: ...
-    def copy_to_clipboard(self, text: str) -> str: ...
-    def busy(self) -> ContextManager[None]: ...
 
 
 class SlashCompleter(Completer):
@@ -63,7 +62,7 @@ class SlashCompleter(Completer):
         if cmd is None or cmd.complete is None:
             return
         try:
-            options = cmd.complete(self.repl)
+            options = cmd.complete(self.repl.command_context())
         except Exception:  # completion must never break typing
             return
         for opt in options:
@@ -85,10 +84,10 @@ class TerminalIO:
     ) -> None:
         from chatcli.repl.keys import chat_key_bindings
 
-        history = InMemoryHistory()
+        history: History = InMemoryHistory()
         if history_file is not None:
             try:
-                history_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                ensure_private_dir(history_file.parent)
                 # Everything the user typed is in there: private from the start (FileHistory would
                 # create it with the umask's 0644), and made private if an older version left it open.
                 os.close(os.open(history_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
@@ -172,7 +171,7 @@ class LineIO:
         return contextlib.nullcontext()
 
 
-def copy_to_clipboard(text: str, terminal: TextIO | None) -> str:
+def copy_to_clipboard(text: str, terminal: IO[str] | None) -> str:
     """Copy with the desktop's clipboard tool, else through the terminal (OSC 52); returns how."""
     tools = []
     if os.environ.get("WAYLAND_DISPLAY"):
@@ -202,8 +201,8 @@ class Repl:
 
     def __init__(
         self,
-        session: Any,
-        conv: Conversation,
+        session: Session,
+        conv: ChatConversation,
         renderer: Renderer,
         io_factory: Callable[[Repl], ChatIO],
     ) -> None:
@@ -288,7 +287,7 @@ class Repl:
                     with self._busy():
                         if line.startswith("/") and not line.startswith("//"):
                             try:
-                                dispatch(self, line.strip())
+                                dispatch(self.command_context(), line.strip())
                             except UnknownCommand:
                                 pending = line  # a typo, or a message meant to start with "/": keep it
                                 raise
@@ -301,6 +300,8 @@ class Repl:
                                 if len(self.conv.user_messages()) == n_users:
                                     pending = line  # refused, so it comes back in the prompt: nothing is lost
                                 raise
+                    for notice in self.conv.take_notices():  # e.g. the state budget after /undo or /alt
+                        self.renderer.notice(notice.text, notice.level)
                 except ReplExit:
                     break
                 except BrokenPipeError:
@@ -378,10 +379,10 @@ class Repl:
                 self.conv.cancel()
             yield ev
 
-    def show_last(self) -> None:
-        msgs = self.conv.messages
-        if msgs and msgs[-1].role == "assistant":
-            self.renderer.reply_text(msgs[-1].text)
+    def command_context(self) -> CommandContext:
+        """What a slash command may use (made per command: /persona replaces the conversation)."""
+        return CommandContext(conv=self.conv, renderer=self.renderer, io=self.io, run_reply=self.run_reply,
+                              personas=self.session.personas, switch_persona=self.switch_persona)
 
     def switch_persona(self, name: str) -> None:
         """Start a new conversation from persona ``name``; the current one is saved and closed."""
@@ -404,7 +405,7 @@ class Repl:
 
 def context_bar(frac: float, width: int = 10) -> str:
     """A bar of ``width`` cells, in eighths, showing how full the context is."""
-    eighths = int(round(max(0.0, min(1.0, frac)) * width * 8))
+    eighths = round(max(0.0, min(1.0, frac)) * width * 8)
     full, part = divmod(eighths, 8)
     bar = "█" * full + ("▏▎▍▌▋▊▉"[part - 1] if part else "")
     return bar + "░" * (width - len(bar))
@@ -430,24 +431,17 @@ def _one_line(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
-def open_events(events: Iterable[Event | ResumeReport | Conversation], renderer: Renderer) -> tuple[Conversation, ResumeReport | None]:
+def open_events(events: Iterable[Event | ResumeReport | Conversation],
+                renderer: Renderer) -> tuple[Conversation, ResumeReport | None]:
     """Drain a create/open generator: render its events, return the conversation (and resume report)."""
-    box: dict[str, Any] = {}
-
-    def only_events() -> Iterator[Event]:
-        for ev in events:
-            if isinstance(ev, ResumeReport):
-                box["report"] = ev
-            elif isinstance(ev, EVENT_TYPES):
-                yield ev
-            else:  # the conversation itself (or anything implementing its interface)
-                box["conv"] = ev
-
-    renderer.stream(only_events(), label="loading")
-    return box["conv"], box.get("report")
+    only_events, opened = split_opening(events)
+    renderer.stream(only_events, label="loading")
+    if opened.conversation is None:
+        raise ConversationError("the conversation could not be opened")  # the generator ended early
+    return opened.conversation, opened.report
 
 
-def is_tty(stream: TextIO) -> bool:
+def is_tty(stream: IO[str]) -> bool:
     try:
         return stream.isatty()
     except (AttributeError, ValueError):
