@@ -27,9 +27,9 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from chatcli.core import statefile as sf
-from chatcli.core.conversation import Replay, replay_events
-from chatcli.core.store import ConversationDir
+from chatcli.core import statefile as sf  # noqa: E402  (after the importorskips)
+from chatcli.core.conversation import Replay, replay_events  # noqa: E402
+from chatcli.core.store import ConversationDir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "test-key-0123456789"
@@ -184,7 +184,8 @@ def chat_stream(srv: Server, messages: list[dict[str, str]]) -> tuple[str, Any, 
     return text, usage, conv
 
 
-def converse(srv: Server, system: str, questions: list[str], *, stream: bool = False) -> tuple[list[dict[str, str]], list[Reply | tuple[str, Any, str]]]:
+def converse(srv: Server, system: str, questions: list[str], *,
+             stream: bool = False) -> tuple[list[dict[str, str]], list[Reply | tuple[str, Any, str]]]:
     msgs = [{"role": "system", "content": system}]
     out: list[Any] = []
     for q in questions:
@@ -281,7 +282,7 @@ def test_regenerate_evaluates_nothing_and_keeps_the_original(server: Server) -> 
     assert regen.text == replies[-1].text  # greedy: the same logits, the same reply
     assert file_hash(server.conv(cid).transcript_path) == before
     # Both branches stay reachable: the original history still continues the original conversation.
-    nxt = chat(server, msgs + [{"role": "user", "content": QUESTIONS[2]}])
+    nxt = chat(server, [*msgs, {"role": "user", "content": QUESTIONS[2]}])
     assert nxt.conv in (cid, regen.conv)  # identical histories: either may continue
     assert nxt.cached == user_span(server, nxt.conv, 2)[0]
 
@@ -297,14 +298,14 @@ def test_edit_forks_and_the_original_stays_intact(server: Server) -> None:
     assert e1.conv != cid and e1.ext["forked_from"] == cid
     assert e1.cached == len(server.replay(cid).prefix_tokens)
     # Edit of message 2: the first exchange's cells are copied, only the new message is evaluated.
-    e2 = chat(server, msgs[:3] + [{"role": "user", "content": "Name a planet."}])
+    e2 = chat(server, [*msgs[:3], {"role": "user", "content": "Name a planet."}])
     assert e2.conv not in (cid, e1.conv) and e2.ext["forked_from"] == cid
     assert e2.cached == user_span(server, cid, 1)[0]
     assert e2.ext["evaluated_tokens"] == e2.prompt - e2.cached
     assert server.replay(e2.conv).active[0].tokens == server.replay(cid).active[0].tokens
     assert (file_hash(conv.transcript_path), file_hash(conv.state_path)) == before
     # The original continues where it was, as if nothing happened.
-    r4 = chat(server, msgs + [{"role": "user", "content": QUESTIONS[3]}])
+    r4 = chat(server, [*msgs, {"role": "user", "content": QUESTIONS[3]}])
     assert r4.conv == cid
     assert r4.cached == user_span(server, cid, 3)[0]
 
@@ -340,7 +341,7 @@ def test_two_clients_at_once_equal_their_sequential_runs(server: Server, referen
         try:
             _, replies = converse(server, system, QUESTIONS[:3])
             results[system] = [r.text for r in replies]  # type: ignore[union-attr]
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+        except BaseException as exc:  # reported by the main thread
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(s,)) for s in systems]
