@@ -329,6 +329,27 @@ def test_stop_strings_and_seed(server: Server) -> None:
     assert a.ext["evaluated_tokens"] == b.ext["evaluated_tokens"] == 0
 
 
+def test_fork_copy_equals_chatcli_fork(server: Server, tmp_path: Path) -> None:
+    """The server's byte-for-byte record copy gives the same state as `chatcli fork`'s re-encoding one."""
+    from chatcli.core.forking import _copy_state
+    from chatcli.server.adapter import copy_state
+
+    _, replies = converse(server, "You are terse. (fork copy)", QUESTIONS[:2])
+    conv = server.conv(replies[-1].conv)  # type: ignore[union-attr]
+    r = server.replay(conv.id)
+    for k in range(len(r.active) + 1):
+        cut = r.active[k - 1].p1 if k else len(r.prefix_tokens)
+        a, b = tmp_path / f"a{k}.kv", tmp_path / f"b{k}.kv"
+        assert copy_state(conv.state_path, a, cut) == _copy_state(conv.state_path, b, cut) == cut
+        ra, rb = sf.scan(a), sf.scan(b)
+        (ca, la, na), (cb, lb, nb) = ra.live(), rb.live()
+        assert na == nb == cut and [(c.record.p0, c.end) for c in ca] == [(c.record.p0, c.end) for c in cb]
+        assert [sf.read_payload(a, c.record) for c in ca] == [sf.read_payload(b, c.record) for c in cb]
+        assert (la is None) == (lb is None)
+        if la is not None and lb is not None:
+            assert sf.read_payload(a, la) == sf.read_payload(b, lb)
+
+
 # -- concurrency -----------------------------------------------------------------------------------------
 
 
