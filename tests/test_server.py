@@ -27,7 +27,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from chatcli.core import statefile as sf  # noqa: E402  (after the importorskip of optional packages)
+from chatcli.core import statefile as sf  # noqa: E402  (after the importorskips)
 from chatcli.core.conversation import Replay, replay_events  # noqa: E402
 from chatcli.core.store import ConversationDir  # noqa: E402
 
@@ -329,6 +329,27 @@ def test_stop_strings_and_seed(server: Server) -> None:
     assert a.ext["evaluated_tokens"] == b.ext["evaluated_tokens"] == 0
 
 
+def test_fork_copy_equals_chatcli_fork(server: Server, tmp_path: Path) -> None:
+    """The server's byte-for-byte record copy gives the same state as `chatcli fork`'s re-encoding one."""
+    from chatcli.core.forking import _copy_state
+    from chatcli.server.adapter import copy_state
+
+    _, replies = converse(server, "You are terse. (fork copy)", QUESTIONS[:2])
+    conv = server.conv(replies[-1].conv)  # type: ignore[union-attr]
+    r = server.replay(conv.id)
+    for k in range(len(r.active) + 1):
+        cut = r.active[k - 1].p1 if k else len(r.prefix_tokens)
+        a, b = tmp_path / f"a{k}.kv", tmp_path / f"b{k}.kv"
+        assert copy_state(conv.state_path, a, cut) == _copy_state(conv.state_path, b, cut) == cut
+        ra, rb = sf.scan(a), sf.scan(b)
+        (ca, la, na), (cb, lb, nb) = ra.live(), rb.live()
+        assert na == nb == cut and [(c.record.p0, c.end) for c in ca] == [(c.record.p0, c.end) for c in cb]
+        assert [sf.read_payload(a, c.record) for c in ca] == [sf.read_payload(b, c.record) for c in cb]
+        assert (la is None) == (lb is None)
+        if la is not None and lb is not None:
+            assert sf.read_payload(a, la) == sf.read_payload(b, lb)
+
+
 # -- concurrency -----------------------------------------------------------------------------------------
 
 
@@ -341,7 +362,7 @@ def test_two_clients_at_once_equal_their_sequential_runs(server: Server, referen
         try:
             _, replies = converse(server, system, QUESTIONS[:3])
             results[system] = [r.text for r in replies]  # type: ignore[union-attr]
-        except BaseException as exc:
+        except BaseException as exc:  # reported by the main thread
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(s,)) for s in systems]
@@ -423,6 +444,34 @@ def test_disconnect_mid_stream_records_the_reply_so_far(server: Server) -> None:
     msgs.append({"role": "user", "content": "Thanks."})
     nxt = chat(server, msgs)
     assert nxt.conv == cid and nxt.cached == last.p1
+
+
+def test_sigterm_mid_stream_records_the_reply_and_exits_cleanly(tmp_path: Path) -> None:
+    srv = Server(tmp_path / "term", api_key=None)
+    srv.start()
+    try:
+        body = {"model": "any", "messages": [{"role": "user", "content": "Tell me a very long story."}],
+                "temperature": 0, "max_tokens": 400, "stream": True}
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=120)
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        cid = resp.getheader("x-chatcli-conversation")
+        got = ""
+        while len(got) <= 20:
+            line = resp.readline().decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                got += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+        assert srv.proc is not None
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(90) == 0
+        conn.close()
+    finally:
+        srv.stop()
+    assert "Traceback" not in srv.log.read_text()
+    r = srv.replay(cid)
+    last = r.active[-1]
+    assert last.role == "assistant" and last.stop == "cancelled" and last.text.startswith(got.strip())
+    assert sf.scan(srv.conv(cid).state_path).live()[2] == last.p1
 
 
 # -- other front ends --------------------------------------------------------------------------------------

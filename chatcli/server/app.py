@@ -181,7 +181,12 @@ class _Run:
         self.thread.start()
 
     def _put(self, item: object) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            # The server is shutting down (its event loop closed): nobody listens any more, and closing
+            # the service iterator below still records the reply.
+            self.cancel.set()
 
     def _work(self, it: Iterator[object]) -> None:
         try:

@@ -5,9 +5,25 @@ from __future__ import annotations
 import logging
 import socket
 import sys
+from types import FrameType
 
 from chatcli.config.settings import Paths, Settings
 from chatcli.session import Session
+
+
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # Shut down as uvicorn does on SIGINT/SIGTERM, but without re-raising the signal once it has
+            # stopped: replies cut by the shutdown must still be recorded (service.close) before we exit.
+            super().handle_exit(sig, frame)
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+
+    return Server
 
 
 def serve(settings: Settings, paths: Paths, session: Session) -> int:
@@ -21,7 +37,7 @@ def serve(settings: Settings, paths: Paths, session: Session) -> int:
     app = create_app(service, api_key=settings.api_key)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
                             lifespan="off")
-    server = uvicorn.Server(config)
+    server = _server_class()(config)
     # Bind here, so a port in use is one clear error line (OSError) instead of uvicorn's exit.
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
