@@ -281,6 +281,9 @@ class Server:
     def send(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
         off = self.log_offset()
         r = chat(self.port, messages, max_tokens)
+        # Untimed: flush what this server left dirty in the page cache (the disk cache writes its whole state
+        # after each completion), so the kernel's write-back does not land in the next server's measurement.
+        os.sync()
         ev = evaluated_tokens(self.kind, r, self.log_evaluated(off))
         prompt: int | None = None
         if r.usage and r.usage.get("prompt_tokens") is not None:
