@@ -10,8 +10,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -81,38 +82,35 @@ def make_paths(home: str | Path) -> Any:
 
 
 def build_session(home: str | Path, *, model: str | None, n_ctx: int, threads: int, max_tokens: int,
-                  persona: str = "alice", reserve: int = 256) -> Any:
+                  persona: str = "alice", reserve: int = 256, model_ref: Any = None) -> Any:
     """A chatcli Session rooted at ``home`` with greedy decoding (what ``chatcli talk --temperature 0`` builds)."""
+    from chatcli.config.settings import load_settings_explicit
     from chatcli.models.resolve import resolve_model
     from chatcli.session import Session
-    from chatcli.config.settings import load_settings
 
     paths = make_paths(home)
     flags = {"temperature": 0.0, "seed": 1234, "n_ctx": n_ctx, "reserve": reserve, "max_tokens": max_tokens,
              "persona": persona, "threads": threads, "model": model}
     env = {"CHATCLI_HOME": str(home)}
-    settings = load_settings(flags, paths=paths, env=env)
-    explicit = {k for k, v in flags.items() if v is not None}
-    return Session.build(settings, paths, model=resolve_model(model, env=env), explicit=explicit)
+    settings, explicit = load_settings_explicit(flags, paths=paths, env=env)
+    ref = model_ref if model_ref is not None else resolve_model(model, env=env)
+    return Session.build(settings, paths, model=ref, explicit=explicit)
 
 
 def drain(gen: Iterator[Any]) -> tuple[Any, Any, list[Any], list[Any]]:
     """Run a chatcli event generator to its end: (conversation, resume report, reply ends, notices)."""
-    from chatcli.core.conversation import Conversation, Notice, ReplyEnd, ResumeReport
+    from chatcli.core.events import Notice, ReplyEnd
+    from chatcli.core.opening import split_opening
 
-    conv = report = None
+    events, opened = split_opening(gen)
     ends: list[Any] = []
     notices: list[Any] = []
-    for ev in gen:
-        if isinstance(ev, Conversation):
-            conv = ev
-        elif isinstance(ev, ResumeReport):
-            report = ev
-        elif isinstance(ev, ReplyEnd):
+    for ev in events:
+        if isinstance(ev, ReplyEnd):
             ends.append(ev)
         elif isinstance(ev, Notice):
             notices.append(ev)
-    return conv, report, ends, notices
+    return opened.conversation, opened.report, ends, notices
 
 
 def first_token(conv: Any, gen: Iterator[Any]) -> tuple[float, Any]:

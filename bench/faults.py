@@ -304,7 +304,7 @@ def run_talk(home: Path, script: list[str], point: KillPoint | None, trace: Path
 
 def run_resume(home: Path, conv_id: str, lines: list[str], timeout: float = 900) -> Run:
     t0 = time.monotonic()
-    proc = subprocess.run([*chatcli_exe(), "resume", conv_id, *resume_flags()], input="".join(l + "\n" for l in lines),
+    proc = subprocess.run([*chatcli_exe(), "resume", conv_id, *resume_flags()], input="".join(line + "\n" for line in lines),
                           capture_output=True, text=True, env=child_env(home), cwd=str(home), timeout=timeout)
     return Run(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0)
 
@@ -471,7 +471,7 @@ def check_disk(conv: Path) -> list[str]:
     if res.header is None or res.dropped_bytes:
         problems.append(f"state file not clean after resume ({res.problem}, {res.dropped_bytes} bytes dropped)")
     else:
-        chunks, _, n = res.live()
+        chunks, _, _n = res.live()
         toks: list[int] = []
         for ch in chunks:
             t, _ = sf.split_cells(sf.read_payload(d.state_path, ch.record), ch.record.p1 - ch.record.p0)
@@ -483,7 +483,7 @@ def check_disk(conv: Path) -> list[str]:
         problems.append(f"temp files left behind: {litter}")
     try:
         d.read_meta()
-    except Exception as exc:  # noqa: BLE001 - report, do not crash the harness
+    except Exception as exc:
         problems.append(f"metadata unreadable: {exc}")
     return problems
 
@@ -524,7 +524,7 @@ def run_point(ref: Reference, point: KillPoint, workdir: Path, script: list[str]
         out.lost = max(0, out.completed - saved_replies)
         if out.lost:
             out.problems.append(f"{out.lost} completed turn(s) missing from the transcript")
-        lines, pending = remaining_lines(ref, script, len(events))
+        lines, _pending = remaining_lines(ref, script, len(events))
         res = run_resume(home, conv.name, lines)
         if res.rc != 0 or "resumed" not in res.stderr:
             out.opened = False
@@ -582,7 +582,8 @@ def main(argv: list[str] | None = None) -> int:
         flag = "ok  " if o.ok else "FAIL"
         if a.verbose or not o.ok:
             print(f"{flag} {i:3d}/{len(points)} {p.label}: completed {o.completed}, intact {o.intact}, "
-                  f"identical {o.identical}" + (" (alt index differs)" if o.alt_mislabelled else "") + (f" -- {'; '.join(o.problems)}" if o.problems else ""), flush=True)
+                  f"identical {o.identical}" + (" (alt index differs)" if o.alt_mislabelled else "")
+                  + (f" -- {'; '.join(o.problems)}" if o.problems else ""), flush=True)
     killed = [o for o in outcomes if o.killed]
     intact = [o for o in outcomes if o.intact and o.opened]
     rebuilt = [o for o in outcomes if o.opened and not o.intact]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 
 def med(xs: Sequence[float]) -> float:
@@ -69,7 +70,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     t = res["throughput"]
     def overhead(c: list[float], b: list[float]) -> float:
         # Paired: each pair ran back to back, so the per-pair ratio cancels most of the machine's drift.
-        return 100 * (1 - med([x / y for x, y in zip(c, b)]))
+        return 100 * (1 - med([x / y for x, y in zip(c, b, strict=True)]))
 
     thr: dict[str, float] = {
         "prompt_tokens": t["prompt_tokens"][0], "decode_tokens": med(t["decode_n"]), "pairs": len(t["decode_n"]),
@@ -84,7 +85,53 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     p = res["persona"]
     per = {"prefix_tokens": p.get("prefix_tokens", 0), "uncached": med(p["uncached_ms"]), "cached": med(p["cached_ms"]),
            "hit": p["all_cached_hit"]}
-    return {"rows": rows, "thr": thr, "persona": per}
+    return {"rows": rows, "thr": thr, "persona": per, "ba": before_after(res, rows)}
+
+
+def _thr_overheads(t: dict[str, Any]) -> dict[str, float]:
+    def overhead(c: list[float], b: list[float]) -> float:
+        return 100 * (1 - med([x / y for x, y in zip(c, b, strict=False)]))
+
+    return {f"{kind}{clock}": overhead(t[f"chatcli_{kind}{clock}_tps"], t[f"bare_{kind}{clock}_tps"])
+            for kind in ("prompt", "decode") for clock in ("", "_cpu")}
+
+
+_STEPS = ("interpreter_ms", "imports_ms", "identity_ms", "model_load_ms", "conversation_ms", "first_token_ms", "total_ms")
+
+
+def before_after(res: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Issue #15's figures: chatcli as of ``--before`` next to this tree, measured in the same run."""
+    if not res.get("before"):
+        return None
+    out: dict[str, Any] = {"rev": res["before"], "rows": []}
+    for row, ck in zip(rows, res["checkpoints"], strict=False):
+        rb = res["resume"][str(ck["target"])].get("resume_before", [])
+        out["rows"].append({
+            "target": row["target"], "tokens": row["tokens"],
+            "restore_before": med([x["state_restore_ms"] for x in rb]),
+            "read_before": med([x["plain_read_ms"] for x in rb]),
+            "ratio_before": med([x["state_restore_ms"] / x["plain_read_ms"] for x in rb]),
+            "ttft_before": med([x["ttft_ms"] for x in rb]),
+            "restore_after": row["state_restore"], "read_after": row["plain_read"],
+            "ratio_after": med([x["state_restore_ms"] / x["plain_read_ms"] for x in res["resume"][str(ck["target"])]["resume"]]),
+            "ttft_after": row["chatcli_ttft"], "cold": row["cold_ttft"], "load_state": row["ls_ttft"],
+        })
+    out["thr_after"] = _thr_overheads(res["throughput"])
+    out["thr_before"] = _thr_overheads(res["throughput_before"]) if res.get("throughput_before") else None
+    st = res.get("startup")
+    if st:
+        out["startup"] = {"tokens": st["tokens"]}
+        for tree in ("after", "before"):
+            if tree not in st:
+                continue
+            d = st[tree]
+            out["startup"][tree] = {
+                "talk_cli": med(d["talk_cli_ms"]), "resume_cli": med(d["resume_cli_ms"]), "ls_cli": med(d["ls_cli_ms"]),
+                "talk": {k: med([x[k] for x in d["talk"]]) for k in _STEPS},
+                "resume": {k: med([x[k] for x in d["resume"]]) for k in _STEPS},
+                "reevaluated": max([x["reevaluated"] for x in d["resume"]], default=0),
+            }
+    return out
 
 
 def headline(res: dict[str, Any], s: dict[str, Any]) -> list[str]:
@@ -92,27 +139,33 @@ def headline(res: dict[str, Any], s: dict[str, Any]) -> list[str]:
     turns = res["build"]["turns"]
     tl = turns[-1]
     m = res["memory"]
-    return [
-        f"- **Resume** a {last['tokens']:,}-token conversation in a new process: first token after "
-        f"**{f_ms(last['chatcli_ttft'])} ms** vs {f_ms(last['cold_ttft'])} ms re-ingesting it "
-        f"(**{f_x(last['cold_ttft'] / last['chatcli_ttft'])} faster**); llama-cpp-python `load_state` "
-        f"{f_ms(last['ls_ttft'])} ms, `LlamaDiskCache` {f_ms(last['dc_ttft'])} ms.",
-        f"- **Per-turn save** at {tl['n_past']:,} tokens: chatcli appends {f_mib(tl['append_bytes'])} in "
-        f"{f_ms(tl['append_ms'])} ms; rewriting the whole state would write {f_mib(tl['rewrite_bytes'])} in "
-        f"{f_ms(tl['rewrite_ms'])} ms ({f_x(tl['rewrite_bytes'] / max(1, tl['append_bytes']))} the bytes).",
-        f"- **/regen** at {last['tokens']:,} tokens: {f_ms(last['regen'])} ms to the first new token vs "
-        f"{f_ms(last['regen_re'])} ms re-ingesting ({f_x(last['regen_re'] / last['regen'])}); **/edit** "
-        f"{f_ms(last['edit'])} ms vs {f_ms(last['edit_re'])} ms ({f_x(last['edit_re'] / last['edit'])}).",
-        f"- **Engine overhead** vs a bare llama-cpp-python loop (per CPU-second / wall clock): prompt eval "
-        f"{s['thr']['prompt_cpu_overhead']:+.1f} % / {s['thr']['prompt_overhead']:+.1f} %, decode "
-        f"{s['thr']['decode_cpu_overhead']:+.1f} % / {s['thr']['decode_overhead']:+.1f} % (positive = chatcli slower).",
-        f"- **Memory**: `chatcli talk` peaks at {f_mib(m['chatcli_talk_rss'])} = "
-        f"{f_x(m['chatcli_talk_rss'] / (m['model_file_bytes'] + m['kv_bytes']))} model + KV "
-        f"({f_mib(m['model_file_bytes'] + m['kv_bytes'])}); bare `Llama` peaks at {f_mib(m['llama_rss'])}.",
-        f"- **Persona prefix cache** ({s['persona']['prefix_tokens']:,} tokens): new conversation to first token in "
-        f"{f_ms(s['persona']['cached'])} ms cached vs {f_ms(s['persona']['uncached'])} ms uncached "
-        f"({f_x(s['persona']['uncached'] / s['persona']['cached'])}).",
-    ]
+    return [f"- **Resume** a {last['tokens']:,}-token conversation in a new process: first token after " f"**{f_ms(last['chatcli_ttft'])} ms** vs {f_ms(last['cold_ttft'])} ms re-ingesting it " f"(**{f_x(last['cold_ttft'] / last['chatcli_ttft'])} faster**); llama-cpp-python `load_state` " f"{f_ms(last['ls_ttft'])} ms, `LlamaDiskCache` {f_ms(last['dc_ttft'])} ms.", f"- **Per-turn save** at {tl['n_past']:,} tokens: chatcli appends {f_mib(tl['append_bytes'])} in " f"{f_ms(tl['append_ms'])} ms; rewriting the whole state would write {f_mib(tl['rewrite_bytes'])} in " f"{f_ms(tl['rewrite_ms'])} ms ({f_x(tl['rewrite_bytes'] / max(1, tl['append_bytes']))} the bytes).", f"- **/regen** at {last['tokens']:,} tokens: {f_ms(last['regen'])} ms to the first new token vs " f"{f_ms(last['regen_re'])} ms re-ingesting ({f_x(last['regen_re'] / last['regen'])}); **/edit** " f"{f_ms(last['edit'])} ms vs {f_ms(last['edit_re'])} ms ({f_x(last['edit_re'] / last['edit'])}).", f"- **Engine overhead** vs a bare llama-cpp-python loop (per CPU-second / wall clock): prompt eval " f"{s['thr']['prompt_cpu_overhead']:+.1f} % / {s['thr']['prompt_overhead']:+.1f} %, decode " f"{s['thr']['decode_cpu_overhead']:+.1f} % / {s['thr']['decode_overhead']:+.1f} % (positive = chatcli slower).", f"- **Memory**: `chatcli talk` peaks at {f_mib(m['chatcli_talk_rss'])} = " f"{f_x(m['chatcli_talk_rss'] / (m['model_file_bytes'] + m['kv_bytes']))} model + KV " f"({f_mib(m['model_file_bytes'] + m['kv_bytes'])}); bare `Llama` peaks at {f_mib(m['llama_rss'])}.", f"- **Persona prefix cache** ({s['persona']['prefix_tokens']:,} tokens): new conversation to first token in " f"{f_ms(s['persona']['cached'])} ms cached vs {f_ms(s['persona']['uncached'])} ms uncached " f"({f_x(s['persona']['uncached'] / s['persona']['cached'])}).", *_headline_ba(s.get("ba"))]
+
+
+def _headline_ba(ba: dict[str, Any] | None) -> list[str]:
+    if not ba:
+        return []
+    lines = []
+    rows = ba["rows"]
+    lines.append("- **State restore ÷ plain read** of the same bytes (page cache warm), before → after (#15): " + ", ".join(
+        f"{r['tokens']:,} tok {f_x(r['ratio_before'])} → **{f_x(r['ratio_after'])}**" for r in rows) + ".")
+    tb, ta = ba["thr_before"], ba["thr_after"]
+    if tb:
+        lines.append(f"- **Decode overhead** vs the bare loop (CPU / wall), before → after: {tb['decode_cpu']:+.1f} % / "
+                     f"{tb['decode']:+.1f} % → **{ta['decode_cpu']:+.1f} % / {ta['decode']:+.1f} %**.")
+    st = ba.get("startup")
+    if st and "after" in st:
+        a = st["after"]
+        b = st.get("before")
+        resume_talk = _ratio(a["resume_cli"], a["talk_cli"])
+        txt = (f"- **Whole process** at {st['tokens']:,} tokens: `resume` ÷ `talk` = **{f_x(resume_talk)}**"
+               + (f" (before {f_x(_ratio(b['resume_cli'], b['talk_cli']))})" if b else "")
+               + f"; `chatcli ls` with 100 conversations **{f_ms(a['ls_cli'])} ms**"
+               + (f" (before {f_ms(b['ls_cli'])} ms)" if b else "")
+               + f"; model identity {f_ms(a['resume']['identity_ms'])} ms"
+               + (f" (before {f_ms(b['resume']['identity_ms'])} ms)." if b else "."))
+        lines.append(txt)
+    return lines
 
 
 def markdown(res: dict[str, Any], s: dict[str, Any], charts: list[str]) -> str:
@@ -264,6 +317,7 @@ def markdown(res: dict[str, Any], s: dict[str, Any], charts: list[str]) -> str:
     w("")
     w("Uncached = `<CHATCLI_HOME>/cache/prefix` deleted first." + ("" if p["hit"] else
       " **Warning:** a cached run did not report a cache hit.") + "\n")
+    _section_ba(w, s.get("ba"))
     if charts:
         w("## Charts\n")
         for ch in charts:
@@ -332,3 +386,62 @@ def write(res: dict[str, Any], out: Path) -> list[Path]:
     made = charts(res, s, out)
     (out / "results.md").write_text(markdown(res, s, made))
     return [out / "results.md", *(out / f for f in made)]
+
+
+def _section_ba(w: Any, ba: dict[str, Any] | None) -> None:
+    if not ba:
+        return
+    rev = ba["rev"]
+    w(f"## 7. Before / after issue #15: chatcli at `{rev['describe']}` (`--before {rev['rev']}`) vs this tree, same run\n")
+    w("Both trees measured by the same workers in this run, alternating, on the same checkpoints "
+      "(the state files the new tree wrote; their identity is unchanged, so the old tree restores them too).\n")
+    w("### 7a. Resume (ms; page cache warm)\n")
+    w("| tokens | state restore before | after | plain read | restore ÷ read before | after (goal ≤ 2×) | "
+      "resume TTFT before | after | cold ÷ after (goal ≥ 50×) | load_state ÷ after (goal > 1×) |")
+    w("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in ba["rows"]:
+        w(f"| {r['tokens']:,} | {f_ms(r['restore_before'])} | {f_ms(r['restore_after'])} | {f_ms(r['read_after'])} | "
+          f"{f_x(r['ratio_before'])} | {f_x(r['ratio_after'])} | {f_ms(r['ttft_before'])} | {f_ms(r['ttft_after'])} | "
+          f"{f_x(_ratio(r['cold'], r['ttft_after']))} | {f_x(_ratio(r['load_state'], r['ttft_after']))} |")
+    w("")
+    w("restore ÷ read = the median over repetitions of each process's own ratio (state restore ÷ a plain "
+      "`read()` of the same number of bytes right after, in the same process).\n")
+    ta, tb = ba["thr_after"], ba["thr_before"]
+    w("### 7b. Engine overhead vs a bare llama-cpp-python loop (positive = chatcli slower)\n")
+    w("| | before (CPU) | before (wall) | after (CPU) | after (wall) |")
+    w("|---|---:|---:|---:|---:|")
+    for kind in ("prompt", "decode"):
+        b = f"{tb[kind + '_cpu']:+.1f} % | {tb[kind]:+.1f} %" if tb else "– | –"
+        w(f"| {kind} | {b} | {ta[kind + '_cpu']:+.1f} % | {ta[kind]:+.1f} % |")
+    w("")
+    w("Two runs of the throughput worker (section 4), one per tree; each compares its engine with the bare loop "
+      "in the same process, interleaved. Goal for decode: ≤ 1 %.\n")
+    st = ba.get("startup")
+    if not st:
+        return
+    trees = [t for t in ("before", "after") if t in st]
+    w(f"### 7c. Whole process to the first token ({st['tokens']:,}-token conversation), and `ls` (ms)\n")
+    w("| | " + " | ".join(trees) + " |")
+    w("|---|" + "---:|" * len(trees))
+    rows = [("`chatcli talk` (new conversation, persona prefix cached), stdin `hi`, 1 token", "talk_cli"),
+            ("`chatcli resume ID`, stdin `hi`, 1 token", "resume_cli")]
+    for label, k in rows:
+        w(f"| {label} | " + " | ".join(f_ms(st[t][k]) for t in trees) + " |")
+    w("| resume ÷ talk (goal ≤ 1.05×) | " + " | ".join(f_x(_ratio(st[t]['resume_cli'], st[t]['talk_cli'])) for t in trees) + " |")
+    w("| `chatcli ls`, 100 conversations (goal ≤ 200 ms) | " + " | ".join(f_ms(st[t]["ls_cli"]) for t in trees) + " |")
+    w("")
+    w("Wall time of the whole `python -m chatcli …` process, spawn to exit, `--max-tokens 1`.\n")
+    w("### 7d. Where a process's time goes (ms, in-process marks on the wall clock)\n")
+    labels = {"interpreter_ms": "interpreter start", "imports_ms": "imports (chatcli, llama_cpp, numpy, …)",
+              "identity_ms": "model identity (GGUF header)", "model_load_ms": "model load + context (llama.cpp)",
+              "conversation_ms": "new conversation / resume (state restore)", "first_token_ms": "message → first token",
+              "total_ms": "total to the first token"}
+    cols = [(t, kind) for kind in ("talk", "resume") for t in trees]
+    w("| step | " + " | ".join(f"{kind} {t}" for t, kind in cols) + " |")
+    w("|---|" + "---:|" * len(cols))
+    for k, label in labels.items():
+        w(f"| {label} | " + " | ".join(f_ms(st[t][kind][k]) for t, kind in cols) + " |")
+    w("")
+    w("The `startup` worker: spawn time from the parent, then marks after the imports the CLI needs, "
+      "`resolve_model`, `Session.build` (llama.cpp load), `new_conversation`/`open_conversation`, and the first "
+      f"token of the reply to the next message. Resumes re-evaluated {max(st[t]['reevaluated'] for t in trees)} tokens.\n")

@@ -24,8 +24,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import report  # noqa: E402
-from bench.common import PERSONA_FACTS, REPO, RESULT_PREFIX  # noqa: E402
+from bench import report
+from bench.common import PERSONA_FACTS, REPO, RESULT_PREFIX
 
 WORKERS = Path(__file__).resolve().parent / "workers.py"
 
@@ -91,6 +91,22 @@ class Bench:
         if opts.omp_wait_policy != "inherit":
             env["OMP_WAIT_POLICY"] = opts.omp_wait_policy.upper()
         self.env = env
+        self.before: Path | None = None  # the "before" tree (chatcli of an older commit), see prepare_before
+
+    def prepare_before(self) -> dict[str, Any] | None:
+        """Extract chatcli as of ``--before REV`` (git archive: the repository is not touched) so the same
+        run measures the old code next to the new one, with this benchmark's workers."""
+        rev = self.o.before
+        if not rev or rev == "none":
+            return None
+        dest = self.work / "before"
+        dest.mkdir(exist_ok=True)
+        arch = subprocess.run(["git", "-C", str(REPO), "archive", rev, "chatcli", "personas"], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=arch.stdout, check=True)
+        desc = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h", rev], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        self.before = dest
+        return {"rev": rev, "describe": desc}
 
     def log(self, msg: str) -> None:
         print(f"[bench {time.perf_counter() - self.t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
@@ -98,12 +114,16 @@ class Bench:
     def base(self) -> dict[str, Any]:
         return {"model": self.o.model, "n_ctx": self.o.n_ctx, "threads": self.o.threads}
 
-    def worker(self, mode: str, args: dict[str, Any], home: Path | None = None) -> dict[str, Any]:
+    def worker(self, mode: str, args: dict[str, Any], home: Path | None = None, tree: Path | None = None) -> dict[str, Any]:
         self.n_runs += 1
-        tag = f"{self.n_runs:03d}-{mode}"
+        tag = f"{self.n_runs:03d}-{mode}" + ("-before" if tree else "")
         arg_file = self.work / "logs" / f"{tag}.json"
+        if mode == "startup":
+            args = {**args, "t_spawn": time.time()}
         arg_file.write_text(json.dumps(args))
         env = dict(self.env)
+        if tree is not None:
+            env["BENCH_CHATCLI_ROOT"] = str(tree)
         env["CHATCLI_HOME"] = str(home or self.work / "home-scratch")
         err_path = self.work / "logs" / f"{tag}.err"
         out_path = self.work / "logs" / f"{tag}.out"
@@ -141,6 +161,78 @@ class Bench:
             p.returncode = os.waitstatus_to_exitcode(status)
         return p.returncode, int(ru.ru_maxrss) * 1024  # Linux reports KiB
 
+    def timed_cmd(self, cmd: list[str], stdin: bytes, home: Path, tree: Path | None) -> float:
+        """Wall time (ms) of a whole chatcli process, from spawn to exit."""
+        env = dict(self.env)
+        env["CHATCLI_HOME"] = str(home)
+        if tree is not None:
+            env["PYTHONPATH"] = str(tree) + os.pathsep + env["PYTHONPATH"]
+        self.n_runs += 1
+        log = self.work / "logs" / f"{self.n_runs:03d}-cmd{'-before' if tree else ''}.log"
+        with open(log, "wb") as out:
+            t0 = time.perf_counter()
+            p = subprocess.run(cmd, input=stdin, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(self.work),
+                               timeout=self.o.timeout)
+            dt = time.perf_counter() - t0
+        if p.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited with {p.returncode}; see {log}")
+        return 1000 * dt
+
+    def startup_phase(self, cks: list[dict[str, Any]]) -> dict[str, Any]:
+        """Whole processes, after (this tree) and before (--before): `talk` and `resume` of the checkpoint
+        nearest 2,000 tokens to the first token (CLI wall time + an in-process breakdown), and `ls` with
+        100 conversations."""
+        c = self.cfg
+        ck = min(cks, key=lambda x: abs(x["n_tokens"] - 2000))
+        trees: list[tuple[str, Path | None]] = [("after", None)] + ([("before", self.before)] if self.before else [])
+        out: dict[str, Any] = {"tokens": ck["n_tokens"], "target": ck["target"]}
+        for name, _ in trees:
+            out[name] = {k: [] for k in ("talk", "resume", "talk_cli_ms", "resume_cli_ms", "ls_cli_ms")}
+        py = [sys.executable, "-m", "chatcli"]
+        common = ["--temperature", "0", "--threads", str(self.o.threads), "--max-tokens", "1"]
+        if self.o.model:
+            common += ["--model", self.o.model]
+        build_cache = self.work / "build-home" / "cache"
+        sdir = self.work / "startup"
+        # ls: 100 conversations (metadata and transcript copies of the smallest checkpoint; ls reads no state).
+        from chatcli.core.store import new_id
+
+        ls_home = sdir / "ls-home"
+        src = Path(cks[0]["home"]) / "data" / "conversations" / cks[0]["conv_id"]
+        root = ls_home / "data" / "conversations"
+        root.mkdir(parents=True, exist_ok=True)
+        for _ in range(100):
+            cid = new_id()
+            d = root / cid
+            shutil.copytree(src, d, ignore=shutil.ignore_patterns("state.kv*", "*.lock"))
+            meta = json.loads((d / "meta.json").read_text())
+            meta["id"] = cid
+            (d / "meta.json").write_text(json.dumps(meta))
+        for rep in range(c["reps"]):
+            for name, tree in (trees if rep % 2 == 0 else trees[::-1]):
+                o = out[name]
+                for kind in ("talk", "resume"):
+                    for via in ("worker", "cli"):
+                        home = sdir / "home"
+                        if home.exists():
+                            shutil.rmtree(home)
+                        if kind == "talk":
+                            home.mkdir(parents=True)
+                            if build_cache.exists():  # a returning user: the persona prefix is cached
+                                shutil.copytree(build_cache, home / "cache")
+                        else:
+                            shutil.copytree(ck["home"], home)
+                        if via == "worker":
+                            o[kind].append(self.worker("startup", {
+                                **self.base(), "home": str(home), "kind": kind, "conv_id": ck["conv_id"]},
+                                home=home, tree=tree))
+                        else:
+                            args = ["talk", "--n-ctx", str(self.o.n_ctx)] if kind == "talk" else ["resume", ck["conv_id"]]
+                            o[f"{kind}_cli_ms"].append(self.timed_cmd(py + args + common, b"hi\n", home, tree))
+                o["ls_cli_ms"].append(self.timed_cmd([*py, "ls"], b"", ls_home, tree))
+            self.log(f"  rep {rep + 1}/{c['reps']} done")
+        return out
+
     # -- phases ------------------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
@@ -157,6 +249,7 @@ class Bench:
         except Exception:
             pass
 
+        res["before"] = self.prepare_before()
         self.log(f"building conversations to {c['lengths']} tokens (work dir {self.work})")
         b = self.worker("build", {**self.base(), "home": str(self.work / "build-home"), "lengths": c["lengths"],
                                   "reply_tokens": c["reply_tokens"], "msg_tokens": c["msg_tokens"],
@@ -167,7 +260,8 @@ class Bench:
         model_path = b["model_path"]
 
         self.log("resume in a new process vs cold re-ingest vs llama-cpp-python save/load_state and LlamaDiskCache")
-        modes = ["resume", "llama_state", "llama_diskcache"]
+        # resume_before: the same restore by chatcli as of --before (same worker, older chatcli).
+        modes = ["resume", "llama_state", "llama_diskcache"] + (["resume_before"] if self.before else [])
         resume: dict[str, dict[str, list[Any]]] = {str(ck["target"]): {m: [] for m in modes} for ck in cks}
         run_dir = self.work / "run"
         for rep in range(c["reps"]):
@@ -179,7 +273,7 @@ class Bench:
                     if run_dir.exists():
                         shutil.rmtree(run_dir)
                     run_dir.mkdir()
-                    if mode == "resume":
+                    if mode in ("resume", "resume_before"):
                         home = run_dir / "home"
                         shutil.copytree(ck["home"], home)
                         args["home"] = str(home)
@@ -188,7 +282,8 @@ class Bench:
                     else:
                         args["cache_dir"] = str(run_dir / "diskcache")
                         shutil.copytree(ck["diskcache_dir"], args["cache_dir"])
-                    out = self.worker(mode, args, home=Path(args.get("home", run_dir / "scratch-home")))
+                    out = self.worker(mode.replace("_before", ""), args, home=Path(args.get("home", run_dir / "scratch-home")),
+                                      tree=self.before if mode == "resume_before" else None)
                     resume[str(ck["target"])][mode].append(out)
             self.log(f"  rep {rep + 1}/{c['reps']} done")
         res["resume"] = resume
@@ -211,10 +306,14 @@ class Bench:
                                       home=Path(rb_cks[0]["home"]))["rollback"]
 
         self.log("decode / prompt-eval throughput: chatcli engine vs bare llama-cpp-python loop")
-        res["throughput"] = self.worker("throughput", {**self.base(), "model_path": model_path,
-                                                       "prompt_tokens": c["prompt_tokens"],
-                                                       "prompt_chunk": c["prompt_chunk"],
-                                                       "decode_tokens": c["decode_tokens"], "pairs": c["pairs"]})
+        thr_args = {**self.base(), "model_path": model_path, "prompt_tokens": c["prompt_tokens"],
+                    "prompt_chunk": c["prompt_chunk"], "decode_tokens": c["decode_tokens"], "pairs": c["pairs"]}
+        res["throughput"] = self.worker("throughput", thr_args)
+        if self.before:
+            res["throughput_before"] = self.worker("throughput", thr_args, tree=self.before)
+
+        self.log("whole processes: talk / resume to the first token, ls with 100 conversations (after, before)")
+        res["startup"] = self.startup_phase(cks)
 
         self.log("peak RSS: chatcli talk vs bare llama-cpp-python")
         exe = Path(sys.executable).parent / "chatcli"
@@ -238,7 +337,8 @@ class Bench:
                                     self.work / "rss-home2")
         if code2 != 0:
             raise RuntimeError(f"llama_rss worker exited with {code2}; see {self.work / 'logs'}")
-        code3, rss3 = self.peak_rss([sys.executable, "-c", "import chatcli.cli, chatcli.backends.llamacpp, chatcli.repl.loop"], b"",
+        code3, rss3 = self.peak_rss(
+            [sys.executable, "-c", "import chatcli.cli, chatcli.backends.llamacpp, chatcli.repl.loop"], b"",
                                     self.work / "rss-home3")
         # And resuming the longest conversation: restoring its state file adds buffers of its own.
         last = cks[-1]
@@ -288,6 +388,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--omp-wait-policy", choices=["passive", "active", "inherit"], default="passive",
                     help="OMP_WAIT_POLICY for every measuring process (default passive: on a busy machine, "
                          "spinning OpenMP threads make multi-threaded decoding collapse)")
+    ap.add_argument("--before", default="9e58edb",
+                    help="git revision whose chatcli is measured next to this tree's for the before/after tables "
+                         "(default 9e58edb, main before issue #15; 'none' to skip)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds allowed per worker process")
     return ap.parse_args(argv)
 

@@ -641,8 +641,8 @@ def goals(res: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
         if k == "chatcli":
             continue
         to = res["turns"][k]
-        worse = [f"{a['turn']} ({a['ttft'] / b['ttft']:.2f}×)" for a, b in zip(tc, to) if a["ttft"] > b["ttft"]]
-        ratios = [b["ttft"] / a["ttft"] for a, b in zip(tc, to)]
+        worse = [f"{a['turn']} ({a['ttft'] / b['ttft']:.2f}×)" for a, b in zip(tc, to, strict=False) if a["ttft"] > b["ttft"]]
+        ratios = [b["ttft"] / a["ttft"] for a, b in zip(tc, to, strict=False)]
         out.append((f"per-turn TTFT no worse than {LABELS[k]} at every length", not worse,
                     f"{LABELS[k]} ÷ chatcli {min(ratios):.1f}×–{max(ratios):.1f}×"
                     + ("" if not worse else f"; chatcli slower at turn {', '.join(worse)}")))

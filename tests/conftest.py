@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -31,7 +31,7 @@ def model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def engine(model_path: Path) -> Iterator["Engine"]:  # noqa: F821
+def engine(model_path: Path) -> Iterator[Engine]:  # noqa: F821
     """The real SmolLM2, one context for the whole test session (tests clear it as they need)."""
     from chatcli.backends.llamacpp import Engine
 

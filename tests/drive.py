@@ -18,32 +18,26 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from chatcli.core.conversation import Conversation, ReplyEnd, ResumeReport  # noqa: E402
-from chatcli.models.resolve import resolve_model  # noqa: E402
-from chatcli.session import Session  # noqa: E402
-from chatcli.config.settings import get_paths, load_settings  # noqa: E402
+from chatcli.config.settings import get_paths, load_settings_explicit
+from chatcli.core.conversation import Conversation, ReplyEnd, ResumeReport
+from chatcli.core.opening import split_opening
+from chatcli.models.resolve import resolve_model
+from chatcli.session import Session
 
 
 def build_session(*, temperature: float = 0.0, seed: int | None = 1234, n_ctx: int = 2048, model: str | None = None,
-                  reserve: int = 64, max_tokens: int = 48, persona: str = "alice", threads: int = 2) -> Session:
+                  reserve: int = 64, max_tokens: int = 48, persona: str = "alice", threads: int = 2,
+                  kv_type: str | None = None) -> Session:
     flags = {"temperature": temperature, "seed": seed, "n_ctx": n_ctx, "reserve": reserve, "max_tokens": max_tokens,
-             "persona": persona, "threads": threads, "model": model}
-    settings = load_settings(flags, paths=get_paths())
-    explicit = {k for k, v in flags.items() if v is not None}
+             "persona": persona, "threads": threads, "model": model, "kv_type": kv_type}
+    settings, explicit = load_settings_explicit(flags, paths=get_paths())
     return Session.build(settings, get_paths(), model=resolve_model(model), explicit=explicit)
 
 
 def drain(gen: Any) -> tuple[Conversation | None, ResumeReport | None, list[ReplyEnd]]:
-    conv = report = None
-    ends: list[ReplyEnd] = []
-    for ev in gen:
-        if isinstance(ev, Conversation):
-            conv = ev
-        elif isinstance(ev, ResumeReport):
-            report = ev
-        elif isinstance(ev, ReplyEnd):
-            ends.append(ev)
-    return conv, report, ends
+    events, opened = split_opening(gen)
+    ends = [ev for ev in events if isinstance(ev, ReplyEnd)]
+    return opened.conversation, opened.report, ends
 
 
 def say(conv: Conversation, text: str) -> tuple[list[int], np.ndarray]:
@@ -82,8 +76,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--model")
     ap.add_argument("--logits")
+    ap.add_argument("--kv-type")
     a = ap.parse_args()
-    session = build_session(temperature=a.temperature, seed=a.seed, n_ctx=a.n_ctx, max_tokens=a.max_tokens, model=a.model)
+    session = build_session(temperature=a.temperature, seed=a.seed, n_ctx=a.n_ctx, max_tokens=a.max_tokens, model=a.model,
+                            kv_type=a.kv_type)
     out: dict[str, Any] = {"replies": []}
     if a.new:
         conv, _, _ = drain(session.new_conversation("alice"))

@@ -34,7 +34,8 @@ def test_bench_quick_runs_and_writes_every_table(tmp_path: Path) -> None:
 
     md = (out / "results.md").read_text()
     for heading in ("## 1. Resume", "### 1b. Restore time", "### 1c. Bytes on disk", "## 2. Per-turn snapshot",
-                    "## 3. /regen and /edit", "## 4. Throughput", "## 5. Memory", "## 6. Persona prefix cache"):
+                    "## 3. /regen and /edit", "## 4. Throughput", "## 5. Memory", "## 6. Persona prefix cache",
+                    "## 7. Before / after", "### 7a.", "### 7b.", "### 7c.", "### 7d."):
         assert heading in md, heading
     lines = md.splitlines()
     for target in ("100", "150"):
@@ -57,6 +58,14 @@ def test_bench_quick_runs_and_writes_every_table(tmp_path: Path) -> None:
         assert all(r["reevaluated"] == 0 and r["cold_reevaluated"] == 0 for r in per_len["resume"])
         assert all(r["hit"] for r in per_len["llama_diskcache"])
     assert res["persona"]["all_cached_hit"]
+    # Before/after (#15): the old tree restored the new tree's state files without evaluating (same model
+    # identity), and every whole-process resume restored instead of re-evaluating.
+    for per_len in res["resume"].values():
+        assert per_len["resume_before"] and all(r["reevaluated"] == 0 for r in per_len["resume_before"])
+    for tree in ("after", "before"):
+        assert all(r["reevaluated"] == 0 for r in res["startup"][tree]["resume"])
+        assert len(res["startup"][tree]["ls_cli_ms"]) >= 1
+    assert res["throughput_before"]["decode_n"]
 
 
 # -- bench/serve.py: the harness's pure parts (the servers themselves run in `python -m bench.serve`) ----------

@@ -21,13 +21,13 @@ import pytest
 from typer.testing import CliRunner
 
 from chatcli import __version__
-from chatcli.core import statefile as sf
-from chatcli.cli import app
 from chatcli.backends.llamacpp import EngineError
+from chatcli.cli import app
+from chatcli.config.settings import get_paths
+from chatcli.core import statefile as sf
+from chatcli.core.store import ConversationDir
 from chatcli.models.resolve import bundled_model_path
 from chatcli.repl.render import human_bytes
-from chatcli.config.settings import get_paths
-from chatcli.core.store import ConversationDir
 
 runner = CliRunner()
 
@@ -157,18 +157,21 @@ def test_ls_table_and_json(conv: str) -> None:
     rows = ls_json()
     assert len(rows) == 1
     row = rows[0]
-    assert set(row) == {"id", "title", "persona", "turns", "tokens", "state_bytes", "updated"}
+    assert set(row) == {"id", "title", "persona", "turns", "in_context", "tokens", "state_bytes", "updated",
+                        "warm", "kv_type", "from"}
+    assert row["from"] == ""  # "api" for conversations made by `chatcli serve`
     assert row["id"] == conv
     assert row["title"] == FIRST_TITLE
-    assert (row["persona"], row["turns"]) == ("alice", 2)
+    assert (row["persona"], row["turns"], row["in_context"]) == ("alice", 2, 2)
     assert row["tokens"] > 0 and row["state_bytes"] > 0 and row["updated"] > 0
 
     table = ok(["ls"]).stdout.splitlines()
     assert len(table) == 1
     cells = table[0].split("\t")
-    assert cells[:5] == [conv, FIRST_TITLE, "alice", "2", str(row["tokens"])]
-    assert cells[5] == human_bytes(row["state_bytes"])
-    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", cells[6])
+    assert cells[:6] == [conv, FIRST_TITLE, "alice", "2", "2", str(row["tokens"])]
+    assert cells[6] == human_bytes(row["state_bytes"])
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", cells[7])
+    assert cells[8] == "warm f16" and row["warm"] is True and row["kv_type"] == "f16"
 
 
 def test_ls_with_no_conversations() -> None:

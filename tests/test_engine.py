@@ -150,3 +150,36 @@ def test_closing_the_generator_early_keeps_shown_tokens(engine: Engine) -> None:
     gen.close()
     assert engine.tokens[n0:] == [first.token] == res.tokens
     assert engine.seq_pos_max() == engine.n_past - 1
+
+
+def test_sampling_from_saved_logits_matches_the_contexts_own(engine: Engine) -> None:
+    """Tokens sampled by llama.cpp from the context's logits (the normal path) equal those sampled from
+    saved logits (the path after a rollback or restore): same seed, same state, same tokens."""
+    sampling = Sampling(temperature=0.9, top_k=40, top_p=0.95, repeat_penalty=1.1)
+    engine.clear()
+    engine.eval(engine.tokenize("<|im_start|>user\nTell me a story.<|im_end|>\n<|im_start|>assistant\n"))
+    n0, saved = engine.n_past, engine.logits()
+    res_ctx = GenerationResult()
+    list(engine.generate(sampling, seed=11, max_tokens=16, result=res_ctx))
+    engine.truncate(n0)
+    assert not engine.has_logits
+    engine.set_logits(saved)  # first token from the saved logits, the rest from the context's
+    res_saved = GenerationResult()
+    list(engine.generate(sampling, seed=11, max_tokens=16, result=res_saved))
+    assert res_ctx.tokens == res_saved.tokens and len(res_ctx.tokens) > 3
+    # Every token through the saved-logits path: re-install the context's logits as saved ones each step.
+    engine.truncate(n0)
+    engine.set_logits(saved)
+    chain = engine._make_sampler(sampling, 11)
+    try:
+        toks = []
+        for _ in res_ctx.tokens:
+            tok = engine._sample(chain)
+            toks.append(tok)
+            engine._decode([tok], last_logits=True)
+            engine.set_logits(engine.logits())
+    finally:
+        import llama_cpp
+
+        llama_cpp.llama_sampler_free(chain)
+    assert toks == res_ctx.tokens

@@ -16,9 +16,9 @@ import pytest
 from typer.testing import CliRunner
 
 from chatcli.cli import app
+from chatcli.config.settings import get_paths, load_settings
 from chatcli.models.gguf import GGUFError, read_gguf
 from chatcli.models.resolve import ModelError, ModelRef, bundled_model_path, resolve_model
-from chatcli.config.settings import get_paths, load_settings
 
 runner = CliRunner()
 
@@ -36,7 +36,7 @@ def no_model_load(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         raise AssertionError(f"a model was loaded: {path}")
 
     monkeypatch.setattr("chatcli.session.Engine", refuse)
-    monkeypatch.setattr("chatcli.engine.Engine", refuse)
+    monkeypatch.setattr("chatcli.backends.llamacpp.Engine", refuse)
     return calls
 
 
@@ -269,3 +269,37 @@ def test_gguf_errors_are_gguf_errors(tmp_path: Path) -> None:
     p.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (1).to_bytes(8, "little") + (1 << 40).to_bytes(8, "little"))
     with pytest.raises(GGUFError, match="corrupt GGUF header"):
         read_gguf(p)
+
+
+def test_native_gguf_reader_gives_the_python_parsers_identity(tmp_path: Path, model_path: Path) -> None:
+    """ggml's reader (fast path) and the pure-Python walk (the one that wrote every existing state file's
+    identity) agree on everything, the header fingerprint included, for the bundled model and a renamed one."""
+    from chatcli.models import gguf
+
+    assert gguf._ggml_lib() is not None, "ggml's library was not found: the fast path is not being tested"
+    name = read_gguf(model_path).name.encode()
+    renamed = copy_header(model_path, tmp_path / "renamed.gguf", patch=(name, b"Y" + name[1:]))
+    for path in (model_path, renamed):
+        native = gguf._read_native(path)
+        python = read_gguf(path, native=False)
+        assert native is not None
+        assert native == python
+    assert gguf._read_native(renamed).header_sha256 != gguf._read_native(model_path).header_sha256  # type: ignore[union-attr]
+    # A file ggml refuses falls back to the Python parser and its one-line error.
+    cut = copy_header(model_path, tmp_path / "cut.gguf", size=model_path.stat().st_size - 1)
+    with pytest.raises(GGUFError, match="truncated GGUF file"):
+        read_gguf(cut)
+
+
+def test_state_written_with_the_python_identity_resumes_without_reevaluating(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A conversation saved by a process that computed the identity the old way (the Python parser) is
+    restored from its state file by a process using ggml's reader: the identities match."""
+    from tests.drive import run_process, says
+
+    monkeypatch.setenv("CHATCLI_GGUF_PYTHON", "1")
+    first = run_process("--new", *says(["Hi! What is your name?"]))
+    monkeypatch.delenv("CHATCLI_GGUF_PYTHON")
+    again = run_process("--resume", first["id"])
+    assert again["report"]["reason"] == ""
+    assert again["report"]["reevaluated"] == 0
+    assert again["report"]["restored_tokens"] == len(first["tokens"])

@@ -145,7 +145,7 @@ def test_unknown_persona_lists_available_ones(user_dir: Path) -> None:
 
 @pytest.mark.parametrize("name", ["../alice", "a/b", "a\\b", "", "Alice"])
 def test_names_that_are_not_plain_names_are_rejected(name: str) -> None:
-    with pytest.raises(PersonaError, match="^invalid persona name"):
+    with pytest.raises(PersonaError, match=r"^invalid persona name"):
         get_persona(name)
 
 

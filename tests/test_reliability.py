@@ -20,18 +20,19 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from chatcli.core import statefile as sf
-from chatcli.cli import app
-from chatcli.core.conversation import Conversation, ConversationError, Notice, ReplyEnd, ResumeReport
 from chatcli.backends.llamacpp import EngineError
+from chatcli.cli import app
 from chatcli.config.settings import get_paths
+from chatcli.core import statefile as sf
+from chatcli.core.conversation import Conversation, ConversationError, Notice, ReplyEnd, ResumeReport
 from chatcli.core.store import ConversationDir, ConversationStore, LockedError, StoreError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -316,7 +317,7 @@ def test_state_file_of_another_conversation_loads_only_cells_of_the_same_tokens(
     cid = install(golden)
     shutil.copy(golden["other"]["path"] / "state.kv", conv_path(cid) / "state.kv")
     want, other = golden["main"]["tokens"], golden["other"]["tokens"]
-    common = next(i for i, (a, b) in enumerate(zip(want, other)) if a != b)
+    common = next(i for i, (a, b) in enumerate(zip(want, other, strict=False)) if a != b)
     conv, report, _ = open_conv(sess, cid)
     try:
         assert "does not match" in report.reason
@@ -763,8 +764,8 @@ def test_prompt_history_file_is_private() -> None:
     from prompt_toolkit.input import create_pipe_input
     from prompt_toolkit.output import DummyOutput
 
+    from chatcli.core.fsutil import ensure_private_dir as ensure_dir
     from chatcli.repl.loop import TerminalIO
-    from chatcli.config.settings import ensure_dir
 
     class AnyRepl:  # TerminalIO only asks the REPL for callbacks (toolbar, hints)
         def __getattr__(self, name: str) -> Any:
@@ -830,7 +831,7 @@ def test_sigterm_at_the_prompt_saves_and_exits_0(tmp_path: Path, chatcli_home: P
     conv = _only_conversation(chatcli_home)
     assert faults.check_disk(conv) == []
     events = ConversationDir(conv).read_transcript().events
-    assert [(e["role"], e["text"]) for e in events if e["type"] == "message"][0] == ("user", MSGS[0])
+    assert next((e["role"], e["text"]) for e in events if e["type"] == "message") == ("user", MSGS[0])
     c, report, _ = open_conv(sess, conv.name)  # the lock was released; everything restores from the file
     c.close()
     assert report.reevaluated == 0 and len(c.messages) == 2

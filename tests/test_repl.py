@@ -24,14 +24,32 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from chatcli.cli import app
-from chatcli.repl.commands import REGISTRY, CommandError
-from chatcli.core.conversation import (
-    ActiveMessage, Conversation, ConversationError, Notice, Progress, Replay, ReplyEnd, ReplyStart, ReplyText,
+from chatcli.core.conversation import Alternative
+from chatcli.core.events import (
+    ContextUsage,
+    ConversationError,
+    Notice,
+    Progress,
+    ReplyEnd,
+    ReplyStart,
+    ReplyText,
+    SessionStats,
     TurnStats,
 )
-from chatcli.repl.render import Renderer, stats_line
-from chatcli.repl.loop import LineIO, Repl, SlashCompleter, TerminalIO, context_bar, copy_to_clipboard, open_events
+from chatcli.core.export import to_markdown
 from chatcli.core.template import Message
+from chatcli.core.transcript import ActiveMessage, Replay
+from chatcli.repl.commands import REGISTRY, CommandError
+from chatcli.repl.loop import (
+    LineIO,
+    Repl,
+    SlashCompleter,
+    TerminalIO,
+    context_bar,
+    copy_to_clipboard,
+    open_events,
+)
+from chatcli.repl.render import Renderer, stats_line
 
 CODE_REPLY = "Here you are:\n\n```python\ndef add(a, b):\n    return a + b\n```\n\nThat is **all**."
 
@@ -39,68 +57,94 @@ CODE_REPLY = "Here you are:\n\n```python\ndef add(a, b):\n    return a + b\n```\
 # -- a fake conversation: scripted replies, real Replay bookkeeping -----------------------------------
 
 
-class FakeEngine:
-    def __init__(self, n_ctx: int = 2048) -> None:
-        self.n_ctx = n_ctx
-        self.tokens: list[int] = list(range(40))  # the persona prefix
-        self.cancelled = False
-
-    @property
-    def n_past(self) -> int:
-        return len(self.tokens)
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-class FakeDir:
-    def __init__(self, cid: str) -> None:
-        self.id = cid
-
-    def state_size(self) -> int:
-        return 3 * 1024 * 1024
-
-
-class FakeConversation(Conversation):
-    """Just enough of a Conversation for the UI: replies come from a script, one piece per word.
-
-    A Conversation subclass so that ``open_events`` recognises it; the base class's views (messages,
-    n_turns, pending_user, ...) work unchanged on the real ``Replay`` kept here.
-    """
+class FakeConversation:
+    """Just enough of a Conversation's public interface for the UI: replies come from a script, one piece
+    per word. The bookkeeping (messages, alternatives) uses the real ``Replay``."""
 
     def __init__(self, cid: str = "abc123", persona: str = "alice", replies: list[str] | None = None,
                  on_piece: Any = None) -> None:
-        self.engine = FakeEngine()  # type: ignore[assignment]
-        self.dir = FakeDir(cid)  # type: ignore[assignment]
-        self.meta = {"persona": persona, "title": "", "seed": 1}
-        self.r = Replay(prefix_tokens=list(range(40)), persona=persona,
-                        persona_messages=[Message("system", f"You are {persona}."), Message("assistant", "Hello!")])
+        self.id = cid
+        self.persona_name = persona
+        self.title = ""
+        self.n_ctx = 2048
+        self.tokens: list[int] = list(range(40))  # the persona prefix
+        self.cancelled = False
+        self._r = Replay(prefix_tokens=list(range(40)), persona=persona,
+                         persona_messages=[Message("system", f"You are {persona}."), Message("assistant", "Hello!")])
+        self.greeting: str | None = "Hello!"
+        self.system_prompt: str | None = f"You are {persona}."
         self.replies = list(replies or ["Hello there."])
         self.on_piece = on_piece  # called after each piece (tests send a SIGINT from it)
-        self.last_stats = None
-        self.session_stats = {"turns": 0, "n_eval": 0, "n_generated": 0, "gen_seconds": 0.0}
+        self.last_stats: TurnStats | None = None
+        self.session_stats = SessionStats()
         self.save_error = ""
+        self.pending_notices: list[Notice] = []  # what take_notices() hands the REPL (e.g. the state budget)
         self.closed = False
         self.sent: list[str] = []
 
+    def take_notices(self) -> list[Notice]:
+        out, self.pending_notices = self.pending_notices, []
+        return out
+
+    # -- views --
+    @property
+    def messages(self) -> list[ActiveMessage]:
+        return list(self._r.active)
+
+    def user_messages(self) -> list[ActiveMessage]:
+        return [m for m in self._r.active if m.role == "user"]
+
+    @property
+    def n_turns(self) -> int:
+        return len(self.user_messages())
+
+    @property
+    def n_exchanges(self) -> int:
+        return self.n_turns  # nothing ever leaves a fake's context
+
+    @property
+    def pending_user(self) -> bool:
+        return bool(self._r.active) and self._r.active[-1].role == "user"
+
+    @property
+    def context(self) -> ContextUsage:
+        return ContextUsage(len(self.tokens), self.n_ctx)
+
+    def holds_context(self) -> bool:
+        return True
+
+    def state_bytes(self) -> int:
+        return 3 * 1024 * 1024
+
+    def alternatives(self) -> list[Alternative]:
+        last = self._r.active[-1] if self._r.active else None
+        if last is None or last.role != "assistant":
+            return []
+        alts = sorted(self._r.alternatives(last.turn), key=lambda e: e["alt"])
+        return [Alternative(i, e["mid"], e["text"], len(e["tokens"]), e["mid"] == last.mid) for i, e in enumerate(alts)]
+
+    def to_markdown(self) -> str:
+        return to_markdown({"id": self.id, "persona": self.persona_name}, self._r)
+
+    # -- operations --
     def _add(self, role: str, text: str, turn: int, alt: int = 0) -> ActiveMessage:
-        mid = self.r.next_mid
-        self.r.next_mid += 1
+        mid = self._r.next_mid
+        self._r.next_mid += 1
         toks = list(range(1000, 1000 + max(1, len(text.split()))))
-        msg = ActiveMessage(mid, role, text, toks, self.engine.n_past, turn, alt)
-        self.r.all[mid] = {"mid": mid, "role": role, "text": text, "tokens": toks, "turn": turn, "alt": alt}
-        self.r.active.append(msg)
-        self.engine.tokens.extend(toks)
+        msg = ActiveMessage(mid, role, text, toks, len(self.tokens), turn, alt)
+        self._r.all[mid] = {"mid": mid, "role": role, "text": text, "tokens": toks, "turn": turn, "alt": alt}
+        self._r.active.append(msg)
+        self.tokens.extend(toks)
         return msg
 
-    def _reply(self, turn: int, *, alt: int, stats: TurnStats | None = None, seed: int | None = None) -> Iterator[Any]:
-        self.engine.cancelled = False
+    def _scripted_reply(self, turn: int, alt: int) -> Iterator[Any]:
+        self.cancelled = False
         text = self.replies.pop(0) if self.replies else "Fine."
-        stats = stats or TurnStats()
+        stats = TurnStats()
         yield ReplyStart(turn, alt)
         shown = ""
         for word in re.findall(r"\S+\s*|\s+", text):
-            if self.engine.cancelled:
+            if self.cancelled:
                 stats.stop_reason = "cancelled"
                 break
             shown += word
@@ -113,9 +157,9 @@ class FakeConversation(Conversation):
         stats.n_generated = len(msg.tokens)
         stats.n_eval = len(msg.tokens) + 3
         stats.gen_seconds = 0.5
-        stats.n_past, stats.n_ctx = self.engine.n_past, self.engine.n_ctx
+        stats.n_past, stats.n_ctx = len(self.tokens), self.n_ctx
         self.last_stats = stats
-        self.session_stats["turns"] += 1
+        self.session_stats.add(stats)
         yield ReplyEnd(msg, stats)
 
     def send(self, text: str, *, seed: int | None = None) -> Iterator[Any]:
@@ -124,37 +168,39 @@ class FakeConversation(Conversation):
         self.sent.append(text)
         turn = self.n_turns
         self._add("user", text, turn)
-        yield from self._reply(turn, alt=0)
+        yield from self._scripted_reply(turn, alt=0)
 
     def regen(self, *, seed: int | None = None) -> Iterator[Any]:
-        last = self.r.active[-1]
+        last = self._r.active[-1]
         if last.role != "assistant":
             raise ConversationError("nothing to regenerate yet")
         self._drop_to(last.p0)
-        yield from self._reply(last.turn, alt=len(self.r.alternatives(last.turn)))
+        yield from self._scripted_reply(last.turn, alt=len(self._r.alternatives(last.turn)))
 
     def _drop_to(self, p0: int) -> None:
-        self.r.active = [m for m in self.r.active if m.p0 < p0]
-        del self.engine.tokens[p0:]
+        self._r.active = [m for m in self._r.active if m.p0 < p0]
+        del self.tokens[p0:]
 
     def undo(self, n: int = 1) -> TurnStats:
         users = self.user_messages()
         if len(users) < n:
             raise ConversationError(f"only {len(users)} exchange(s) to undo")
-        dropped = self.engine.n_past - users[-n].p0
+        dropped = len(self.tokens) - users[-n].p0
         self._drop_to(users[-n].p0)
-        return TurnStats(kept=self.engine.n_past, dropped=dropped, reevaluated=0)
+        return TurnStats(kept=len(self.tokens), dropped=dropped, reevaluated=0)
+
+    def redo(self) -> TurnStats:
+        raise ConversationError("nothing to redo")
 
     def switch_alt(self, index: int) -> TurnStats:
-        last = self.r.active[-1]
-        alts = sorted(self.r.alternatives(last.turn), key=lambda e: e["alt"])
+        alts = self.alternatives()
         if not 0 <= index < len(alts):
             raise ConversationError(f"no alternative {index + 1} (this turn has {len(alts)})")
-        self._drop_to(last.p0)
-        e = alts[index]
-        msg = ActiveMessage(e["mid"], "assistant", e["text"], e["tokens"], self.engine.n_past, e["turn"], e["alt"])
-        self.r.active.append(msg)
-        self.engine.tokens.extend(e["tokens"])
+        self._drop_to(self._r.active[-1].p0)
+        e = self._r.all[alts[index].mid]
+        msg = ActiveMessage(e["mid"], "assistant", e["text"], e["tokens"], len(self.tokens), e["turn"], e["alt"])
+        self._r.active.append(msg)
+        self.tokens.extend(e["tokens"])
         return TurnStats(kept=msg.p0, dropped=0, reevaluated=0, n_eval=0)
 
     def edit(self, n: int | None, text: str, *, seed: int | None = None) -> Iterator[Any]:
@@ -163,17 +209,17 @@ class FakeConversation(Conversation):
         yield from self.send(text)
 
     def set_title(self, title: str) -> None:
-        self.meta["title"] = title
+        self.title = title
 
     def cancel(self) -> None:
-        self.engine.cancel()
+        self.cancelled = True
 
     def close(self) -> None:
         self.closed = True
 
 
 class FakeModel:
-    class info:  # noqa: N801 - mimics ModelRef.info
+    class info:
         name = "Tiny Test Model"
 
 
@@ -345,7 +391,7 @@ def test_alt_keys_only_act_on_an_empty_line() -> None:
 
 def test_ctrl_c_at_the_prompt_clears_the_line_and_twice_exits() -> None:
     conv = FakeConversation()
-    _, out, _ = drive("typo\x03hello\r\x03\x03", conv)  # no Ctrl-D: the double Ctrl-C must end the loop
+    _, _out, _ = drive("typo\x03hello\r\x03\x03", conv)  # no Ctrl-D: the double Ctrl-C must end the loop
     assert conv.sent == ["hello"]
     assert conv.closed
 
@@ -359,7 +405,7 @@ def test_ctrl_d_exits_and_the_conversation_is_closed() -> None:
 
 def test_ctrl_c_during_a_reply_stops_it_keeps_the_text_and_the_loop_goes_on() -> None:
     def interrupt(conv: FakeConversation, shown: str) -> None:
-        if shown.count(" ") == 3 and not conv.engine.cancelled:
+        if shown.count(" ") == 3 and not conv.cancelled:
             os.kill(os.getpid(), signal.SIGINT)  # what the terminal does on Ctrl-C
 
     story = "Once upon a time there was a dragon who loved long stories and never stopped telling them."
@@ -460,7 +506,7 @@ def test_persona_switch_starts_a_new_conversation_and_closes_the_old_one() -> No
     session = FakeSession()
     conv = FakeConversation()
     repl, out, _ = drive("/persona pir\r/persona nobody\r\x04", conv, session=session)
-    assert conv.closed and [c.meta["persona"] for c in session.created] == ["pirate"]
+    assert conv.closed and [c.persona_name for c in session.created] == ["pirate"]
     assert repl.conv is session.created[0] and repl.conv.closed  # closed when the REPL ended
     assert "conversation abc123 saved" in out and "new conversation new0 with persona pirate" in out
     assert "Hello!" in out  # the new persona's greeting
@@ -632,7 +678,7 @@ def test_ctrl_c_on_the_real_model_keeps_the_partial_reply_and_a_consistent_conte
 
 
 def test_persona_switch_on_the_real_model(real_session: Any) -> None:
-    renderer, out = rich_renderer()
+    renderer, _out = rich_renderer()
     conv, _ = open_events(real_session.new_conversation("alice"), renderer)
     with create_pipe_input() as pipe:
         pipe.send_text("/persona pirate\r\x04")
@@ -657,7 +703,7 @@ def test_piped_talk_prints_only_the_reply_on_stdout_and_stats_on_stderr() -> Non
     from chatcli.config.settings import get_paths
     from chatcli.core.store import ConversationStore
 
-    (conv_dir, meta), = ConversationStore(get_paths().conversations_dir).list()
+    (conv_dir, _meta), = ConversationStore(get_paths().conversations_dir).list()
     r = __import__("chatcli.core.conversation", fromlist=["replay_events"]).replay_events(conv_dir.read_transcript().events)
     reply = r.active[-1].text
     assert result.stdout == reply + "\n"  # nothing but the reply: no prompt, no colours, no stats
@@ -665,3 +711,12 @@ def test_piped_talk_prints_only_the_reply_on_stdout_and_stats_on_stderr() -> Non
     assert re.search(r"^\d+ tok evaluated · ttft \d+ ms · [\d.]+ tok/s · ctx \d+/\d+", result.stderr, re.M)
     assert "last turn" in result.stderr and "session" in result.stderr
     assert f"resume with: chatcli resume {conv_dir.id}" in result.stderr
+
+
+def test_notices_raised_outside_a_reply_are_shown_after_the_command() -> None:
+    """E.g. the state budget's line after an /undo or /alt wrote state: shown once, after the command."""
+    conv = FakeConversation()
+    conv.pending_notices.append(Notice("state budget 1.0 KB: freed 5.0 MB by dropping the KV state of 1 conversation"))
+    _, out, err = drive("/help\r/help\r\x04", conv)
+    assert (out + err).count("state budget 1.0 KB: freed 5.0 MB") == 1
+    assert conv.pending_notices == []

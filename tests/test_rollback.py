@@ -129,8 +129,8 @@ def test_alternatives_survive_resume(tmp_path: Path) -> None:
 
 
 def test_fork_continues_like_the_parent(tmp_path: Path) -> None:
-    from chatcli.core.forking import fork_conversation
     from chatcli.config.settings import get_paths
+    from chatcli.core.forking import fork_conversation
     from chatcli.core.store import ConversationStore
 
     parent = drive("--new", *says(M), logits=tmp_path / "parent.npy")

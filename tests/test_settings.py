@@ -299,3 +299,15 @@ def test_shipped_config_sets_nothing_and_documents_every_default() -> None:
     for name, value in documented.items():
         if defaults[name] is not None:  # None defaults (model, seed) show an example instead
             assert value == defaults[name], name
+
+
+def test_explicit_settings_are_the_flags_and_env_given_not_the_files(packaged: Path, paths: Paths) -> None:
+    """What beats a persona's sampling defaults: a flag or a CHATCLI_* variable, never a config file."""
+    from chatcli.config.settings import load_settings_explicit
+
+    packaged.write_text("top_k = 7\n")
+    paths.config_file.write_text("top_p = 0.5\n")
+    env = {"CHATCLI_HOME": str(paths.home), "CHATCLI_REPEAT_PENALTY": "1.2"}
+    settings, explicit = load_settings_explicit({"temperature": 0.0, "max_tokens": None}, paths=paths, env=env)
+    assert (settings.temperature, settings.top_p, settings.top_k, settings.repeat_penalty) == (0.0, 0.5, 7, 1.2)
+    assert explicit == {"temperature", "repeat_penalty"}

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from chatcli.core.conversation import Notice
 from chatcli.backends.llamacpp import ContextFullError
+from chatcli.core.conversation import Notice
 from tests.drive import build_session, drain, run_process, say
 
 N_CTX = 512

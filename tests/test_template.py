@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from chatcli.core.template import CHATML, ChatTemplate, Message, TemplateError, hold_back_stops
 from chatcli.models.gguf import read_gguf
-from chatcli.core.template import CHATML, ChatTemplate, Message, TemplateError
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +24,8 @@ def test_smollm2_renders_chatml(smol: ChatTemplate) -> None:
 
 def test_prefix_is_the_persona_part(smol: ChatTemplate) -> None:
     persona = [Message("system", "S"), Message("user", "ex"), Message("assistant", "ans")]
-    assert smol.prefix(persona) == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nex<|im_end|>\n<|im_start|>assistant\nans<|im_end|>\n"
+    assert smol.prefix(persona) == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nex<|im_end|>\n"
+                                    "<|im_start|>assistant\nans<|im_end|>\n")
 
 
 def test_incremental_turns_concatenate_to_the_full_rendering(smol: ChatTemplate) -> None:
@@ -41,7 +44,7 @@ def test_default_system_prompt_is_injected_without_persona(smol: ChatTemplate) -
 
 def test_closing_and_stop_strings(smol: ChatTemplate) -> None:
     assert smol.closing([Message("user", "a"), Message("assistant", "b")]) == "<|im_end|>\n"
-    assert smol.reply_stop_strings() == ["<|im_end|>\n<|im_start|>user"] or smol.reply_stop_strings()[0].startswith("<|im_end|>")
+    assert smol.reply_stop_strings() == ["<|im_end|>\n<|im_start|>user", "<|im_end|>"]
 
 
 def test_missing_template_falls_back_to_chatml() -> None:
@@ -55,3 +58,75 @@ def test_template_errors_are_one_line() -> None:
     t = ChatTemplate("{{ raise_exception('no system role') }}")
     with pytest.raises(TemplateError, match="no system role"):
         t.render([Message("user", "x")], add_generation_prompt=True)
+
+
+# -- a vocabulary without the template's end-of-turn token (issue #11 item 4) ---------------------------
+
+
+def test_chatml_fallback_stops_at_its_end_marker_alone() -> None:
+    """A base model under the ChatML fallback may write ``<|im_end|>`` and then any role: the marker alone
+    must end the reply, not only the full ``<|im_end|>\\n<|im_start|>user``."""
+    assert ChatTemplate(None).reply_stop_strings() == ["<|im_end|>\n<|im_start|>user", "<|im_end|>"]
+    # A closing that is a bare newline (or a word) is no markup and never a stop string.
+    plain = ChatTemplate("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant:{% endif %}")
+    assert plain.reply_stop_strings() == ["user:"]
+
+
+@dataclass
+class _Ev:
+    piece: bytes
+    n: int = 0
+
+
+def test_pieces_that_may_start_a_stop_string_are_held_back() -> None:
+    pieces = [b"Re", b"d.", b"</", b"b>", b" ok", b"</", b"turn", b">"]
+    closed = []
+
+    def events() -> Iterator[_Ev]:
+        try:
+            yield from (_Ev(p, i) for i, p in enumerate(pieces))
+        finally:
+            closed.append(True)
+
+    out = list(hold_back_stops(events(), ["</turn>"]))
+    # "</" is held until "b>" shows it is no stop string; "</turn>" reaches the consumer in one piece.
+    assert [e.piece for e in out] == [b"Re", b"d.", b"</b>", b" ok", b"</turn>"]
+    assert [e.n for e in out] == [0, 1, 3, 4, 7]  # a merged event is the last one, carrying all the bytes
+    assert closed == [True]
+    # Events that end while held are released; closing the filter early closes its source.
+    assert [e.piece for e in hold_back_stops(iter([_Ev(b"a<"), _Ev(b"/t")]), ["</turn>"])] == [b"a</t"]
+    closed.clear()
+    gen = hold_back_stops(events(), ["</turn>"])
+    next(gen)
+    gen.close()
+    assert closed == [True]
+
+
+def test_end_marker_outside_the_vocabulary_never_reaches_the_reply(model_path: Path) -> None:
+    """SmolLM2 under a ChatML-like template whose markers (``<turn>``, ``</turn>``) are not tokens of its
+    vocabulary writes them as ordinary pieces (``</``, ``turn``, ``>``) and goes on with another turn; the
+    reply shown and the one stored end before the marker. (Before: "Red.</turn>\\n<turn>assistant\\n…")"""
+    from chatcli.core.events import ReplyEnd, ReplyText
+    from tests.drive import build_session, drain
+
+    session = build_session(max_tokens=40)
+    try:
+        assert len(session.engine.tokenize("</turn>")) > 1
+        session.template = ChatTemplate(CHATML.replace("<|im_start|>", "<turn>").replace("<|im_end|>", "</turn>"))
+        conv, _, _ = drain(session.new_conversation("alice"))
+        assert conv is not None
+        shown, end = "", None
+        for ev in conv.send("Name a colour."):
+            if isinstance(ev, ReplyText):
+                shown += ev.text
+            elif isinstance(ev, ReplyEnd):
+                end = ev
+        assert end is not None and end.message.stop == "stop"
+        stored = end.message.text
+        assert shown == stored and stored.strip()
+        for text in (shown, stored, conv.messages[-1].text):
+            assert "<turn" not in text and "</" not in text, text
+        conv.close()
+    finally:
+        session.close()

@@ -13,13 +13,15 @@ being restored.
 from __future__ import annotations
 
 import collections
+import copy
 import ctypes
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -28,25 +30,31 @@ import numpy as np
 # on an idle machine.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import llama_cpp  # noqa: E402  (the only import of llama_cpp in chatcli)
+import llama_cpp  # the only import of llama_cpp in chatcli
+
+from chatcli.backends.kvformat import KV_PARAMS, KV_TYPE_NAMES, engine_identity, kv_params_for
+from chatcli.core.backend import (
+    BackendError,
+    Capabilities,
+    ContextFullError,
+    GenerationResult,
+    Sampling,
+    TokenEvent,
+)
 
 SEQ = 0  # the conversation
 SCRATCH = 1  # staging area for saving/restoring cell ranges
 
 
-class EngineError(RuntimeError):
-    """llama.cpp refused an operation (model load, decode, state restore)."""
-
-
-class ContextFullError(EngineError):
-    """The tokens to evaluate do not fit in the remaining context."""
+# The engine's errors and data types are the Backend protocol's (re-exported here for older imports).
+EngineError = BackendError  # llama.cpp refused an operation (model load, decode, state restore)
 
 
 # llama.cpp logs a lot to stderr; keep the recent lines to explain failures instead of printing them.
 _LOG: collections.deque[str] = collections.deque(maxlen=50)
 
 
-@llama_cpp.llama_log_callback
+@llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]  # a ctypes CFUNCTYPE
 def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     try:
         _LOG.append(text.decode("utf-8", errors="replace"))
@@ -66,19 +74,10 @@ def _last_error() -> str:
     return ""
 
 
-# Pinned context parameters that shape the saved KV format (part of every state file's identity).
-KV_PARAMS: dict[str, object] = {"type_k": "f16", "type_v": "f16", "flash_attn": False, "kv_unified": True}
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Sampling parameters of one reply. ``temperature <= 0`` means greedy."""
-
-    temperature: float = 0.7
-    top_p: float = 0.95
-    top_k: int = 40
-    repeat_penalty: float = 1.1
-    repeat_last_n: int = 64
+# The KV cache types chatcli offers: name -> ggml type (K and V alike; see kvformat.kv_params_for).
+KV_TYPES: dict[str, int] = {
+    "f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+}
 
 
 @dataclass
@@ -87,36 +86,6 @@ class EvalStats:
 
     n_eval: int = 0
     seconds: float = 0.0
-
-
-@dataclass
-class TokenEvent:
-    """One sampled token, as it streams out of ``Engine.generate``."""
-
-    token: int
-    piece: bytes
-    is_eog: bool
-    t_since_start: float
-
-
-@dataclass
-class GenerationResult:
-    """How a generation ended; filled in by ``Engine.generate`` as it goes."""
-
-    tokens: list[int] = field(default_factory=list)
-    stop_reason: str = ""  # "eog" | "length" | "cancelled" | "stop" | "context"
-    ttft: float = 0.0
-    seconds: float = 0.0
-    n_decoded: int = 0
-
-
-@dataclass
-class Chunk:
-    """Saved KV cells of positions [p0, p1) of the conversation sequence."""
-
-    p0: int
-    p1: int
-    data: bytes
 
 
 class Engine:
@@ -130,8 +99,12 @@ class Engine:
         n_threads: int | None = None,
         n_batch: int = 512,
         progress: Callable[[float], None] | None = None,
+        kv_type: str = "f16",
     ) -> None:
         global _BACKEND_READY
+        if kv_type not in KV_TYPES:  # fails before the model is loaded
+            raise EngineError(f"unknown KV type {kv_type!r}: use {', '.join(KV_TYPES)}")
+        kv_params = kv_params_for(kv_type)
         if not _BACKEND_READY:
             llama_cpp.llama_backend_init()
             _BACKEND_READY = True
@@ -162,35 +135,78 @@ class Engine:
         cparams.kv_unified = True
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
-        # Pinned so the saved V layout (transposed or not) is the same in every process.
-        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        cparams.type_k = llama_cpp.GGML_TYPE_F16
-        cparams.type_v = llama_cpp.GGML_TYPE_F16
+        # Pinned (never "auto") so the saved V layout (transposed or not) is the same in every process.
+        cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if kv_params["flash_attn"]
+                                   else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        cparams.type_k = KV_TYPES[kv_type]
+        cparams.type_v = KV_TYPES[kv_type]
         cparams.no_perf = True
         # Set from a signal handler (Ctrl-C) and checked between tokens: a decode is never cut in half.
         self._cancel_flag = threading.Event()
         ctx = llama_cpp.llama_init_from_model(model, cparams)
         if not ctx:
             llama_cpp.llama_model_free(model)
-            raise EngineError(f"llama.cpp could not create a context of {n_ctx} tokens: {_last_error() or 'unknown error'}")
+            raise EngineError(f"llama.cpp could not create a context of {n_ctx} tokens (KV {kv_type}): {_last_error() or 'unknown error'}")
         self._ctx = ctx
+        self._cparams = cparams  # for sibling contexts over the same model
+        self._owns_model = True
         self._mem = llama_cpp.llama_get_memory(ctx)
         self.n_ctx = llama_cpp.llama_n_ctx(ctx)
         self.n_threads = threads
         self.n_batch = n_batch
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 2)
         self.tokens: list[int] = []
-        self._logits: np.ndarray | None = None  # logits after the last token of self.tokens
+        # Logits for the token after ``tokens`` come from one of two places. Normally the context's own
+        # output buffer (``_ctx_logits``: the last decode computed them), which llama.cpp's sampler reads in
+        # place. After a rollback or a restore the context has no such logits and ``_logits`` holds the
+        # ones saved for this position; they are sampled through a candidates array we fill.
+        self._logits: np.ndarray | None = None
+        self._ctx_logits = False
         self.can_shift = bool(llama_cpp.llama_memory_can_shift(self._mem))
         self.n_evaluated_total = 0
         self._ids = np.arange(self.n_vocab, dtype=np.int32)
         self._candidates = np.zeros(
             self.n_vocab, dtype=np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
         )
-        self.kv_params = dict(KV_PARAMS)
+        self.kv_type = kv_type
+        self.kv_params = kv_params
         self._closed = False
 
+    @property
+    def caps(self) -> Capabilities:
+        # A property: ``can_shift`` may be turned off (tests simulate a model whose memory cannot shift).
+        return Capabilities(cells=True, checkpoint=False, logits=True, local_sampling=True, shift=self.can_shift)
+
+    def identity(self) -> dict[str, Any]:
+        """What saved cells must match besides the model: the context size and the pinned KV format."""
+        return engine_identity(self.n_ctx, self.kv_params)
+
     # -- lifecycle ---------------------------------------------------------------------------------
+
+    def sibling(self) -> Engine:
+        """Another context over this engine's model: its own KV cache, tokens, logits and cancel flag; the
+        model (weights, vocabulary) loaded once. For several conversations resident at once (the server).
+
+        Separate contexts rather than sequences of one unified cache: measured with llama.cpp 0.3.36, a
+        sequence whose cells have another sequence's cells between them gets different logits (max |Δ| 0.7)
+        than the same tokens alone, while a context of its own computes exactly what a single engine does.
+        Close siblings before the engine that owns the model; calls on siblings must not overlap.
+        """
+        ctx = llama_cpp.llama_init_from_model(self._model, self._cparams)
+        if not ctx:
+            raise EngineError(f"llama.cpp could not create another context: {_last_error() or 'unknown error'}")
+        other = copy.copy(self)
+        other._ctx = ctx
+        other._mem = llama_cpp.llama_get_memory(ctx)
+        other._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 2)
+        other._owns_model = False
+        other._closed = False
+        other.tokens = []
+        other._logits = None
+        other._cancel_flag = threading.Event()
+        other.n_evaluated_total = 0
+        other._candidates = np.zeros_like(self._candidates)
+        return other
 
     def close(self) -> None:
         if self._closed:
@@ -198,7 +214,8 @@ class Engine:
         self._closed = True
         llama_cpp.llama_batch_free(self._batch)
         llama_cpp.llama_free(self._ctx)
-        llama_cpp.llama_model_free(self._model)
+        if self._owns_model:
+            llama_cpp.llama_model_free(self._model)
 
     def __enter__(self) -> Engine:
         return self
@@ -257,8 +274,8 @@ class Engine:
         """Evaluate ``tokens`` after the current ones; only they are computed."""
         t0 = time.perf_counter()
         n = 0
-        for n, _total in self.eval_steps(tokens):
-            pass
+        for done, _total in self.eval_steps(tokens):
+            n = done
         return EvalStats(n_eval=n, seconds=time.perf_counter() - t0)
 
     def eval_steps(self, tokens: Sequence[int]) -> Iterator[tuple[int, int]]:
@@ -291,26 +308,33 @@ class Engine:
             b.logits[len(part) - 1] = True
         rc = llama_cpp.llama_decode(self._ctx, b)
         if rc != 0:
-            # A failed decode leaves no cells for this batch; the token list stays as it was.
+            # A failed decode leaves no cells for this batch; the token list stays as it was. The output
+            # buffer may be half-written: the logits of the last good position are gone with it.
             llama_cpp.llama_memory_seq_rm(self._mem, SEQ, n0, -1)
+            self._drop_logits()
             raise EngineError(f"llama_decode failed ({rc}): {_last_error() or 'no detail'}")
         self.tokens.extend(part)
         self.n_evaluated_total += len(part)
-        if last_logits:
-            ptr = llama_cpp.llama_get_logits_ith(self._ctx, -1)
-            self._logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
-        else:
-            self._logits = None
+        # No copy here: the logits stay in the context's buffer until someone asks for them.
+        self._logits = None
+        self._ctx_logits = last_logits
+
+    def _drop_logits(self) -> None:
+        self._logits = None
+        self._ctx_logits = False
 
     def logits(self) -> np.ndarray:
         """The logits for the token after ``tokens`` (a copy)."""
-        if self._logits is None:
-            raise EngineError("no logits for the current position")
-        return self._logits.copy()
+        if self._logits is not None:
+            return self._logits.copy()
+        if self._ctx_logits:
+            ptr = llama_cpp.llama_get_logits_ith(self._ctx, -1)
+            return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+        raise EngineError("no logits for the current position")
 
     @property
     def has_logits(self) -> bool:
-        return self._logits is not None
+        return self._logits is not None or self._ctx_logits
 
     def set_logits(self, logits: np.ndarray) -> None:
         """Install logits saved earlier for the current position (so rollback needs no re-evaluation)."""
@@ -321,7 +345,7 @@ class Engine:
 
     def ensure_logits(self) -> int:
         """Make logits available for the current position; returns tokens re-evaluated (0 or 1)."""
-        if self._logits is not None:
+        if self.has_logits:
             return 0
         if not self.tokens:
             raise EngineError("empty context has no logits")
@@ -349,7 +373,6 @@ class Engine:
         max_tokens: int,
         result: GenerationResult | None = None,
         stop_strings: Sequence[str] = (),
-        reserve: int = 0,
     ) -> Iterator[TokenEvent]:
         """Sample a reply token by token from the current logits.
 
@@ -358,7 +381,7 @@ class Engine:
         it. Closing the generator early (or ``cancel()``) keeps what was produced and stays consistent.
         """
         res = result if result is not None else GenerationResult()
-        if self._logits is None:
+        if not self.has_logits:
             self.ensure_logits()
         chain = self._make_sampler(sampling, seed)
         t0 = time.perf_counter()
@@ -372,7 +395,7 @@ class Engine:
                 if len(res.tokens) >= max_tokens:
                     res.stop_reason = "length"
                     break
-                if self.n_past + 1 + reserve > self.n_ctx:
+                if self.n_past + 1 > self.n_ctx:
                     res.stop_reason = "context"
                     break
                 tok = self._sample(chain)
@@ -405,9 +428,13 @@ class Engine:
             self._cancel_flag.clear()  # a cancel request ends with the generation it stopped
 
     def _sample(self, chain: ctypes.c_void_p) -> int:
-        # Sample from the engine's own logits rather than the context's output buffer
-        # (llama_sampler_sample): after a rollback or a restore from disk the right logits are the ones we
-        # kept, which the context's buffer knows nothing about.
+        if self._logits is None and self._ctx_logits:
+            # The common case: the last decode computed these logits. llama.cpp's sampler builds the same
+            # candidates (id i, logit i, p 0, unsorted) from the context's buffer as the path below does
+            # from saved logits, applies the chain and accepts the token: same token, no Python refill.
+            return int(llama_cpp.llama_sampler_sample(chain, self._ctx, -1))
+        # After a rollback or a restore from disk the right logits are the ones we kept, which the
+        # context's buffer knows nothing about.
         assert self._logits is not None
         cand = self._candidates
         cand["id"] = self._ids
@@ -442,7 +469,7 @@ class Engine:
                 llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(s.top_p, 1))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(s.temperature))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
-        return chain
+        return typing.cast(ctypes.c_void_p, chain)  # llama_cpp's bindings are untyped
 
     # -- memory ------------------------------------------------------------------------------------
 
@@ -455,7 +482,7 @@ class Engine:
             if not llama_cpp.llama_memory_seq_rm(self._mem, SEQ, n, -1):
                 raise EngineError("llama.cpp could not remove the cells")
             del self.tokens[n:]
-            self._logits = None
+            self._drop_logits()
         return dropped
 
     def shift(self, keep: int, drop: int) -> None:
@@ -478,7 +505,7 @@ class Engine:
     def clear(self) -> None:
         llama_cpp.llama_memory_clear(self._mem, True)
         self.tokens = []
-        self._logits = None
+        self._drop_logits()
 
     def save_cells(self, p0: int, p1: int) -> bytes:
         """The KV cells of positions [p0, p1) of the conversation, in llama.cpp's sequence-state format."""
@@ -494,12 +521,16 @@ class Engine:
             n = llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, SCRATCH)
             if n == 0:
                 raise EngineError("llama.cpp could not save the cells")
-            return bytes(buf)[:n]
+            return ctypes.string_at(buf, n)  # one copy (bytes(buf)[:n] made two)
         finally:
             llama_cpp.llama_memory_seq_rm(self._mem, SCRATCH, -1, -1)
 
-    def load_cells(self, p0: int, p1: int, data: bytes, tokens: Sequence[int]) -> None:
-        """Append saved cells of positions [p0, p1) (p0 must equal n_past) with their token ids."""
+    def load_cells(self, p0: int, p1: int, data: bytes | bytearray | memoryview, tokens: Sequence[int]) -> None:
+        """Append saved cells of positions [p0, p1) (p0 must equal n_past) with their token ids.
+
+        ``data`` may be any contiguous buffer, a view into a mapped state file included: llama.cpp reads it
+        in place (its own copy into the KV cache is the only one).
+        """
         if p0 != self.n_past:
             raise EngineError(f"cells start at {p0} but the context holds {self.n_past}")
         if len(tokens) != p1 - p0:
@@ -508,8 +539,15 @@ class Engine:
             raise ContextFullError(f"saved state of {p1} tokens does not fit in n_ctx={self.n_ctx}")
         if p0 == p1:
             return
-        src = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        n = llama_cpp.llama_state_seq_set_data(self._ctx, src, len(data), SCRATCH)
+        # A pointer to the caller's bytes, not a copy: numpy takes read-only buffers (bytes, a read-only
+        # mmap) that ctypes' from_buffer refuses.
+        view = np.frombuffer(data, dtype=np.uint8)
+        src = None
+        try:
+            src = view.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+            n = llama_cpp.llama_state_seq_set_data(self._ctx, src, view.size, SCRATCH)
+        finally:
+            del src, view  # release the buffer export, so a mapped file can be closed right after
         if n == 0:
             llama_cpp.llama_memory_seq_rm(self._mem, SCRATCH, -1, -1)
             raise EngineError(f"llama.cpp rejected the saved cells: {_last_error() or 'format mismatch'}")
@@ -521,7 +559,21 @@ class Engine:
         llama_cpp.llama_memory_seq_cp(self._mem, SCRATCH, SEQ, -1, -1)
         llama_cpp.llama_memory_seq_rm(self._mem, SCRATCH, -1, -1)
         self.tokens.extend(int(t) for t in tokens)
-        self._logits = None
+        self._drop_logits()
 
     def seq_pos_max(self) -> int:
         return int(llama_cpp.llama_memory_seq_pos_max(self._mem, SEQ))
+
+    # -- checkpoints: not this engine's granularity (it saves cells, see caps) ----------------------
+
+    def checkpoint(self, name: str) -> int:
+        raise BackendError("the local engine saves cell ranges, not checkpoints")
+
+    def restore_checkpoint(self, name: str, tokens: Sequence[int]) -> bool:
+        raise BackendError("the local engine saves cell ranges, not checkpoints")
+
+
+__all__ = [
+    "KV_PARAMS", "KV_TYPES", "KV_TYPE_NAMES", "BackendError", "Capabilities", "ContextFullError", "Engine", "EngineError", "EvalStats",
+    "GenerationResult", "Sampling", "TokenEvent",
+]

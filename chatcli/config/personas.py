@@ -9,19 +9,15 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import sys
+import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from chatcli.config.settings import SettingsError, check_setting, toml_error_message
 from chatcli.core.template import Message
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10 needs the backport
-    import tomli as tomllib
 
 NAME_RE = re.compile(r"[a-z0-9_-]+")
 SAMPLING_KEYS: tuple[str, ...] = ("temperature", "top_p", "top_k", "repeat_penalty", "max_tokens")

@@ -13,22 +13,21 @@ import difflib
 import math
 import os
 import re
-import stat
-import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import platformdirs
+
+from chatcli.backends.kvformat import KV_TYPE_NAMES  # no llama_cpp behind it
+from chatcli.core.fsutil import ensure_private_dir
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10 needs the backport
-    import tomli as tomllib
+import tomllib
 
 APP_NAME = "chatcli"
 ENV_PREFIX = "CHATCLI_"
@@ -72,6 +71,10 @@ class Paths:
         return self.cache_dir / "prefix"
 
 
+# The older name, until every caller imports ensure_private_dir from chatcli.core.fsutil.
+ensure_dir = ensure_private_dir
+
+
 def get_paths(env: Mapping[str, str] | None = None) -> Paths:
     """Resolve chatcli's directories: all under ``$CHATCLI_HOME`` if set, else the platform's user dirs."""
     env = os.environ if env is None else env
@@ -86,26 +89,6 @@ def get_paths(env: Mapping[str, str] | None = None) -> Paths:
         cache_dir=platformdirs.user_cache_path(APP_NAME),
         config_dir=platformdirs.user_config_path(APP_NAME),
     )
-
-
-def ensure_dir(path: Path) -> Path:
-    """Create `path` (and parents) and make it private (0700): conversations are nobody else's business."""
-    # Parents we create are private too (mkdir(parents=True) would make them 0755).
-    missing = []
-    p = path
-    while not p.exists() and p != p.parent:
-        missing.append(p)
-        p = p.parent
-    for d in reversed(missing):
-        d.mkdir(mode=0o700, exist_ok=True)
-        os.chmod(d, 0o700)
-    # mkdir's mode is filtered by the umask and ignored for an existing dir, so set it explicitly; only
-    # for dirs we own, since chmod on someone else's (e.g. a shared CHATCLI_HOME parent) would fail.
-    st = path.stat()
-    getuid = getattr(os, "getuid", None)
-    if getuid is not None and st.st_uid == getuid() and stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700)
-    return path
 
 
 # -------------------------------------------------------------------------------------------- settings
@@ -128,6 +111,17 @@ class Settings:
     persona: str = "alice"
     plain: bool = False
     history_preview: int = 3  # exchanges shown on resume
+    server: str | None = None  # http://HOST:PORT of a llama-server to use instead of the local model
+    server_slot: int = 0  # the server slot this process uses (llama-server -np N gives N slots)
+    server_connect_timeout: float = 10.0  # seconds
+    server_read_timeout: float = 600.0  # seconds of silence from the server before giving up
+    kv_type: str = "f16"  # KV cache type of new conversations: f16 | q8_0 | q4_0
+    state_budget: str = "20GB"  # bound on all KV state files + persona prefix cache; 0/none = no limit
+    # `chatcli serve`
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8765
+    parallel: int = 1  # conversations resident at once
+    api_key: str | None = None  # when set, every request needs Authorization: Bearer KEY
 
 
 SETTING_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Settings))
@@ -147,7 +141,28 @@ _KINDS: dict[str, tuple[type, bool]] = {
     "persona": (str, False),
     "plain": (bool, False),
     "history_preview": (int, False),
+    "server": (str, True),
+    "server_slot": (int, False),
+    "server_connect_timeout": (float, False),
+    "server_read_timeout": (float, False),
+    "kv_type": (str, False),
+    "state_budget": (str, False),
+    "host": (str, False),
+    "port": (int, False),
+    "parallel": (int, False),
+    "api_key": (str, True),
 }
+
+
+
+def _is_size(value: str) -> bool:
+    from chatcli.core.budget import BudgetError, parse_size
+
+    try:
+        parse_size(value)
+    except BudgetError:
+        return False
+    return True
 
 # name -> (predicate, what the value must be). Ranges follow what llama.cpp accepts.
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -163,6 +178,17 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "reserve": (lambda v: v >= 0, "must be 0 or more"),
     "persona": (lambda v: bool(v.strip()), "must not be empty"),
     "history_preview": (lambda v: v >= 0, "must be 0 or more"),
+    "server": (lambda v: re.fullmatch(r"(https?://)?[^\s/?#]+(/[^\s?#]*)?", v.strip()) is not None,
+               "must be a URL such as http://HOST:PORT"),
+    "server_slot": (lambda v: v >= 0, "must be 0 or more"),
+    "server_connect_timeout": (lambda v: v > 0, "must be greater than 0"),
+    "server_read_timeout": (lambda v: v > 0, "must be greater than 0"),
+    "kv_type": (lambda v: v in KV_TYPE_NAMES, f"must be one of {', '.join(KV_TYPE_NAMES)}"),
+    "state_budget": (_is_size, "must be a size such as 20GB or 500MB, or 0/none for no limit"),
+    "host": (lambda v: bool(v.strip()), "must not be empty"),
+    "port": (lambda v: 1 <= v <= 65535, "must be between 1 and 65535"),
+    "parallel": (lambda v: 1 <= v <= 64, "must be between 1 and 64"),
+    "api_key": (lambda v: len(v.strip()) >= 8, "must be at least 8 characters"),
 }
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -201,6 +227,8 @@ def check_setting(name: str, value: Any) -> Any:
     if name not in _KINDS:
         raise SettingsError(_unknown_setting(name))
     kind, optional = _KINDS[name]
+    if name == "state_budget" and isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)  # `state_budget = 0` in TOML: a size in bytes
     # TOML has no null, so "none" (or "") is how a file resets an optional setting such as seed.
     if optional and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE)):
         return None
@@ -337,6 +365,21 @@ def load_settings(
 ) -> Settings:
     """Merge defaults, packaged config, user config, ``CHATCLI_*`` env vars and flags (None = not given)."""
     return _resolve(flags, paths, env)[0]
+
+
+def load_settings_explicit(
+    flags: Mapping[str, Any] | None = None,
+    *,
+    paths: Paths | None = None,
+    env: Mapping[str, str] | None = None,
+) -> tuple[Settings, set[str]]:
+    """``load_settings``, and the names the user set for this run (a flag or a ``CHATCLI_*`` variable).
+
+    Those win over a persona's own sampling defaults; the config file and the defaults do not.
+    """
+    settings, origins = _resolve(flags, paths, env)
+    explicit = {name for name, origin in origins.items() if origin.startswith(("env ", "flag "))}
+    return settings, explicit
 
 
 def describe_settings(

@@ -89,11 +89,13 @@ class GenerationResult:
 class Backend(Protocol):
     """One sequence of an inference engine. ``tokens`` always equals what the engine's KV holds."""
 
-    caps: Capabilities
     n_ctx: int  # positions available to this sequence
     n_vocab: int
     n_batch: int
     tokens: list[int]
+
+    @property
+    def caps(self) -> Capabilities: ...  # a plain attribute satisfies this too
 
     @property
     def n_past(self) -> int: ...

@@ -1,28 +1,63 @@
-"""Conversations as Markdown and as OpenAI-style message lists."""
+"""Conversations as Markdown and as OpenAI-style message lists.
+
+An export is the whole conversation: every message of its active path (through alternatives, edits and
+undos), those that left the model's context in a context shift included. ``in_context=True`` gives only
+what the context still holds.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from chatcli.core.conversation import Replay
+from chatcli.core.transcript import Replay
 
 
-def to_messages(r: Replay) -> list[dict[str, str]]:
-    """The active conversation in the OpenAI chat ``messages`` shape (persona messages included)."""
-    out = [m.as_dict() for m in r.persona_messages]
-    out.extend({"role": m.role, "content": m.text} for m in r.active)
+@dataclass(frozen=True)
+class PathMessage:
+    role: str
+    text: str
+    in_context: bool
+
+
+def conversation_path(r: Replay, *, in_context: bool = False) -> list[PathMessage]:
+    """The conversation's messages in order (persona messages excluded).
+
+    A context shift drops the oldest messages of the context, so those that left it come first, in the
+    order they left; rollbacks only ever remove messages still in the context.
+    """
+    out: list[PathMessage] = []
+    if not in_context:
+        for mid in r.out_of_context:
+            ev = r.all.get(mid)
+            if ev is not None:
+                out.append(PathMessage(str(ev.get("role", "")), str(ev.get("text", "")), False))
+    out.extend(PathMessage(m.role, m.text, True) for m in r.active)
     return out
 
 
-def to_markdown(meta: dict[str, Any], r: Replay) -> str:
+def exchange_counts(r: Replay) -> tuple[int, int]:
+    """Exchanges (user messages) of the whole conversation, and how many of them are still in context."""
+    path = conversation_path(r)
+    return sum(m.role == "user" for m in path), sum(m.role == "user" and m.in_context for m in path)
+
+
+def to_messages(r: Replay, *, in_context: bool = False) -> list[dict[str, str]]:
+    """The conversation in the OpenAI chat ``messages`` shape (persona messages included)."""
+    out = [m.as_dict() for m in r.persona_messages]
+    out.extend({"role": m.role, "content": m.text} for m in conversation_path(r, in_context=in_context))
+    return out
+
+
+def to_markdown(meta: dict[str, Any], r: Replay, *, in_context: bool = False) -> str:
     lines = [f"# {meta.get('title') or 'Conversation ' + str(meta.get('id', ''))}", ""]
     lines.append(f"*chatcli conversation `{meta.get('id', '')}` · persona {meta.get('persona', '')} · "
                  f"model {(meta.get('model') or {}).get('name', '')}*")
     lines.append("")
-    for m in r.persona_messages:
-        if m.role == "system":
-            lines += ["> **system:** " + m.content.replace("\n", "\n> "), ""]
-    for m in r.active:
+    for p in r.persona_messages:
+        if p.role == "system":
+            lines += ["> **system:** " + p.content.replace("\n", "\n> "), ""]
+    for m in conversation_path(r, in_context=in_context):
         who = "You" if m.role == "user" else "Assistant"
         lines += [f"**{who}:**", "", m.text, ""]
     return "\n".join(lines).rstrip() + "\n"

@@ -9,8 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from chatcli.core import statefile as sf
-from chatcli.core.conversation import ConversationError, replay_events
+from chatcli.core.events import ConversationError
 from chatcli.core.store import ConversationStore
+from chatcli.core.transcript import replay_events
 
 
 def fork_conversation(store: ConversationStore, ref: str, at: int | None) -> tuple[str, int]:

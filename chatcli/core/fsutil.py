@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -19,6 +20,26 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def ensure_private_dir(path: Path) -> Path:
+    """Create `path` (and parents) and make it private (0700): conversations are nobody else's business."""
+    # Parents we create are private too (mkdir(parents=True) would make them 0755).
+    missing = []
+    p = path
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        d.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(d, 0o700)
+    # mkdir's mode is filtered by the umask and ignored for an existing dir, so set it explicitly; only
+    # for dirs we own, since chmod on someone else's (e.g. a shared CHATCLI_HOME parent) would fail.
+    st = path.stat()
+    getuid = getattr(os, "getuid", None)
+    if getuid is not None and st.st_uid == getuid() and stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return path
 
 
 def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:

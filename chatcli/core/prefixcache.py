@@ -9,23 +9,49 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generator
+from typing import Any, Generator, Sequence
 
-from chatcli.core import statefile as sf
-from chatcli.backends.llamacpp import KV_PARAMS, Engine
-
-if TYPE_CHECKING:
-    from chatcli.core.conversation import Event
-    from chatcli.config.personas import Persona
-    from chatcli.session import Session
-    from chatcli.config.settings import Paths, Settings
+from chatcli.core.backend import Backend
+from chatcli.core.events import Event, Notice, Progress
+from chatcli.core.template import ChatTemplate, Message
 
 
-def state_identity(model_identity: dict[str, Any], n_ctx: int) -> dict[str, Any]:
-    """What saved cells must match to be loaded into a context."""
-    return {"model": model_identity, "n_ctx": n_ctx, **KV_PARAMS}
+def state_identity(model_identity: dict[str, Any], backend_identity: dict[str, Any]) -> dict[str, Any]:
+    """What saved cells must match to be loaded into a context: the model, and the backend's context
+    parameters (``Backend.identity()``: context size and KV format)."""
+    return {"model": model_identity, **backend_identity}
+
+
+def persona_prefix_tokens(backend: Backend, template: ChatTemplate, messages: Sequence[Message]) -> list[int]:
+    """The tokens of a persona's prefix: the one place they are made (creation, cache key and warm, open).
+
+    A template that writes ``{{ bos_token }}`` itself (Llama 3, Mistral, Gemma) already starts with BOS:
+    asking the tokenizer to add one too would give two, and a prefix that differs from the cached one.
+    """
+    text = template.prefix(list(messages))
+    if not text:
+        return [backend.bos_token] if backend.add_bos else []
+    add = backend.add_bos and not (template.bos_token and text.startswith(template.bos_token))
+    return backend.tokenize(text, add_special=add)
+
+
+def identity_mismatch(saved: Any, current: dict[str, Any]) -> str:
+    """Why a saved state does not fit this context, in one line (the resume report's reason)."""
+    if not isinstance(saved, dict):
+        return "saved state has no identity"
+    if saved.get("model") != current.get("model"):
+        return "saved state is for another model"
+    if saved.get("n_ctx") != current.get("n_ctx"):
+        return f"saved state is for a context of {saved.get('n_ctx')} tokens (this one: {current.get('n_ctx')})"
+    kv = ("type_k", "type_v", "flash_attn")
+    if any(saved.get(k) != current.get(k) for k in kv):
+        def name(i: dict[str, Any]) -> str:
+            return f"{i.get('type_k')}{' + flash attention' if i.get('flash_attn') else ''}"
+        return f"saved state uses KV type {name(saved)}, this context {name(current)}"
+    return "saved state is for other context parameters"
 
 
 def cache_path(cache_dir: Path, identity: dict[str, Any], persona_hash: str, template_source: str) -> Path:
@@ -37,13 +63,14 @@ def cache_path(cache_dir: Path, identity: dict[str, Any], persona_hash: str, tem
 
 
 def load_or_build(
-    engine: Engine, prefix_tokens: list[int], cache_file: Path | None, identity: dict[str, Any],
+    engine: Backend, prefix_tokens: list[int], cache_file: Path | None, identity: dict[str, Any],
 ) -> Generator[Event, None, tuple[list[bytes], bool]]:
     """Put the prefix cells in the (empty) engine: from the cache when valid, else evaluated and cached.
 
     Returns the records a conversation's state file starts with, and whether the cache was used.
     """
-    from chatcli.core.conversation import Notice, Progress
+    # Imported here: the cache keys above are computed by commands that must not load numpy (`personas`).
+    from chatcli.core import statefile as sf
 
     header = sf.encode_record(sf.HEADER, 0, 0, sf.header_payload(identity))
     n = len(prefix_tokens)
@@ -57,6 +84,7 @@ def load_or_build(
                 toks, kv = sf.split_cells(payload, n)
                 if toks == prefix_tokens:
                     engine.load_cells(0, n, kv, toks)
+                    _touch(cache_file)
                     ms = 1000 * (time.perf_counter() - t0)
                     yield Notice(f"persona prefix: {n} tokens loaded from cache in {ms:.0f} ms (not evaluated)")
                     return [header, sf.encode_record(sf.CELLS, 0, n, payload)], True
@@ -78,38 +106,14 @@ def load_or_build(
     return records, False
 
 
-def prefix_status(settings: Settings, paths: Paths, persona: Persona, session: Session | None = None) -> str:
-    """"cached" or "not cached" for the current model, without loading it."""
-    from chatcli.models.resolve import resolve_model
-    from chatcli.core.template import ChatTemplate
-
-    if session is not None:
-        ref, n_ctx, tmpl = session.model, session.engine.n_ctx, session.template.source
-    else:
-        try:
-            ref = resolve_model(settings.model)
-        except Exception:
-            return "no model"
-        n_ctx = effective_n_ctx(settings.n_ctx, ref.info.context_length)
-        tmpl = ChatTemplate(ref.info.chat_template).source
-    path = cache_path(paths.prefix_cache_dir, state_identity(ref.identity(), n_ctx), persona.text_hash(), tmpl)
-    return "cached" if path.exists() else "not cached"
+def _touch(path: Path) -> None:
+    """Mark a prefix file as used now: the state budget evicts prefix files by mtime (least recent first)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
 
 
 def effective_n_ctx(requested: int, trained: int | None) -> int:
     n = min(requested, trained) if trained else requested
     return max(256, (n + 255) // 256 * 256)  # llama.cpp pads the context to a multiple of 256
-
-
-def warm_prefix(session: Session, persona: Persona) -> Generator[Event, None, None]:
-    from chatcli.core.conversation import Notice
-
-    engine = session.engine
-    engine.clear()
-    text = session.template.prefix(persona.messages())
-    tokens = engine.tokenize(text, add_special=engine.add_bos) if text else []
-    identity = state_identity(session.identity(), engine.n_ctx)
-    path = cache_path(session.paths.prefix_cache_dir, identity, persona.text_hash(), session.template.source)
-    _, hit = yield from load_or_build(engine, tokens, path, identity)
-    yield Notice(f"{persona.name}: {len(tokens)} prefix tokens {'already cached' if hit else 'cached'}")
-    engine.clear()

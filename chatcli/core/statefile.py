@@ -14,24 +14,29 @@ A state file is a sequence of checksummed records::
 The crc covers the header fields and the payload, so a torn or bit-flipped record is detected; reading
 stops at the first bad record and the rest is treated as missing (re-evaluated from the transcript).
 The file is a cache: the transcript is the truth, and deleting this file only costs a re-evaluation.
+
+Versions (the rule is in migrations.py): the header's ``format`` is the file's major version; a newer one
+is refused, never rebuilt over. A record of a kind this version does not know, but whose framing and crc
+are sound, was added by a newer chatcli under the same major version: it is skipped, not taken for damage.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
+import threading
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, Self
 
-import numpy as np
-
+from chatcli.core import migrations
 from chatcli.core.fsutil import append_durably, atomic_write_bytes
 
 MAGIC = b"CKV1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = migrations.STATE_VERSION
 _HDR = struct.Struct("<4sBBHiiQI")  # magic kind flags reserved p0 p1 length crc
 HEADER_SIZE = _HDR.size
 
@@ -74,6 +79,8 @@ def records_at(raws: list[bytes], offset: int) -> tuple[list[Record], int]:
 
 
 def cells_payload(tokens: list[int], kv: bytes) -> bytes:
+    import numpy as np  # here, not at the top: `chatcli ls` reads headers and must not load numpy
+
     return np.asarray(tokens, dtype="<i4").tobytes() + kv
 
 
@@ -99,6 +106,7 @@ class ScanResult:
     valid_bytes: int = 0  # everything after this offset is torn/corrupt
     dropped_bytes: int = 0
     problem: str = ""
+    newer_format: bool = False  # written by a newer chatcli: unusable here, and not to be overwritten
 
     def live(self) -> tuple[list[LiveChunk], Record | None, int]:
         """Replay the records: the live chunks, the live logits record, and the state's length."""
@@ -143,83 +151,249 @@ class ScanResult:
 
 
 def scan(path: Path) -> ScanResult:
-    """Read record headers (payloads are checked by crc, not kept in memory)."""
+    """Read record headers, checking every payload's crc (payloads are not kept in memory)."""
     try:
-        fh = path.open("rb")
-    except FileNotFoundError:
-        return ScanResult(header=None, problem="missing")
-    with fh:
-        size = os.fstat(fh.fileno()).st_size
-        res = ScanResult(header=None)
-        offset = 0
-        n = 0  # the state's length so far, to check that every CELLS record continues it
-        while offset < size:
-            rec, payload, problem = _read_record(fh, offset, size)
-            if rec is None:
-                res.problem = problem
-                break
-            if offset == 0:
-                if rec.kind != HEADER:
-                    res.problem = "not a chatcli state file"
-                    break
-                try:
-                    header = json.loads(payload)
-                except ValueError:
-                    header = None
-                if not isinstance(header, dict):
-                    res.problem = "unreadable header"
-                    break
-                res.header = header
-            elif rec.kind == HEADER:
-                res.problem = "second header"
-                break
-            elif rec.kind == CELLS and rec.p0 != n:
-                # Well-formed but not continuing the state (a writer bug, or records spliced from elsewhere):
-                # it and everything after it count as damaged, so the writer cuts them instead of appending
-                # new records behind one that makes every later reader stop.
-                res.problem = f"record at {offset} does not continue the state ({rec.p0} != {n})"
-                break
-            if rec.kind in (CELLS, SNAPSHOT):
-                n = rec.p1
-            elif rec.kind == TRUNCATE:
-                n = min(n, rec.p0)
-            res.records.append(rec)
-            offset += rec.size
-        res.valid_bytes = offset if res.header is not None else 0
-        res.dropped_bytes = size - res.valid_bytes
-        if res.header is None and not res.problem:
-            res.problem = "empty"
-        return res
+        check_format(path)
+    except migrations.FormatError as exc:
+        return ScanResult(header=None, problem=str(exc), newer_format=True, dropped_bytes=0)
+    with map_state(path) as ms:
+        return ms.result
 
 
-def _read_record(fh: BinaryIO, offset: int, size: int) -> tuple[Record | None, bytes, str]:
+class MappedState:
+    """A state file mapped read-only, its records indexed and each payload's crc checked exactly once.
+
+    The fast path of a restore: the file is read in one pass (the crc pass brings it into memory through
+    the mapping, no copy), and ``cells``/``payload`` hand out views into the mapping that can go straight
+    to llama.cpp. Close it (or use it as a context manager) before anything writes to the file: a view read
+    after the file shrank would fault.
+
+    ``background=True`` checks the crcs in a second thread, record after record, while the caller already
+    works on the records checked so far (``wait_ok``): a restore then costs about max(crc, load) instead of
+    their sum. ``records`` is the index from the record headers alone; ``result`` (which waits for the
+    checks) is the scan's answer, the same as ``scan()``'s.
+    """
+
+    def __init__(self, path: Path, *, background: bool = False) -> None:
+        self.path = path
+        self._mm: mmap.mmap | None = None
+        self._view: memoryview | None = None
+        self._thread: threading.Thread | None = None
+        self._cond = threading.Condition()
+        self._n_ok = 0  # records[:_n_ok] are checked and good
+        self._bad: int | None = None  # index of the first record whose crc is wrong
+        self._stop = False
+        self._final: ScanResult | None = None
+        try:
+            fh = path.open("rb")
+        except FileNotFoundError:
+            self.records = self._final = ScanResult(header=None, problem="missing")
+            return
+        with fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size:
+                # MAP_POPULATE (Linux) maps every page in one call instead of one fault per few pages: the
+                # whole file is about to be read anyway.
+                populate = getattr(mmap, "MAP_POPULATE", 0)
+                if populate:
+                    self._mm = mmap.mmap(fh.fileno(), size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
+                else:
+                    self._mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)
+                self._view = memoryview(self._mm)
+        buf = self._view if self._view is not None else memoryview(b"")
+        if not background:
+            self.records = self._final = _scan_buffer(buf, check_crc=True)[0]
+            self._n_ok = len(self._final.records)
+            return
+        self.records, self._crcs = _scan_buffer(buf, check_crc=False)
+        self._index = {r.offset: i for i, r in enumerate(self.records.records)}
+        self._thread = threading.Thread(target=self._check_all, name="statefile-crc", daemon=True)
+        self._thread.start()
+
+    def _check_all(self) -> None:
+        view = self._view
+        assert view is not None
+        for i, rec in enumerate(self.records.records):
+            if self._stop:
+                return
+            ok = _record_crc(view, rec) == self._crcs[i]
+            with self._cond:
+                if ok:
+                    self._n_ok = i + 1
+                else:
+                    self._bad = i
+                self._cond.notify_all()
+            if not ok:
+                return
+
+    def wait_ok(self, rec: Record) -> bool:
+        """Whether ``rec`` and every record before it have a good crc (waits for the check)."""
+        if self._thread is None:
+            return rec.offset < self.records.valid_bytes
+        i = self._index[rec.offset]
+        with self._cond:
+            self._cond.wait_for(lambda: self._n_ok > i or self._bad is not None)
+            return self._n_ok > i
+
+    @property
+    def result(self) -> ScanResult:
+        """The scan: records up to the first damaged one, as ``scan()`` reports them."""
+        if self._final is None:
+            assert self._thread is not None
+            self._thread.join()
+            res = self.records
+            if self._bad is None:
+                self._final = res
+            else:
+                cut = res.records[self._bad].offset
+                size = res.valid_bytes + res.dropped_bytes
+                self._final = ScanResult(header=res.header, records=res.records[:self._bad], valid_bytes=cut,
+                                         dropped_bytes=size - cut, problem="checksum mismatch")
+        return self._final
+
+    def payload(self, rec: Record) -> memoryview:
+        """The payload of a record (check it with ``wait_ok`` first when checking in the background): a
+        view into the mapping, not a copy."""
+        if self._view is None:
+            raise StateFileError("state file is closed or empty")
+        start = rec.offset + HEADER_SIZE
+        return self._view[start:start + rec.length]
+
+    def cells(self, rec: Record) -> tuple[list[int], memoryview]:
+        """A CELLS/SNAPSHOT record's token ids and a view of its llama.cpp cell bytes."""
+        return split_cells(self.payload(rec), rec.p1 - rec.p0)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._stop = True
+            self._thread.join()
+        view, mm = self._view, self._mm
+        self._view = self._mm = None
+        if view is not None:
+            view.release()
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                # A caller still holds a payload view: the mapping goes when the last view does.
+                pass
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def map_state(path: Path, *, background: bool = False) -> MappedState:
+    return MappedState(path, background=background)
+
+
+def _scan_buffer(buf: memoryview, *, check_crc: bool) -> tuple[ScanResult, list[int]]:
+    """Index the records; with ``check_crc`` stop at the first bad crc, else return every record's stored
+    crc for a later check (the header record's is always checked: its JSON is parsed here)."""
+    size = len(buf)
+    res = ScanResult(header=None)
+    crcs: list[int] = []
+    offset = 0
+    n = 0  # the state's length so far, to check that every CELLS record continues it
+    while offset < size:
+        rec, crc, problem = _check_record(buf, offset, size, check_crc or offset == 0)
+        if rec is None:
+            res.problem = problem
+            break
+        if offset == 0:
+            if rec.kind != HEADER:
+                res.problem = "not a chatcli state file"
+                break
+            try:
+                header = json.loads(bytes(buf[HEADER_SIZE:HEADER_SIZE + rec.length]))
+            except ValueError:
+                header = None
+            if not isinstance(header, dict):
+                res.problem = "unreadable header"
+                break
+            try:
+                migrations.check("state file", header.get("format"), FORMAT_VERSION)
+            except migrations.FormatError as exc:
+                res.problem, res.newer_format = str(exc), True
+                break
+            except ValueError:
+                res.problem = "unreadable header"
+                break
+            res.header = migrations.upgrade_state_header(header)
+        elif rec.kind == HEADER:
+            res.problem = "second header"
+            break
+        elif rec.kind == CELLS and rec.p0 != n:
+            # Well-formed but not continuing the state (a writer bug, or records spliced from elsewhere):
+            # it and everything after it count as damaged, so the writer cuts them instead of appending
+            # new records behind one that makes every later reader stop.
+            res.problem = f"record at {offset} does not continue the state ({rec.p0} != {n})"
+            break
+        if rec.kind in (CELLS, SNAPSHOT):
+            n = rec.p1
+        elif rec.kind == TRUNCATE:
+            n = min(n, rec.p0)
+        res.records.append(rec)
+        crcs.append(crc)
+        offset += rec.size
+    res.valid_bytes = offset if res.header is not None else 0
+    res.dropped_bytes = size - res.valid_bytes
+    if res.header is None and not res.problem:
+        res.problem = "empty"
+    return res, crcs
+
+
+def _record_crc(buf: memoryview, rec: Record) -> int:
+    # zlib releases the GIL and reads the mapping directly: one pass, no copy.
+    head = buf[rec.offset:rec.offset + HEADER_SIZE - 4]
+    return zlib.crc32(buf[rec.offset + HEADER_SIZE:rec.offset + rec.size], zlib.crc32(head))
+
+
+def _check_record(buf: memoryview, offset: int, size: int, check_crc: bool) -> tuple[Record | None, int, str]:
     if offset + HEADER_SIZE > size:
-        return None, b"", "truncated record header"
-    fh.seek(offset)
-    head = fh.read(HEADER_SIZE)
-    magic, kind, _flags, _res, p0, p1, length, crc = _HDR.unpack(head)
+        return None, 0, "truncated record header"
+    magic, kind, _flags, _res, p0, p1, length, crc = _HDR.unpack_from(buf, offset)
     if magic != MAGIC:
-        return None, b"", "bad magic" if offset else "not a chatcli state file"
-    if kind not in KIND_NAMES or length > _MAX_PAYLOAD or p0 < 0 or p1 < p0:
-        return None, b"", "bad record header"
+        return None, 0, "bad magic" if offset else "not a chatcli state file"
+    # An unknown kind is a record of a newer chatcli (same major version): the framing rules still hold.
+    if length > _MAX_PAYLOAD or (kind in KIND_NAMES and (p0 < 0 or p1 < p0)):
+        return None, 0, "bad record header"
     if offset + HEADER_SIZE + length > size:
-        return None, b"", "truncated record"
-    # Check the crc streaming, so a multi-GB snapshot is not held twice in memory.
-    c = zlib.crc32(head[:-4])
-    keep = kind in (HEADER,)
-    kept = bytearray()
-    remaining = length
-    while remaining:
-        part = fh.read(min(remaining, 1 << 22))
-        if not part:
-            return None, b"", "truncated record"
-        c = zlib.crc32(part, c)
-        if keep:
-            kept += part
-        remaining -= len(part)
-    if c != crc:
-        return None, b"", "checksum mismatch"
-    return Record(kind, p0, p1, offset, length), bytes(kept), ""
+        return None, 0, "truncated record"
+    rec = Record(kind, p0, p1, offset, length)
+    if check_crc and _record_crc(buf, rec) != crc:
+        return None, 0, "checksum mismatch"
+    return rec, crc, ""
+
+
+def check_format(path: Path) -> None:
+    """Raise ``migrations.FormatError`` if ``path`` is a state file of a newer major version.
+
+    Reads only the first record: cheap enough for every ``chatcli ls``. Damage is not reported here (a
+    damaged cache is rebuilt by its reader); only a newer format, which must not be rebuilt over.
+    """
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(HEADER_SIZE)
+            if len(head) < HEADER_SIZE:
+                return
+            magic, kind, _flags, _res, _p0, _p1, length, _crc = _HDR.unpack(head)
+            payload = fh.read(length) if magic == MAGIC and kind == HEADER and length <= 1 << 20 else b""
+    except OSError:
+        return
+    if magic[:3] == MAGIC[:3] and magic[3:].isdigit() and int(magic[3:]) > int(MAGIC[3:]):
+        # A newer record framing (its digit counts framings, not formats): refuse, never rebuild over it.
+        migrations.check("state file record framing", int(magic[3:]), int(MAGIC[3:]))
+    try:
+        header = json.loads(payload) if payload else None
+        if isinstance(header, dict):
+            migrations.check("state file", header.get("format"), FORMAT_VERSION)
+    except migrations.FormatError:
+        raise
+    except ValueError:
+        return  # damage: the reader rebuilds the cache
 
 
 def read_payload(path: Path, rec: Record) -> bytes:
@@ -235,8 +409,12 @@ def read_payload(path: Path, rec: Record) -> bytes:
     return data[HEADER_SIZE:]
 
 
-def split_cells(payload: bytes, n_tokens: int) -> tuple[list[int], bytes]:
-    tok = np.frombuffer(payload[: 4 * n_tokens], dtype="<i4").astype(np.int64).tolist()
+def split_cells(payload: bytes | memoryview, n_tokens: int) -> tuple[list[int], Any]:
+    """Token ids and cell bytes of a CELLS payload; the cell bytes are a slice of the same kind (a
+    memoryview payload gives a view: no copy)."""
+    import numpy as np  # lazily: commands that only read headers must not load numpy
+
+    tok: list[int] = np.frombuffer(payload, dtype="<i4", count=n_tokens).tolist()
     return tok, payload[4 * n_tokens:]
 
 
@@ -269,7 +447,25 @@ class StateWriter:
 
 
 __all__ = [
-    "CELLS", "HEADER", "LOGITS", "SNAPSHOT", "TRUNCATE", "LiveChunk", "Record", "ScanResult", "StateFileError",
-    "StateWriter", "cells_payload", "encode_record", "header_payload", "read_payload", "records_at",
-    "record_size_for_cells", "scan", "split_cells",
+    "CELLS",
+    "HEADER",
+    "LOGITS",
+    "SNAPSHOT",
+    "TRUNCATE",
+    "LiveChunk",
+    "MappedState",
+    "Record",
+    "ScanResult",
+    "StateFileError",
+    "StateWriter",
+    "cells_payload",
+    "check_format",
+    "encode_record",
+    "header_payload",
+    "map_state",
+    "read_payload",
+    "record_size_for_cells",
+    "records_at",
+    "scan",
+    "split_cells",
 ]

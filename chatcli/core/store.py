@@ -5,7 +5,8 @@
     <data>/conversations/<id>/state.kv          append-only KV records (see statefile.py): a cache
     <data>/conversations/<id>/lock              flock held by the process that has it open
 
-This is the only module that knows these paths.
+This is the only module that knows these paths. Each file carries its format version; the rule for
+reading them (newer: refused; older: upgraded; unknown additions: skipped) is in migrations.py.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from chatcli.core.fsutil import append_line_durably, atomic_write_text, fsync_dir
+from chatcli.core import migrations, statefile
+from chatcli.core.fsutil import append_line_durably, atomic_write_text, ensure_private_dir, fsync_dir
+from chatcli.core.migrations import META_VERSION, TRANSCRIPT_VERSION, FormatError
 
-META_VERSION = 1
-TRANSCRIPT_VERSION = 1
 _ID_ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"  # no 0/o, 1/l/i: ids get read aloud and typed
 _ID_RE = re.compile(r"^[a-z0-9]{1,32}$")
 
@@ -53,6 +54,10 @@ class TranscriptRead:
     problems: list[str] = field(default_factory=list)
 
 
+def _is_version(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
 class ConversationDir:
     """Files of one conversation."""
 
@@ -76,15 +81,29 @@ class ConversationDir:
     # -- metadata ------------------------------------------------------------------------------------
 
     def read_meta(self) -> dict[str, Any]:
+        """The metadata, upgraded to the current format.
+
+        Also refuses (``FormatError``) a conversation whose state file is of a newer format, so that every
+        path that opens a conversation stops here, before anything is written; the transcript's lines are
+        checked as they are read.
+        """
         try:
             meta = json.loads(self.meta_path.read_text("utf-8"))
         except FileNotFoundError:
             raise StoreError(f"conversation {self.id} has no metadata (folder {self.path})") from None
         except (ValueError, UnicodeDecodeError):
             raise StoreError(f"conversation {self.id}: metadata is corrupt ({self.meta_path})") from None
-        if not isinstance(meta, dict) or meta.get("format") != META_VERSION:
-            raise StoreError(f"conversation {self.id}: unsupported metadata format {meta.get('format')!r}")
-        return meta
+        if not isinstance(meta, dict):
+            raise StoreError(f"conversation {self.id}: metadata is corrupt ({self.meta_path})")
+        where = f"conversation {self.id}"
+        try:
+            migrations.check("metadata", meta.get("format"), META_VERSION, where=where)
+        except FormatError:
+            raise
+        except ValueError:
+            raise StoreError(f"{where}: unsupported metadata format {meta.get('format')!r}") from None
+        statefile.check_format(self.state_path)
+        return migrations.upgrade_meta(meta)
 
     def write_meta(self, meta: dict[str, Any]) -> None:
         meta = {**meta, "format": META_VERSION}
@@ -109,8 +128,15 @@ class ConversationDir:
                 continue
             try:
                 event = json.loads(line.decode("utf-8"))
-                if not isinstance(event, dict) or event.get("v") != TRANSCRIPT_VERSION or "type" not in event:
+                if not isinstance(event, dict) or "type" not in event:
                     raise ValueError("not an event")
+                # A line of a newer format refuses the whole transcript (FormatError): skipping it would
+                # lose what it says, and continuing after it could contradict it.
+                migrations.check("transcript", event.get("v"), TRANSCRIPT_VERSION,
+                                 where=f"conversation {self.id} (line {i + 1})")
+                event = migrations.upgrade_event(event)
+            except FormatError:
+                raise
             except (ValueError, UnicodeDecodeError):
                 out.dropped_lines += 1
                 where = "last line (torn write)" if torn_tail and i == len(lines) - 1 else f"line {i + 1}"
@@ -134,7 +160,8 @@ class ConversationDir:
                 start = raw.rfind(b"\n") + 1
                 try:
                     event = json.loads(raw[start:].decode("utf-8"))
-                    torn = not (isinstance(event, dict) and event.get("v") == TRANSCRIPT_VERSION and "type" in event)
+                    # A whole event of any version is not torn (one of a newer version is not ours to cut).
+                    torn = not (isinstance(event, dict) and "type" in event and _is_version(event.get("v")))
                 except (ValueError, UnicodeDecodeError):
                     torn = True
                 if torn:
@@ -201,8 +228,7 @@ class ConversationStore:
         self.root = root
 
     def _ensure_root(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.root, 0o700)
+        ensure_private_dir(self.root)
 
     def validate_id(self, ref: str) -> str:
         if not ref or "\x00" in ref or "/" in ref or "\\" in ref or ref in (".", "..") or not _ID_RE.match(ref):
@@ -247,13 +273,16 @@ class ConversationStore:
             raise StoreError(f"{ref!r} is ambiguous: {', '.join(matches[:8])}")
         return ConversationDir(self.root / matches[0])
 
-    def list(self) -> list[tuple[ConversationDir, dict[str, Any]]]:
+    def list(self, problems: list[str] | None = None) -> list[tuple[ConversationDir, dict[str, Any]]]:
+        """Conversations whose metadata is readable; why the others are left out goes to ``problems``."""
         out = []
         for cid in self.ids():
             conv = ConversationDir(self.root / cid)
             try:
                 meta = conv.read_meta()
-            except StoreError:
+            except (StoreError, FormatError) as exc:
+                if problems is not None:
+                    problems.append(str(exc))
                 continue
             out.append((conv, meta))
         out.sort(key=lambda cm: cm[1].get("updated", 0), reverse=True)
@@ -266,7 +295,3 @@ class ConversationStore:
         finally:
             conv.unlock()
         fsync_dir(self.root)
-
-    def iter_dirs(self) -> Iterator[ConversationDir]:
-        for cid in self.ids():
-            yield ConversationDir(self.root / cid)

@@ -8,9 +8,11 @@ difference (the "glue" plus the message plus the assistant header), as llama.cpp
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Sequence
+from typing import Protocol, TypeVar
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -24,6 +26,13 @@ CHATML = (
 )
 
 _SENTINEL = "\x00chatcli-sentinel\x00"
+
+
+class _HasPiece(Protocol):
+    piece: bytes
+
+
+_E = TypeVar("_E", bound=_HasPiece)
 
 
 class TemplateError(ValueError):
@@ -109,7 +118,16 @@ class ChatTemplate:
         return text.split(_SENTINEL, 1)[1]
 
     def reply_stop_strings(self) -> list[str]:
-        """Strings that mean the model started writing the next turn itself."""
+        """Strings that mean the model ended its reply or started writing the next turn itself.
+
+        The next-turn opener (``<|im_end|>\\n<|im_start|>user``) and the reply's closing marker alone
+        (``<|im_end|>``). When the marker is one special token of the vocabulary, the model ends with that
+        token (end of generation) and its text never appears, since sampled tokens are rendered without
+        special tokens: the string can then only match a marker the model spelled out in ordinary pieces.
+        That is what a model whose vocabulary lacks the marker does (a base model under the ChatML
+        fallback writes ``<``, ``|``, ``im``, ``_end`` …), and it must end the reply there too: a reply
+        never contains template markup.
+        """
         probe = self.render(
             [Message("user", "a"), Message("assistant", _SENTINEL), Message("user", "b")],
             add_generation_prompt=False,
@@ -118,13 +136,71 @@ class ChatTemplate:
             after = probe.split(_SENTINEL, 1)[1]
         except IndexError:
             return []
+        out: list[str] = []
         opener = after.split("b", 1)[0].strip()
-        return [opener] if len(opener) >= 3 and not opener.isalnum() else []
+        if _is_markup(opener):
+            out.append(opener)
+        marker = self.closing([Message("user", "a"), Message("assistant", "x")]).strip()
+        if _is_markup(marker) and marker not in out:
+            out.append(marker)
+        return out
+
+
+def _is_markup(text: str) -> bool:
+    """Template markup rather than a word a reply may contain (``User`` or ``END`` could be prose)."""
+    return len(text) >= 3 and not text.isalnum()
+
+
+def hold_back_stops(events: Iterator[_E], stops: Sequence[str]) -> Generator[_E, None, None]:
+    """Pass token events on, holding back those that may be the start of a stop string.
+
+    A stop string spelled out in ordinary pieces (``<``, ``|``, ``im_end``, ``|>``) is only recognised
+    once complete; the pieces before must not be shown meanwhile. Held events are released merged into one
+    (the last event with all their bytes) as soon as the text cannot be a stop string any more, or when the
+    events end, so the consumer sees either the whole stop string in one piece (and cuts it) or text that
+    is no stop string. Closing this generator closes ``events``.
+    """
+    held: list[_E] = []
+    text = ""
+    try:
+        for ev in events:
+            held.append(ev)
+            text = (text + ev.piece.decode("utf-8", "ignore"))[-_MAX_STOP:]
+            if not stops or not _ends_with_stop_prefix(text, stops):
+                # No stop string can begin in what was held: any later one starts after it.
+                yield _merge(held)
+                held, text = [], ""
+        if held:
+            yield _merge(held)
+    finally:
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()
+
+
+_MAX_STOP = 256  # characters of recent text kept to recognise a stop string's beginning
+
+
+def _ends_with_stop_prefix(text: str, stops: Sequence[str]) -> bool:
+    """``text`` ends with a beginning of a stop string (or holds a whole one): more text may complete it."""
+    for s in stops:
+        if s in text:
+            return True
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                return True
+    return False
+
+
+def _merge(held: list[_E]) -> _E:
+    if len(held) == 1:
+        return held[0]
+    return dataclasses.replace(held[-1], piece=b"".join(e.piece for e in held))  # type: ignore[type-var]
 
 
 def _common_prefix(a: str, b: str) -> str:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1

@@ -1,14 +1,24 @@
-"""A minimal, read-only GGUF header parser.
+"""A read-only GGUF header reader.
 
 chatcli needs a model's metadata (architecture, trained context, chat template) and a cheap fingerprint
 *before* llama.cpp loads it: to reject a bad file with a one-line error and to tell whether a saved KV
-state belongs to this model. Reading the header and tensor infos costs a few ms, whatever the file size.
+state belongs to this model. The fingerprint is the sha256 of the header and tensor infos (everything
+before the tensor data), so it is the same however the header was parsed.
+
+Two parsers give the same ``GGUFInfo``: ggml's own GGUF reader (C, through ctypes on the ggml library that
+llama-cpp-python ships: a few ms, vocabulary included) and a pure-Python one. The Python one walks every
+vocabulary and merge string (~130 ms for a 49k vocabulary), so it is only the fallback: when the ggml
+library cannot be found, or when ggml refuses the file (then its error message is the one we show).
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import importlib.util
+import os
 import struct
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -161,9 +171,19 @@ class _Reader:
 _SKIP_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
 
 
-def read_gguf(path: str | Path) -> GGUFInfo:
-    """Parse the header and tensor infos of a GGUF file; raise GGUFError if it is not one."""
-    p = Path(path)
+def read_gguf(path: str | Path, *, native: bool = True) -> GGUFInfo:
+    """Parse the header and tensor infos of a GGUF file; raise GGUFError if it is not one.
+
+    ``native=False`` forces the pure-Python parser (tests compare the two).
+    """
+    if native:
+        info = _read_native(Path(path))
+        if info is not None:
+            return info
+    return _read_python(Path(path))
+
+
+def _read_python(p: Path) -> GGUFInfo:
     try:
         size = p.stat().st_size
         fh = p.open("rb")
@@ -219,4 +239,174 @@ def read_gguf(path: str | Path) -> GGUFInfo:
     return GGUFInfo(
         path=p, version=version, metadata=meta, n_tensors=n_tensors,
         header_sha256=r.digest(), file_size=size,
+    )
+
+
+# -- ggml's GGUF reader, through ctypes ---------------------------------------------------------------
+
+class _GGUFInitParams(ctypes.Structure):
+    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
+
+
+_LOG_CB_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+
+
+def _discard_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    # ggml's default logger prints to stderr; a refused file is reported by the Python parser instead.
+    pass
+
+
+_quiet_log = _LOG_CB_TYPE(_discard_log)
+
+
+_GGML: ctypes.CDLL | None = None
+_GGML_TRIED = False
+
+
+def _ggml_lib() -> ctypes.CDLL | None:
+    """ggml's base library from llama-cpp-python's package directory, found without importing llama_cpp
+    (that import costs more than the whole header read). None when it is not there."""
+    global _GGML, _GGML_TRIED
+    if _GGML_TRIED:
+        return _GGML
+    _GGML_TRIED = True
+    if os.environ.get("CHATCLI_GGUF_PYTHON"):  # escape hatch: force the pure-Python parser
+        return None
+    try:
+        spec = importlib.util.find_spec("llama_cpp")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    override = os.environ.get("LLAMA_CPP_LIB_PATH")
+    dirs = [Path(override)] if override else [Path(d) / "lib" for d in spec.submodule_search_locations]
+    ext = ".dll" if sys.platform == "win32" else ".dylib" if sys.platform == "darwin" else ".so"
+    names = [f"libggml-base{ext}", f"ggml-base{ext}", f"libggml{ext}", f"ggml{ext}"]
+    for d in dirs:
+        for name in names:
+            f = d / name
+            if not f.is_file():
+                continue
+            try:
+                lib = ctypes.CDLL(str(f))
+                _declare(lib)
+            except (OSError, AttributeError):
+                continue
+            _GGML = lib
+            return lib
+    return None
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    vp, i64, sz = ctypes.c_void_p, ctypes.c_int64, ctypes.c_size_t
+    sigs: dict[str, tuple[Any, list[Any]]] = {
+        "gguf_init_from_file": (vp, [ctypes.c_char_p, _GGUFInitParams]),
+        "gguf_free": (None, [vp]),
+        "gguf_get_version": (ctypes.c_uint32, [vp]),
+        "gguf_get_alignment": (sz, [vp]),
+        "gguf_get_data_offset": (sz, [vp]),
+        "gguf_get_n_kv": (i64, [vp]),
+        "gguf_get_key": (ctypes.c_char_p, [vp, i64]),
+        "gguf_get_kv_type": (ctypes.c_int, [vp, i64]),
+        "gguf_get_arr_type": (ctypes.c_int, [vp, i64]),
+        "gguf_get_val_data": (vp, [vp, i64]),
+        "gguf_get_val_str": (ctypes.c_char_p, [vp, i64]),
+        "gguf_get_arr_n": (sz, [vp, i64]),
+        "gguf_get_arr_data": (vp, [vp, i64]),
+        "gguf_get_arr_str": (ctypes.c_char_p, [vp, i64, sz]),
+        "gguf_get_n_tensors": (i64, [vp]),
+        "gguf_get_tensor_offset": (sz, [vp, i64]),
+        "gguf_get_tensor_size": (sz, [vp, i64]),
+        "ggml_log_get": (None, [ctypes.POINTER(vp), ctypes.POINTER(vp)]),
+        "ggml_log_set": (None, [vp, vp]),
+    }
+    for name, (res, args) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype = res
+        fn.argtypes = args
+
+
+# gguf_type -> ctypes scalar type (same numbering as _SCALARS).
+_CTYPES: dict[int, Any] = {
+    0: ctypes.c_uint8, 1: ctypes.c_int8, 2: ctypes.c_uint16, 3: ctypes.c_int16, 4: ctypes.c_uint32,
+    5: ctypes.c_int32, 6: ctypes.c_float, 7: ctypes.c_bool, 10: ctypes.c_uint64, 11: ctypes.c_int64,
+    12: ctypes.c_double,
+}
+
+
+def _read_native(p: Path) -> GGUFInfo | None:
+    """The same GGUFInfo as the Python parser, from ggml's reader; None to fall back to the Python one."""
+    lib = _ggml_lib()
+    if lib is None:
+        return None
+    try:
+        size = p.stat().st_size
+        with p.open("rb") as fh:
+            head = fh.read(8)
+    except OSError:
+        return None  # the Python parser words the error
+    if size < 24 or head[:4] != GGUF_MAGIC or struct.unpack("<I", head[4:8])[0] not in (2, 3):
+        return None
+    old_cb, old_data = ctypes.c_void_p(), ctypes.c_void_p()
+    lib.ggml_log_get(ctypes.byref(old_cb), ctypes.byref(old_data))
+    lib.ggml_log_set(ctypes.cast(_quiet_log, ctypes.c_void_p), None)
+    try:
+        ctx = lib.gguf_init_from_file(os.fsencode(p), _GGUFInitParams(True, None))
+    finally:
+        lib.ggml_log_set(old_cb, old_data)
+    if not ctx:
+        return None
+    try:
+        return _info_from_ctx(lib, ctx, p, size)
+    finally:
+        lib.gguf_free(ctx)
+
+
+def _info_from_ctx(lib: ctypes.CDLL, ctx: int, p: Path, size: int) -> GGUFInfo | None:
+    meta: dict[str, Any] = {}
+    for i in range(lib.gguf_get_n_kv(ctx)):
+        key = lib.gguf_get_key(ctx, i).decode("utf-8", errors="replace")
+        vtype = lib.gguf_get_kv_type(ctx, i)
+        if key in _SKIP_KEYS:
+            meta[key] = None
+        elif vtype == _STRING:
+            meta[key] = lib.gguf_get_val_str(ctx, i).decode("utf-8", errors="replace")
+        elif vtype in _CTYPES:
+            meta[key] = _CTYPES[vtype].from_address(lib.gguf_get_val_data(ctx, i)).value
+        elif vtype == _ARRAY:
+            atype, n = lib.gguf_get_arr_type(ctx, i), lib.gguf_get_arr_n(ctx, i)
+            if atype == _STRING:
+                meta[key] = [lib.gguf_get_arr_str(ctx, i, j).decode("utf-8", errors="replace") for j in range(n)]
+            elif atype in _CTYPES:
+                meta[key] = list((_CTYPES[atype] * n).from_address(lib.gguf_get_arr_data(ctx, i))) if n else []
+            else:
+                return None  # nested arrays: ggml refuses them anyway
+        else:
+            return None
+    n_tensors = int(lib.gguf_get_n_tensors(ctx))
+    data_start = int(lib.gguf_get_data_offset(ctx))
+    end_of_data = max((lib.gguf_get_tensor_offset(ctx, t) + lib.gguf_get_tensor_size(ctx, t)
+                       for t in range(n_tensors)), default=0)
+    if data_start + end_of_data > size:
+        raise GGUFError(f"truncated GGUF file (tensor data missing): {p}")
+    # The fingerprint covers the header up to the last tensor info, without the zero padding before the
+    # data. ggml gives the padded offset; the header ends with the last tensor's offset (u64), so the end is
+    # the one place in the padding window where those 8 bytes stand followed only by zeros.
+    align = int(lib.gguf_get_alignment(ctx))
+    with p.open("rb") as fh:
+        blob = fh.read(data_start)
+    if len(blob) != data_start:
+        return None
+    if n_tensors == 0:
+        header_end = data_start
+    else:
+        last = struct.pack("<Q", lib.gguf_get_tensor_offset(ctx, n_tensors - 1))
+        ends = [e for e in range(max(24, data_start - align + 1), data_start + 1)
+                if blob[e - 8:e] == last and not blob[e:data_start].strip(b"\0")]
+        if len(ends) != 1:
+            return None  # ambiguous (a last offset of 0): let the Python parser find the end
+        header_end = ends[0]
+    return GGUFInfo(
+        path=p, version=int(lib.gguf_get_version(ctx)), metadata=meta, n_tensors=n_tensors,
+        header_sha256=hashlib.sha256(memoryview(blob)[:header_end]).hexdigest(), file_size=size,
     )

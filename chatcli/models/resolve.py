@@ -68,7 +68,8 @@ def resolve_model(flag: str | None, config_value: str | None = None, env: dict[s
             )
         return ModelRef(path, _read(path), "bundled")
     if spec.startswith("hf:"):
-        return ModelRef(*_from_hub(spec), "hf")  # type: ignore[call-arg]
+        hub_path, hub_info = _from_hub(spec)
+        return ModelRef(hub_path, hub_info, "hf")
     # Absolute, because conversations remember it: `resume` from another directory must find it again.
     path = Path(spec).expanduser().absolute()
     return ModelRef(path, _read(path), origin)

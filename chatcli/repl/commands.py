@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from chatcli.core.conversation import ConversationError
+from chatcli.core.events import ConversationError
 
 if TYPE_CHECKING:
-    from chatcli.repl.loop import Repl
+    from chatcli.repl.context import CommandContext
 
 
 class ReplExit(Exception):
@@ -27,7 +27,7 @@ class UnknownCommand(CommandError):
     """No such command (maybe a message that starts with "/"): the line comes back to the prompt."""
 
 
-Handler = Callable[["Repl", str], None]
+Handler = Callable[["CommandContext", str], None]
 
 
 # Completion options: plain values, or (value, description) pairs shown beside them in the menu.
@@ -41,7 +41,7 @@ class Command:
     handler: Handler
     args: str = ""
     aliases: tuple[str, ...] = ()
-    complete: Callable[[Repl], Completions] | None = None
+    complete: Callable[[CommandContext], Completions] | None = None
 
     @property
     def usage(self) -> str:
@@ -54,7 +54,7 @@ class Registry:
     _by_alias: dict[str, Command] = field(default_factory=dict)
 
     def register(self, name: str, help: str, *, args: str = "", aliases: tuple[str, ...] = (),
-                 complete: Callable[[Repl], Completions] | None = None) -> Callable[[Handler], Handler]:
+                 complete: Callable[[CommandContext], Completions] | None = None) -> Callable[[Handler], Handler]:
         def deco(fn: Handler) -> Handler:
             cmd = Command(name, help, fn, args, aliases, complete)
             self.commands[name] = cmd
@@ -87,13 +87,13 @@ class Registry:
 REGISTRY = Registry()
 
 
-def dispatch(repl: Repl, line: str) -> None:
+def dispatch(ctx: CommandContext, line: str) -> None:
     """Run a slash command line such as ``/undo 2``."""
     word, _, rest = line[1:].partition(" ")
     if "\n" in word:  # "/cmd" followed by a newline typed with Alt-Enter
         word, _, more = word.partition("\n")
         rest = more + " " + rest
-    REGISTRY.resolve(word).handler(repl, rest.strip())
+    REGISTRY.resolve(word).handler(ctx, rest.strip())
 
 
 def _int_arg(arg: str, what: str, default: int | None = None) -> int | None:
@@ -119,97 +119,95 @@ KEYS_HELP = ("Enter sends · Alt-Enter (or Esc Enter) adds a line · Tab complet
 
 
 @REGISTRY.register("help", "show the commands", aliases=("?",))
-def _help(repl: Repl, arg: str) -> None:
+def _help(ctx: CommandContext, arg: str) -> None:
     rows = []
     for cmd in sorted(REGISTRY.commands.values(), key=lambda c: c.name):
         alias = " (" + ", ".join(f"/{a}" for a in cmd.aliases) + ")" if cmd.aliases else ""
         rows.append((cmd.usage, cmd.help + alias))
-    repl.renderer.commands(rows, KEYS_HELP)
+    ctx.renderer.commands(rows, KEYS_HELP)
 
 
 @REGISTRY.register("exit", "save and leave", aliases=("quit", "q"))
-def _exit(repl: Repl, arg: str) -> None:
+def _exit(ctx: CommandContext, arg: str) -> None:
     raise ReplExit()
 
 
 @REGISTRY.register("regen", "sample a new reply to your last message (the old one stays as an alternative)",
                    args="[--seed N]", aliases=("r",))
-def _regen(repl: Repl, arg: str) -> None:
+def _regen(ctx: CommandContext, arg: str) -> None:
     seed = _seed_arg(arg)
-    repl.run_reply(repl.conv.regen(seed=seed))
+    ctx.run_reply(ctx.conv.regen(seed=seed))
 
 
-def _edit_complete(repl: Repl) -> list[tuple[str, str]]:
-    users = repl.conv.user_messages()
+def _edit_complete(ctx: CommandContext) -> list[tuple[str, str]]:
+    users = ctx.conv.user_messages()
     short = [" ".join(m.text.split()) for m in users]
     return [(str(i + 1), t[:40] + "…" if len(t) > 40 else t) for i, t in enumerate(short)]
 
 
 @REGISTRY.register("edit", "edit your last message (or message N) and continue from it", args="[N]",
                    complete=_edit_complete)
-def _edit(repl: Repl, arg: str) -> None:
-    users = repl.conv.user_messages()
+def _edit(ctx: CommandContext, arg: str) -> None:
+    users = ctx.conv.user_messages()
     if not users:
         raise CommandError("no message to edit")
     n = _int_arg(arg, "message number", len(users))
     assert n is not None
     if not 1 <= n <= len(users):
         raise CommandError(f"no message {n} (there are {len(users)})")
-    text = repl.io.edit_text(users[n - 1].text)
+    text = ctx.io.edit_text(users[n - 1].text)
     if text is None or not text.strip():
-        repl.renderer.notice("edit cancelled")
+        ctx.renderer.notice("edit cancelled")
         return
-    repl.run_reply(repl.conv.edit(n, text))
+    ctx.run_reply(ctx.conv.edit(n, text))
 
 
 @REGISTRY.register("undo", "remove the last N exchanges (default 1); /redo brings them back", args="[N]")
-def _undo(repl: Repl, arg: str) -> None:
+def _undo(ctx: CommandContext, arg: str) -> None:
     n = _int_arg(arg, "count", 1)
     assert n is not None
-    stats = repl.conv.undo(n)
-    repl.renderer.notice(f"undid {n} exchange(s): kept {stats.kept} tokens, dropped {stats.dropped}, re-evaluated 0")
+    stats = ctx.conv.undo(n)
+    ctx.renderer.notice(f"undid {n} exchange(s): kept {stats.kept} tokens, dropped {stats.dropped}, re-evaluated 0")
 
 
 @REGISTRY.register("redo", "bring back what /undo removed")
-def _redo(repl: Repl, arg: str) -> None:
-    stats = repl.conv.redo()
-    repl.renderer.notice(f"redone: {stats.reevaluated} tokens evaluated, history untouched")
-    repl.show_last()
+def _redo(ctx: CommandContext, arg: str) -> None:
+    stats = ctx.conv.redo()
+    ctx.renderer.notice(f"redone: {stats.reevaluated} tokens evaluated, history untouched")
+    ctx.show_last()
 
 
-def _alt_complete(repl: Repl) -> list[tuple[str, str]]:
-    last = repl.conv.messages[-1] if repl.conv.messages else None
-    if last is None or last.role != "assistant":
+def _alt_complete(ctx: CommandContext) -> list[tuple[str, str]]:
+    alts = ctx.conv.alternatives()
+    if not alts:
         return []
-    alts = sorted(repl.conv.r.alternatives(last.turn), key=lambda e: int(e.get("alt", 0)))
     out = []
-    for i, e in enumerate(alts):
-        text = " ".join(str(e.get("text", "")).split())
-        out.append((str(i + 1), ("* " if int(e["mid"]) == last.mid else "") + (text[:40] + "…" if len(text) > 40 else text)))
+    for a in alts:
+        text = " ".join(a.text.split())
+        out.append((str(a.index + 1), ("* " if a.active else "") + (text[:40] + "…" if len(text) > 40 else text)))
     return [*out, ("next", "the next alternative"), ("prev", "the previous alternative")]
 
 
 @REGISTRY.register("alt", "list the alternatives of the last reply, or switch to alternative N",
                    args="[N|next|prev]", complete=_alt_complete)
-def _alt(repl: Repl, arg: str) -> None:
-    conv = repl.conv
-    last = conv.messages[-1] if conv.messages else None
-    if last is None or last.role != "assistant":
+def _alt(ctx: CommandContext, arg: str) -> None:
+    conv = ctx.conv
+    alts = conv.alternatives()
+    if not alts:
         raise CommandError("no reply yet")
-    alts = sorted(conv.r.alternatives(last.turn), key=lambda e: int(e.get("alt", 0)))
-    current = next(i for i, e in enumerate(alts) if int(e["mid"]) == last.mid)
+    current = next(a.index for a in alts if a.active)
     if not arg:
-        texts = [" ".join(str(e.get("text", "")).split()) for e in alts]
+        texts = [" ".join(a.text.split()) for a in alts]
         # Alternatives often open alike: show each from a little before where they part ways.
-        common = len(os.path.commonprefix(texts)) if len(texts) > 1 else 0
+        common = len(os.path.commonprefix(texts)) if len(texts) > 1 else 0  # noqa: RUF071 (characters wanted)
         start = max(0, common - 15) if common > 30 else 0
         rows = []
         for i, text in enumerate(texts):
             part = text[start:start + 70]
             shown = ("…" if start and part else "") + part + ("…" if len(text) > start + 70 else "")
             rows.append({"#": f"{i + 1}{' *' if i == current else ''}", "reply": shown or "(same as above)",
-                         "tokens": str(len(alts[i].get("tokens", [])))})
-        repl.renderer.table(rows, ["#", "reply", "tokens"], to_err=True)
+                         "tokens": str(alts[i].n_tokens)})
+        ctx.renderer.table(rows, ["#", "reply", "tokens"], to_err=True)
         return
     if arg in ("next", "prev") and len(alts) == 1:
         raise CommandError("this reply has no alternatives yet: /regen makes one")
@@ -220,26 +218,26 @@ def _alt(repl: Repl, arg: str) -> None:
         assert n is not None
         index = n - 1
     stats = conv.switch_alt(index)
-    repl.renderer.notice(f"alternative {index + 1}/{len(alts)}: kept {stats.kept} tokens, evaluated {stats.n_eval} "
+    ctx.renderer.notice(f"alternative {index + 1}/{len(alts)}: kept {stats.kept} tokens, evaluated {stats.n_eval} "
                          f"reply tokens, re-evaluated 0 history tokens")
-    repl.show_last()
+    ctx.show_last()
 
 
 @REGISTRY.register("title", "rename this conversation", args="TEXT")
-def _title(repl: Repl, arg: str) -> None:
+def _title(ctx: CommandContext, arg: str) -> None:
     if not arg:
-        repl.renderer.notice(f"title: {repl.conv.title or '(none)'}")
+        ctx.renderer.notice(f"title: {ctx.conv.title or '(none)'}")
         return
-    repl.conv.set_title(arg)
-    repl.renderer.notice(f"title set: {repl.conv.title}")
+    ctx.conv.set_title(arg)
+    ctx.renderer.notice(f"title set: {ctx.conv.title}")
 
 
 @REGISTRY.register("stats", "details of the last turn and of this session")
-def _stats(repl: Repl, arg: str) -> None:
+def _stats(ctx: CommandContext, arg: str) -> None:
     from chatcli.repl.render import human_bytes
 
-    conv = repl.conv
-    eng = conv.engine
+    conv = ctx.conv
+    use = conv.context
     last = conv.last_stats
     if last is not None:
         rows = [("evaluated", f"{last.n_eval} tokens ({last.n_prompt} of your message, read in "
@@ -255,60 +253,57 @@ def _stats(repl: Repl, arg: str) -> None:
                                      f"re-evaluated {last.reevaluated or 0} tokens"))
         if last.state_bytes:
             rows.append(("saved", f"{human_bytes(last.state_bytes)} of state in {last.save_ms:.0f} ms"))
-        repl.renderer.fields("last turn", rows)
+        ctx.renderer.fields("last turn", rows)
     s = conv.session_stats
-    rate = s["n_generated"] / s["gen_seconds"] if s["gen_seconds"] else 0.0
-    pct = 100 * eng.n_past / eng.n_ctx if eng.n_ctx else 0.0
-    repl.renderer.fields("session", [
-        ("replies", f"{int(s['turns'])}"),
-        ("tokens", f"{int(s['n_eval'])} evaluated, {int(s['n_generated'])} generated ({rate:.1f} tok/s)"),
-        ("context", f"{eng.n_past}/{eng.n_ctx} tokens ({pct:.0f}%)"),
+    ctx.renderer.fields("session", [
+        ("replies", f"{s.turns}"),
+        ("tokens", f"{s.n_eval} evaluated, {s.n_generated} generated ({s.tokens_per_second:.1f} tok/s)"),
+        ("context", f"{use.n_past}/{use.n_ctx} tokens ({100 * use.n_past / use.n_ctx if use.n_ctx else 0.0:.0f}%)"),
         ("state file", human_bytes(conv.state_bytes())),
         ("conversation", f"{conv.id} · {conv.title or '(untitled)'} · {conv.n_turns} exchange(s)"),
     ])
 
 
-def _persona_complete(repl: Repl) -> list[tuple[str, str]]:
-    return [(name, p.description) for name, p in sorted(repl.session.personas().items())]
+def _persona_complete(ctx: CommandContext) -> list[tuple[str, str]]:
+    return [(name, p.description) for name, p in sorted(ctx.personas().items())]
 
 
 @REGISTRY.register("persona", "start a new conversation with another persona (this one stays saved)", args="NAME",
                    complete=_persona_complete)
-def _persona(repl: Repl, arg: str) -> None:
+def _persona(ctx: CommandContext, arg: str) -> None:
     if not arg:
-        current = repl.conv.meta.get("persona", "")
-        names = [n + (" (current)" if n == current else "") for n in sorted(repl.session.personas())]
+        current = ctx.conv.persona_name
+        names = [n + (" (current)" if n == current else "") for n in sorted(ctx.personas())]
         raise CommandError("usage: /persona NAME — one of: " + ", ".join(names))
-    names = sorted(repl.session.personas())
+    names = sorted(ctx.personas())
     if arg not in names:
         matches = [n for n in names if n.startswith(arg)]
         if len(matches) == 1:
             arg = matches[0]
-    repl.switch_persona(arg)
+    ctx.switch_persona(arg)
 
 
 @REGISTRY.register("system", "show the persona's system prompt")
-def _system(repl: Repl, arg: str) -> None:
+def _system(ctx: CommandContext, arg: str) -> None:
     if arg:
         raise CommandError("the system prompt belongs to the persona: start one with /persona NAME, "
                            "or write your own persona file (see `chatcli personas`)")
-    sys_msgs = [m.content for m in repl.conv.r.persona_messages if m.role == "system"]
-    repl.renderer.notice(sys_msgs[0] if sys_msgs else "(no system prompt)")
+    ctx.renderer.notice(ctx.conv.system_prompt or "(no system prompt)")
 
 
 def _last_code_block(text: str) -> str | None:
     blocks = re.findall(r"^ {0,3}(```|~~~)[^\n]*\n(.*?)^ {0,3}\1[ \t]*$", text, re.M | re.S)
     if blocks:
-        return blocks[-1][1]
+        return str(blocks[-1][1])
     # An unterminated fence (a reply stopped early) still counts.
     m = re.search(r"^ {0,3}(```|~~~)[^\n]*\n(.*)\Z", text, re.M | re.S)
     return m.group(2) if m else None
 
 
 @REGISTRY.register("copy", "copy the last reply (or its last code block) to the clipboard", args="[code]",
-                   complete=lambda repl: [("code", "only the last code block")])
-def _copy(repl: Repl, arg: str) -> None:
-    replies = [m for m in repl.conv.messages if m.role == "assistant"]
+                   complete=lambda ctx: [("code", "only the last code block")])
+def _copy(ctx: CommandContext, arg: str) -> None:
+    replies = [m for m in ctx.conv.messages if m.role == "assistant"]
     if not replies:
         raise CommandError("no reply to copy")
     text = replies[-1].text
@@ -320,22 +315,21 @@ def _copy(repl: Repl, arg: str) -> None:
         text, what = block, "its last code block"
     elif arg:
         raise CommandError("usage: /copy [code]")
-    how = repl.io.copy_to_clipboard(text)
-    repl.renderer.notice(f"copied {what} ({len(text)} characters, via {how})")
+    how = ctx.io.copy_to_clipboard(text)
+    ctx.renderer.notice(f"copied {what} ({len(text)} characters, via {how})")
 
 
 @REGISTRY.register("save", "write this conversation as Markdown (default: ./chatcli-ID.md)", args="[PATH]")
-def _save(repl: Repl, arg: str) -> None:
-    from chatcli.core.export import to_markdown
-
-    path = Path(arg).expanduser() if arg else Path(f"chatcli-{repl.conv.id}.md")
+def _save(ctx: CommandContext, arg: str) -> None:
+    path = Path(arg).expanduser() if arg else Path(f"chatcli-{ctx.conv.id}.md")
     if path.is_dir():
-        path = path / f"chatcli-{repl.conv.id}.md"
+        path = path / f"chatcli-{ctx.conv.id}.md"
     try:
-        path.write_text(to_markdown(repl.conv.meta, repl.conv.r), encoding="utf-8")
+        # The whole conversation, also what left the model's context (`chatcli export --in-context` has not).
+        path.write_text(ctx.conv.to_markdown(), encoding="utf-8")
     except OSError as exc:
         raise CommandError(f"cannot write {path}: {exc.strerror or exc}") from None
-    repl.renderer.notice(f"saved {repl.conv.n_turns} exchange(s) to {path}")
+    ctx.renderer.notice(f"saved {ctx.conv.n_exchanges} exchange(s) to {path}")
 
 
 __all__ = ["REGISTRY", "CommandError", "ConversationError", "ReplExit", "UnknownCommand", "dispatch"]

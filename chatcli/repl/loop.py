@@ -14,31 +14,31 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Protocol, TextIO
+from typing import IO, TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator, TextIO
 
 from prompt_toolkit import PromptSession
 from prompt_toolkit.completion import Completer, Completion
 from prompt_toolkit.document import Document
 from prompt_toolkit.formatted_text import HTML
-from prompt_toolkit.history import FileHistory, InMemoryHistory
+from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.input import Input
 from prompt_toolkit.output import Output
 
-from chatcli.repl.commands import REGISTRY, CommandError, ReplExit, UnknownCommand, dispatch
-from chatcli.core.conversation import Conversation, ConversationError, Event, ResumeReport
-from chatcli.backends.llamacpp import ContextFullError, EngineError
 from chatcli.config.personas import PersonaError
-from chatcli.repl.render import Renderer, human_bytes
+from chatcli.core.backend import BackendError, ContextFullError
+from chatcli.core.conversation import Conversation
+from chatcli.core.events import ConversationError, Event, ResumeReport
+from chatcli.core.fsutil import ensure_private_dir
+from chatcli.core.opening import split_opening
 from chatcli.core.template import TemplateError
+from chatcli.repl.commands import REGISTRY, CommandError, ReplExit, UnknownCommand, dispatch
+from chatcli.repl.context import ChatConversation, ChatIO, CommandContext
+from chatcli.repl.render import Renderer, human_bytes
 
-USER_ERRORS = (CommandError, ConversationError, ContextFullError, PersonaError, TemplateError, EngineError, OSError)
+if TYPE_CHECKING:
+    from chatcli.session import Session
 
-
-class ChatIO(Protocol):
-    def read(self, default: str = "") -> str: ...
-    def edit_text(self, text: str) -> str | None: ...
-    def copy_to_clipboard(self, text: str) -> str: ...
-    def busy(self) -> ContextManager[None]: ...
+USER_ERRORS = (CommandError, ConversationError, ContextFullError, PersonaError, TemplateError, BackendError, OSError)
 
 
 class SlashCompleter(Completer):
@@ -62,7 +62,7 @@ class SlashCompleter(Completer):
         if cmd is None or cmd.complete is None:
             return
         try:
-            options = cmd.complete(self.repl)
+            options = cmd.complete(self.repl.command_context())
         except Exception:  # completion must never break typing
             return
         for opt in options:
@@ -84,10 +84,10 @@ class TerminalIO:
     ) -> None:
         from chatcli.repl.keys import chat_key_bindings
 
-        history = InMemoryHistory()
+        history: History = InMemoryHistory()
         if history_file is not None:
             try:
-                history_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                ensure_private_dir(history_file.parent)
                 # Everything the user typed is in there: private from the start (FileHistory would
                 # create it with the umask's 0644), and made private if an older version left it open.
                 os.close(os.open(history_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
@@ -171,7 +171,7 @@ class LineIO:
         return contextlib.nullcontext()
 
 
-def copy_to_clipboard(text: str, terminal: TextIO | None) -> str:
+def copy_to_clipboard(text: str, terminal: IO[str] | None) -> str:
     """Copy with the desktop's clipboard tool, else through the terminal (OSC 52); returns how."""
     tools = []
     if os.environ.get("WAYLAND_DISPLAY"):
@@ -201,8 +201,8 @@ class Repl:
 
     def __init__(
         self,
-        session: Any,
-        conv: Conversation,
+        session: Session,
+        conv: ChatConversation,
         renderer: Renderer,
         io_factory: Callable[[Repl], ChatIO],
     ) -> None:
@@ -224,15 +224,15 @@ class Repl:
     def toolbar_parts(self) -> list[tuple[int, str, str]]:
         """The toolbar's pieces as (priority, plain text, markup); lower priorities go first when narrow."""
         conv = self.conv
-        eng = conv.engine
-        frac = min(1.0, eng.n_past / eng.n_ctx) if eng.n_ctx else 0.0
+        use = conv.context
+        frac = use.fraction
         bar = context_bar(frac)
         model = self.session.model.info.name if self.session is not None else "?"
         if len(model) > 24:
             model = model[:23] + "…"
-        persona = str(conv.meta.get("persona", ""))
-        ctx = f"ctx {eng.n_past}/{eng.n_ctx} {bar}"
-        ctx_markup = f"ctx {eng.n_past}/{eng.n_ctx} {esc(bar)}"
+        persona = conv.persona_name
+        ctx = f"ctx {use.n_past}/{use.n_ctx} {bar}"
+        ctx_markup = f"ctx {use.n_past}/{use.n_ctx} {esc(bar)}"
         if frac >= 0.9:
             ctx_markup = f"<b>{ctx_markup}</b>"
         state = f"state {human_bytes(conv.state_bytes())}"
@@ -287,7 +287,7 @@ class Repl:
                     with self._busy():
                         if line.startswith("/") and not line.startswith("//"):
                             try:
-                                dispatch(self, line.strip())
+                                dispatch(self.command_context(), line.strip())
                             except UnknownCommand:
                                 pending = line  # a typo, or a message meant to start with "/": keep it
                                 raise
@@ -300,6 +300,8 @@ class Repl:
                                 if len(self.conv.user_messages()) == n_users:
                                     pending = line  # refused, so it comes back in the prompt: nothing is lost
                                 raise
+                    for notice in self.conv.take_notices():  # e.g. the state budget after /undo or /alt
+                        self.renderer.notice(notice.text, notice.level)
                 except ReplExit:
                     break
                 except BrokenPipeError:
@@ -377,10 +379,10 @@ class Repl:
                 self.conv.cancel()
             yield ev
 
-    def show_last(self) -> None:
-        msgs = self.conv.messages
-        if msgs and msgs[-1].role == "assistant":
-            self.renderer.reply_text(msgs[-1].text)
+    def command_context(self) -> CommandContext:
+        """What a slash command may use (made per command: /persona replaces the conversation)."""
+        return CommandContext(conv=self.conv, renderer=self.renderer, io=self.io, run_reply=self.run_reply,
+                              personas=self.session.personas, switch_persona=self.switch_persona)
 
     def switch_persona(self, name: str) -> None:
         """Start a new conversation from persona ``name``; the current one is saved and closed."""
@@ -389,22 +391,21 @@ class Repl:
             conv, _ = open_events(self.session.new_conversation(name), self.renderer)
         except BaseException:
             # Creating the new conversation may have cleared the shared context: bring the old one back.
-            if list(old.engine.tokens) != old.r.tokens():
+            if not old.holds_context():
                 old.close()
                 self.conv, _ = open_events(self.session.open_conversation(old.id), self.renderer)
             raise
         old.close()
         self.conv = conv
         self.renderer.notice(f"conversation {old.id} saved (chatcli resume {old.id}); "
-                             f"new conversation {conv.id} with persona {conv.meta.get('persona', name)}")
-        greeting = [m for m in conv.r.persona_messages if m.role == "assistant"]
-        if greeting:
-            self.renderer.reply_text(greeting[-1].content)
+                             f"new conversation {conv.id} with persona {conv.persona_name or name}")
+        if conv.greeting:
+            self.renderer.reply_text(conv.greeting)
 
 
 def context_bar(frac: float, width: int = 10) -> str:
     """A bar of ``width`` cells, in eighths, showing how full the context is."""
-    eighths = int(round(max(0.0, min(1.0, frac)) * width * 8))
+    eighths = round(max(0.0, min(1.0, frac)) * width * 8)
     full, part = divmod(eighths, 8)
     bar = "█" * full + ("▏▎▍▌▋▊▉"[part - 1] if part else "")
     return bar + "░" * (width - len(bar))
@@ -430,24 +431,17 @@ def _one_line(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
-def open_events(events: Iterable[Event | ResumeReport | Conversation], renderer: Renderer) -> tuple[Conversation, ResumeReport | None]:
+def open_events(events: Iterable[Event | ResumeReport | Conversation],
+                renderer: Renderer) -> tuple[Conversation, ResumeReport | None]:
     """Drain a create/open generator: render its events, return the conversation (and resume report)."""
-    box: dict[str, Any] = {}
-
-    def only_events() -> Iterator[Event]:
-        for ev in events:
-            if isinstance(ev, Conversation):
-                box["conv"] = ev
-            elif isinstance(ev, ResumeReport):
-                box["report"] = ev
-            else:
-                yield ev
-
-    renderer.stream(only_events(), label="loading")
-    return box["conv"], box.get("report")
+    only_events, opened = split_opening(events)
+    renderer.stream(only_events, label="loading")
+    if opened.conversation is None:
+        raise ConversationError("the conversation could not be opened")  # the generator ended early
+    return opened.conversation, opened.report
 
 
-def is_tty(stream: TextIO) -> bool:
+def is_tty(stream: IO[str]) -> bool:
     try:
         return stream.isatty()
     except (AttributeError, ValueError):

@@ -10,23 +10,25 @@ is, and the text is rendered once more from the final message when the reply end
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import threading
 import time
-from typing import Any, Iterable, Iterator, Sequence, TextIO
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, TextIO
 
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.live import Live
 from rich.markdown import Markdown
-from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as RichProgress
 from rich.segment import Segment
 from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
-from chatcli.core.conversation import ActiveMessage, Event, Notice, Progress, ReplyEnd, ReplyStart, ReplyText, TurnStats
+from chatcli.core.events import Event, Notice, Progress, ReplyEnd, ReplyStart, ReplyText, TurnStats
+from chatcli.core.transcript import ActiveMessage
 
 # Prose is hard to read in very wide lines: replies are laid out at most this wide.
 MAX_REPLY_WIDTH = 100
@@ -411,9 +413,6 @@ class Renderer:
         for r in rows:
             t.add_row(*(Text(str(r.get(c, ""))) for c in columns))  # user text is never markup
         self.console.print(t)
-
-    def json(self, data: Any) -> None:
-        self.console.file.write(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
 def _isatty(stream: Any) -> bool:

@@ -1,0 +1,289 @@
+"""The state budget: a bound on the bytes of all KV state files, kept by evicting the least recently used.
+
+What counts: every conversation's ``state.kv`` and every persona prefix file in the cache. What is never
+touched: transcripts and metadata (the truth: an evicted conversation rebuilds its KV from the transcript's
+token ids on its next resume), a conversation that is open (its lock is held: by another process, or by this
+one on another file description, which ``flock`` refuses just the same), and the prefix files the caller says
+are in use.
+
+Last use is the conversation's metadata ``updated`` time (written after every turn and rollback; what
+``chatcli ls`` sorts by and what ``resume`` without an id picks), or the state file's mtime when that is
+later (a resume that rebuilt the state). Access times are not used: most systems mount with ``relatime`` or
+``noatime``, and a backup or a ``grep`` would count as use. Prefix files are touched when a new conversation
+loads them, so their mtime is their last use.
+
+This module only deals with files: no UI, no engine, no numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from chatcli.core.store import ConversationDir, LockedError, StoreError
+
+DEFAULT_BUDGET = "20GB"
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_UNLIMITED = frozenset({"0", "none", "unlimited", "off", ""})
+
+
+class BudgetError(ValueError):
+    """A size that cannot be read; the message is one line."""
+
+
+def parse_size(text: str) -> int | None:
+    """Bytes from ``20GB``, ``500MB``, ``1.5G``, ``750k``, ``4096``; None (no limit) for ``0``/``none``.
+
+    Units are powers of 1024, the way chatcli prints sizes (``KB``, ``KiB`` and ``K`` all mean 1024 bytes).
+    """
+    s = str(text).strip().lower()
+    if s in _UNLIMITED:
+        return None
+    m = _SIZE_RE.match(s)
+    if not m:
+        raise BudgetError(f"not a size: {text!r} (use e.g. 20GB, 500MB, or 0/none for no limit)")
+    number, unit = float(m[1]), m[2].lower()
+    if m[3] and m[3].lower() == "ib" and not unit:
+        raise BudgetError(f"not a size: {text!r} (use e.g. 20GB, 500MB, or 0/none for no limit)")
+    n = int(number * _UNITS[unit])
+    return n if n > 0 else None
+
+
+def format_size(n: float) -> str:
+    x = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if x < 1024 or unit == "GB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{x:.1f} GB"  # pragma: no cover
+
+
+@dataclass(frozen=True)
+class StateItem:
+    """One evictable file."""
+
+    path: Path
+    size: int
+    last_used: float
+    conv_id: str | None  # None for a persona prefix file
+
+    @property
+    def kind(self) -> str:
+        return "prefix" if self.conv_id is None else "conversation"
+
+
+@dataclass
+class Usage:
+    items: list[StateItem] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(i.size for i in self.items)
+
+    @property
+    def conversations(self) -> int:
+        return sum(i.size for i in self.items if i.conv_id is not None)
+
+    @property
+    def prefixes(self) -> int:
+        return sum(i.size for i in self.items if i.conv_id is None)
+
+    def warm_ids(self) -> set[str]:
+        return {i.conv_id for i in self.items if i.conv_id is not None and i.size > 0}
+
+
+@dataclass
+class Freed:
+    """What applying a budget did; ``summary()`` is the one line a front end shows."""
+
+    budget: int | None
+    before: int
+    after: int
+    evicted: list[StateItem] = field(default_factory=list)
+    spared_open: list[str] = field(default_factory=list)  # over budget, but open: left alone
+
+    @property
+    def freed_bytes(self) -> int:
+        return sum(i.size for i in self.evicted)
+
+    @property
+    def over_budget(self) -> bool:
+        return self.budget is not None and self.after > self.budget
+
+    def summary(self) -> str:
+        if self.budget is None:
+            return f"no state budget (unlimited): {format_size(self.after)} of KV state kept"
+        convs = [i.conv_id for i in self.evicted if i.conv_id is not None]
+        n_prefix = sum(1 for i in self.evicted if i.conv_id is None)
+        limit = f"state budget {format_size(self.budget)}"
+        if not self.evicted:
+            head = f"{limit}: nothing to free ({format_size(self.after)} in use)"
+        else:
+            what = []
+            if convs:
+                shown = ", ".join(convs[:6]) + (f" and {len(convs) - 6} more" if len(convs) > 6 else "")
+                what.append(f"the KV state of {len(convs)} conversation{'s' if len(convs) != 1 else ''} ({shown})")
+            if n_prefix:
+                what.append(f"{n_prefix} persona prefix{'es' if n_prefix != 1 else ''}")
+            head = (f"{limit}: freed {format_size(self.freed_bytes)} by dropping {' and '.join(what)}; "
+                    f"{format_size(self.after)} in use")
+            if convs:
+                head += "; they resume by re-evaluating their transcript"
+        if self.over_budget:
+            head += f"; still over: open conversation{'s' if len(self.spared_open) != 1 else ''} " \
+                    f"{', '.join(self.spared_open) or '(none)'} kept"
+        return head
+
+
+# -- usage ---------------------------------------------------------------------------------------
+
+
+def _conv_item(path: Path) -> StateItem | None:
+    state = path / "state.kv"
+    try:
+        st = state.stat()
+    except FileNotFoundError:
+        return None
+    last = st.st_mtime
+    try:
+        meta = json.loads((path / "meta.json").read_text("utf-8"))
+        if isinstance(meta, dict) and isinstance(meta.get("updated"), (int, float)):
+            last = max(last, float(meta["updated"]))
+    except (OSError, ValueError, UnicodeDecodeError):
+        pass  # unreadable metadata: the state file's mtime is the best guess
+    return StateItem(state, st.st_size, last, path.name)
+
+
+def scan_usage(conversations_dir: Path, prefix_dir: Path | None) -> Usage:
+    """Every state file and prefix file with its size and last use (a stat each; metadata read per file)."""
+    usage = Usage()
+    if conversations_dir.is_dir():
+        for entry in os.scandir(conversations_dir):
+            if entry.is_dir(follow_symlinks=False):
+                item = _conv_item(Path(entry.path))
+                if item is not None:
+                    usage.items.append(item)
+    if prefix_dir is not None and prefix_dir.is_dir():
+        for entry in os.scandir(prefix_dir):
+            if entry.name.endswith(".kv") and entry.is_file(follow_symlinks=False):
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:
+                    continue
+                usage.items.append(StateItem(Path(entry.path), st.st_size, st.st_mtime, None))
+    return usage
+
+
+def total_bytes(conversations_dir: Path, prefix_dir: Path | None) -> int:
+    """Only the sizes (no metadata reads): the check that runs after every save."""
+    total = 0
+    for root, name in ((conversations_dir, "state.kv"), (prefix_dir, None)):
+        if root is None or not root.is_dir():
+            continue
+        for entry in os.scandir(root):
+            try:
+                if name is not None and entry.is_dir(follow_symlinks=False):
+                    total += os.stat(os.path.join(entry.path, name)).st_size
+                elif name is None and entry.name.endswith(".kv"):
+                    total += entry.stat().st_size
+            except FileNotFoundError:
+                continue
+    return total
+
+
+# -- eviction ------------------------------------------------------------------------------------
+
+
+def enforce(
+    conversations_dir: Path,
+    prefix_dir: Path | None,
+    budget: int | None,
+    *,
+    keep_ids: Iterable[str] = (),
+    keep_prefixes: Iterable[Path] = (),
+) -> Freed:
+    """Drop least-recently-used state files until the total is within ``budget`` (None: no limit).
+
+    ``keep_ids`` are conversations the caller has open (spared even if their lock were not held);
+    ``keep_prefixes`` are prefix files in use. Other open conversations are recognised by their lock.
+    """
+    usage = scan_usage(conversations_dir, prefix_dir)
+    before = usage.total
+    freed = Freed(budget=budget, before=before, after=before)
+    if budget is None or before <= budget:
+        return freed
+    keep = set(keep_ids)
+    keep_paths = {Path(p).resolve() for p in keep_prefixes}
+    total = before
+    for item in sorted(usage.items, key=lambda i: (i.last_used, i.size)):
+        if total <= budget:
+            break
+        if item.size == 0:
+            continue
+        if item.conv_id is None:
+            if item.path.resolve() in keep_paths:
+                continue
+            if _unlink(item.path):
+                total -= item.size
+                freed.evicted.append(item)
+            continue
+        if item.conv_id in keep:
+            freed.spared_open.append(item.conv_id)
+            continue
+        if _evict_conversation(item):
+            total -= item.size
+            freed.evicted.append(item)
+        else:
+            freed.spared_open.append(item.conv_id)
+    freed.after = total
+    return freed
+
+
+def _unlink(path: Path) -> bool:
+    try:
+        path.unlink()
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return False
+
+
+def _evict_conversation(item: StateItem) -> bool:
+    """Delete one conversation's state file under its lock; False if it is open (or vanished)."""
+    conv = ConversationDir(item.path.parent)
+    try:
+        conv.lock()
+    except LockedError:
+        return False
+    except OSError:
+        return False
+    try:
+        if not _unlink(conv.state_path):
+            return False
+        try:
+            meta = conv.read_meta()
+            meta["evicted"] = {"at": round(time.time(), 3), "bytes": item.size}
+            conv.write_meta(meta)
+        except (StoreError, OSError):
+            pass  # the marker only improves the resume message; the state file is gone either way
+        return True
+    finally:
+        conv.unlock()
+
+
+def was_evicted(meta: dict[str, object]) -> bool:
+    """The conversation's state was dropped by a budget (and not rebuilt since)."""
+    return isinstance(meta.get("evicted"), dict)
+
+
+__all__ = [
+    "DEFAULT_BUDGET", "BudgetError", "Freed", "StateItem", "Usage", "enforce", "format_size", "parse_size",
+    "scan_usage", "total_bytes", "was_evicted",
+]

@@ -1,0 +1,84 @@
+"""Rebuilding a context from the transcript's token ids, bit-identical to the process that built it.
+
+llama.cpp's results depend on how tokens were batched: a reply decoded one token at a time leaves other
+KV bits (and later logits) than the same tokens evaluated in one 512-token batch, enough to flip a greedy
+choice later on (measured on SmolLM2: a conversation rebuilt in one batch replied differently). So a
+rebuild replays the original batching, which the transcript determines:
+
+- the persona prefix: one evaluation (``Engine.eval_steps``: batches of ``n_batch`` from its start);
+- a user message: one evaluation;
+- a reply: each sampled token decoded alone, then the template's closing (e.g. the ``\\n`` after
+  ``<|im_end|>``) in one evaluation.
+
+Then an evicted conversation (or one resumed with another KV type, or whose state was damaged) continues
+exactly as if its state had been loaded. The cost: reply tokens are decoded one by one, as when they were
+generated (bench/results/kvtypes.md measures it). After a context shift the live process holds rotated K
+cells that no rebuild reproduces; those conversations are rebuilt the same way, close but not bit-identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+
+
+class _Message(Protocol):
+    role: str
+    tokens: list[int]
+    p0: int
+
+
+class _Engine(Protocol):
+    def eval_steps(self, tokens: Sequence[int]) -> Iterator[tuple[int, int]]: ...
+
+
+def segments(prefix_len: int, messages: Sequence[_Message], closing_len: Callable[[int], int]) -> list[tuple[int, int]]:
+    """The ranges [p0, p1) that were evaluated as one call each, in order; ``closing_len(i)`` is how many
+    tokens at the end of message ``i`` (a reply) are the template's closing."""
+    out: list[tuple[int, int]] = []
+    if prefix_len:
+        out.append((0, prefix_len))
+    for i, m in enumerate(messages):
+        p0, p1 = m.p0, m.p0 + len(m.tokens)
+        if m.role != "assistant":
+            if p1 > p0:
+                out.append((p0, p1))
+            continue
+        n_close = max(0, min(closing_len(i), p1 - p0))
+        out.extend((p, p + 1) for p in range(p0, p1 - n_close))
+        if n_close:
+            out.append((p1 - n_close, p1))
+    return out
+
+
+def evaluate(engine: _Engine, want: Sequence[int], start: int, plan: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+    """Evaluate ``want[start:]`` following ``plan``; yields (done, total) now and then, for a progress bar.
+
+    Ranges the plan does not cover (it always should) are evaluated as one call.
+    """
+    total = len(want) - start
+    pos = start
+    last_report = 0
+    for p0, p1 in plan:
+        p1 = min(p1, len(want))
+        if p1 <= pos:
+            continue
+        if p0 > pos:  # a gap in the plan: evaluate it plainly
+            for _ in engine.eval_steps(want[pos:p0]):
+                pass
+            pos = p0
+        for _ in engine.eval_steps(want[pos:p1]):
+            pass
+        pos = p1
+        if pos - start - last_report >= 16 or p1 - p0 > 1:
+            last_report = pos - start
+            yield last_report, total
+    if pos < len(want):
+        for _ in engine.eval_steps(want[pos:]):
+            pass
+        pos = len(want)
+    if pos - start != last_report:
+        yield pos - start, total
+
+
+__all__ = ["evaluate", "segments"]

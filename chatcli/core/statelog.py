@@ -1,0 +1,422 @@
+"""How a conversation's KV state outlives the process: chosen by what the backend can do.
+
+The conversation (``conversation.py``) decides *what* happens to the context — a turn, a rollback, a
+shift — and tells its state log through a few hooks; the log decides what to save and how to restore.
+
+- ``CellLog`` (backends with ``caps.cells``, the local llama.cpp engine): the append-only state file
+  (``statefile.py``). Each turn appends only the cells it added, plus the logits after the user message
+  (so /regen samples again without evaluating anything); a rollback appends a TRUNCATE record; switching
+  back to a reply or redoing it reads its cells back; compaction and context shifts write one snapshot.
+- ``CheckpointLog`` (backends with ``caps.checkpoint``, e.g. a remote llama-server that saves whole slots
+  to its own files): after each operation the backend saves its sequence under the conversation's
+  checkpoint name, and the conversation's metadata records how many tokens it holds (and their hash). On
+  open the checkpoint is restored if it still matches the transcript; otherwise, or for backends with
+  neither capability, the context is rebuilt by evaluating the transcript's tokens (a server reuses
+  whatever common prefix its cache still has).
+
+Either way the transcript is the truth: the state log only saves time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
+
+import numpy as np
+
+from chatcli.core import prefixcache, rebuild
+from chatcli.core import statefile as sf
+from chatcli.core.backend import Backend, BackendError
+from chatcli.core.events import Event, Progress, ResumeReport, TurnStats
+
+if TYPE_CHECKING:
+    from chatcli.core.backend import Logits
+
+
+class StateLog(Protocol):
+    """The hooks a conversation calls; each keeps the saved state equal to the backend's sequence."""
+
+    save_error: str  # the last save failure ("" once a save succeeds): the transcript is intact either way
+    meta_changed: bool  # the log changed the conversation's metadata: write it
+    on_saved: Callable[[], None] | None  # called after every successful write to this machine's disk
+
+    @property
+    def turn_logits(self) -> tuple[int, Logits] | None: ...
+
+    def start(self, prefix_tokens: list[int], cache_file: Path | None) -> Iterator[Event]:
+        """Put the persona prefix in the (empty) backend and start the saved state from it."""
+        ...
+
+    def restore(self, want: list[int], report: ResumeReport, plan: list[tuple[int, int]] | None = None) -> Iterator[Event]:
+        """Make the (empty) backend hold ``want``, loading what was saved and evaluating the rest (batched as
+        ``plan`` says, see rebuild.py)."""
+        ...
+
+    def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats) -> None: ...
+    def before_reply(self) -> int:
+        """Get the backend ready to sample at its current position; returns tokens re-evaluated."""
+        ...
+
+    def reply_done(self, p0: int, tokens: list[int], stats: TurnStats) -> None: ...
+    def truncated(self, to: int, *, persist: bool = True) -> None: ...
+    def put_back(self, tokens: list[int]) -> int:
+        """Append ``tokens`` to the context, reusing saved cells where possible; returns tokens reused."""
+        ...
+
+    def shifted(self) -> None: ...
+    def settle(self) -> None:
+        """An operation ended: compact or checkpoint as needed."""
+        ...
+
+    def size_bytes(self) -> int: ...
+
+
+def make_state_log(backend: Backend, *, state_path: Path, identity: dict[str, Any], meta: dict[str, Any],
+                   checkpoint_name: str) -> StateLog:
+    if backend.caps.cells:
+        return CellLog(backend, state_path, identity)
+    return CheckpointLog(backend, meta, checkpoint_name)
+
+
+def _save_failed(exc: BaseException) -> str:
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return f"could not save the KV state ({why}); the transcript is intact"
+
+
+# -- cells: the append-only state file ------------------------------------------------------------------
+
+
+class CellLog:
+    def __init__(self, backend: Backend, path: Path, identity: dict[str, Any]) -> None:
+        self.eng = backend
+        self.path = path
+        self.identity = identity
+        self.state = sf.ScanResult(header=None)
+        self.writer = sf.StateWriter(path)
+        self._turn_logits: tuple[int, Logits] | None = None
+        self.save_error = ""
+        self.meta_changed = False
+        self.on_saved: Callable[[], None] | None = None
+        self._needs_snapshot = False
+
+    @property
+    def turn_logits(self) -> tuple[int, Logits] | None:
+        return self._turn_logits
+
+    def start(self, prefix_tokens: list[int], cache_file: Path | None) -> Iterator[Event]:
+        records, _hit = yield from prefixcache.load_or_build(self.eng, prefix_tokens, cache_file, self.identity)
+        # The conversation gets its own copy of the prefix cells: it keeps working if the cache is cleared.
+        self.writer.rewrite(records)
+        self.state = sf.scan(self.path)
+
+    def restore(self, want: list[int], report: ResumeReport, plan: list[tuple[int, int]] | None = None) -> Iterator[Event]:
+        eng = self.eng
+        t0 = time.perf_counter()
+        res = sf.scan(self.path)
+        loaded_bytes = 0
+        logits_rec: sf.Record | None = None
+        usable = res.header is not None and res.header.get("identity") == self.identity
+        if res.header is None:
+            report.reason = "no saved state" if res.problem in ("missing", "empty") else f"state file unusable ({res.problem})"
+        elif not usable:
+            report.reason = prefixcache.identity_mismatch(res.header.get("identity"), self.identity)
+        else:
+            if res.dropped_bytes:
+                report.reason = f"dropped {res.dropped_bytes} bytes of a damaged state record ({res.problem})"
+            chunks, logits_rec, _ = res.live()
+            for ch in chunks:
+                rec = ch.record
+                try:
+                    payload = sf.read_payload(self.path, rec)
+                except sf.StateFileError as exc:
+                    report.reason = f"state record unreadable ({exc})"
+                    break
+                toks, kv = sf.split_cells(payload, rec.p1 - rec.p0)
+                if want[rec.p0:ch.end] != toks[: ch.end - rec.p0]:
+                    report.reason = "saved state does not match the transcript"
+                    break
+                try:
+                    eng.load_cells(rec.p0, rec.p1, kv, toks)
+                except Exception as exc:  # llama.cpp rejected it: rebuild from tokens instead
+                    report.reason = f"saved cells rejected ({exc})"
+                    break
+                if ch.end < rec.p1:
+                    eng.truncate(ch.end)
+                loaded_bytes += rec.size
+        report.restored_tokens = eng.n_past
+        report.restored_bytes = loaded_bytes
+        report.seconds = time.perf_counter() - t0
+        n_ok = eng.n_past
+        if logits_rec is not None and logits_rec.p0 <= n_ok:
+            try:
+                arr = np.frombuffer(sf.read_payload(self.path, logits_rec), dtype="<f4")
+                if arr.shape == (eng.n_vocab,):
+                    self._turn_logits = (logits_rec.p0, arr.copy())
+            except sf.StateFileError:
+                pass
+        # Catch up: evaluate only the tail the state file did not have.
+        tail = want[n_ok:]
+        if tail:
+            t1 = time.perf_counter()
+            # Batched as the tokens were when first evaluated, so the rebuilt KV is bit-identical (rebuild.py).
+            for done, total in rebuild.evaluate(eng, want, n_ok, plan or [(0, len(want))]):
+                yield Progress("rebuilding context from the transcript", done, total, time.perf_counter() - t1)
+            report.reevaluated = len(tail)
+        # Bring the state file in line with the context (one rewrite; the common case writes nothing).
+        if not usable or res.dropped_bytes or n_ok < res.live()[2] or tail:
+            self._rewrite_state()
+        else:
+            self.state = res
+        if self._turn_logits and self._turn_logits[0] == eng.n_past:
+            eng.set_logits(self._turn_logits[1])
+
+    def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats) -> None:
+        eng = self.eng
+        logits = eng.logits()
+        self._turn_logits = (eng.n_past, logits)
+        if self._needs_snapshot:
+            # After a context shift the moved K cells were rotated by this decode: only now is a snapshot
+            # valid. Reloading it also lays the cells out exactly as a resumed process will have them, so
+            # this process and a resumed one continue bit-identically.
+            data = self._rewrite_state()
+            if data is not None:
+                toks = list(eng.tokens)
+                eng.clear()
+                eng.load_cells(0, len(toks), data, toks)
+                eng.set_logits(logits)
+            self._needs_snapshot = False
+            return
+        kv = eng.save_cells(p0, p0 + len(tokens))
+        recs = [sf.encode_record(sf.CELLS, p0, p0 + len(tokens), sf.cells_payload(tokens, kv))]
+        recs.append(sf.encode_record(sf.LOGITS, eng.n_past, eng.n_past, logits.astype("<f4").tobytes()))
+        stats.state_bytes += self._append(recs, stats)
+
+    def before_reply(self) -> int:
+        eng = self.eng
+        if self._turn_logits and self._turn_logits[0] == eng.n_past and not eng.has_logits:
+            eng.set_logits(self._turn_logits[1])
+        return eng.ensure_logits()
+
+    def reply_done(self, p0: int, tokens: list[int], stats: TurnStats) -> None:
+        kv = self.eng.save_cells(p0, self.eng.n_past)
+        stats.state_bytes += self._append([sf.encode_record(sf.CELLS, p0, self.eng.n_past, sf.cells_payload(tokens, kv))], stats)
+        self.settle()
+
+    def truncated(self, to: int, *, persist: bool = True) -> None:
+        if persist:
+            self._append([sf.encode_record(sf.TRUNCATE, to, to, b"")], None)
+        if self._turn_logits and self._turn_logits[0] == to:
+            self.eng.set_logits(self._turn_logits[1])
+        elif self._turn_logits and self._turn_logits[0] > to:
+            self._turn_logits = None
+
+    def put_back(self, tokens: list[int]) -> int:
+        """Put ``tokens`` back after the current context, reusing cells the state file still holds.
+
+        A rolled-back reply's CELLS record stays in the file (dead, until compaction): switching back to it
+        or redoing it reads those cells instead of evaluating. Returns how many tokens came from the file;
+        the rest is evaluated. Either way a record that is live again is appended.
+        """
+        eng = self.eng
+        p0 = eng.n_past
+        loaded = 0
+        while loaded < len(tokens):
+            pos = p0 + loaded
+            rec = next((r for r in reversed(self.state.records)
+                        if r.kind == sf.CELLS and r.p0 == pos and r.p1 <= p0 + len(tokens)), None)
+            if rec is None:
+                break
+            try:
+                toks, kv = sf.split_cells(sf.read_payload(self.path, rec), rec.p1 - rec.p0)
+                if toks != tokens[loaded:loaded + len(toks)]:
+                    break
+                eng.load_cells(rec.p0, rec.p1, kv, toks)
+            except Exception:
+                break
+            loaded += len(toks)
+        if loaded < len(tokens):
+            for _ in eng.eval_steps(tokens[loaded:]):
+                pass
+        kv = eng.save_cells(p0, eng.n_past)
+        self._append([sf.encode_record(sf.CELLS, p0, eng.n_past, sf.cells_payload(tokens, kv))], None)
+        return loaded
+
+    def shifted(self) -> None:
+        self._turn_logits = None
+        self._needs_snapshot = True
+
+    def settle(self) -> None:
+        total = self.state.valid_bytes
+        live = self.state.live_bytes()
+        if total - live > live:
+            self._rewrite_state()
+
+    def size_bytes(self) -> int:
+        try:
+            return self.path.stat().st_size
+        except OSError:
+            return 0
+
+    def _header(self) -> bytes:
+        return sf.encode_record(sf.HEADER, 0, 0, sf.header_payload(self.identity))
+
+    def _append(self, records: list[bytes], stats: TurnStats | None) -> int:
+        t0 = time.perf_counter()
+        try:
+            if self.state.header is None:
+                self._rewrite_state()
+                return 0
+            if self.state.dropped_bytes:
+                self.writer.cut(self.state.valid_bytes)
+                self.state.dropped_bytes = 0
+            offset = self.state.valid_bytes
+            n = self.writer.append(records)
+        except OSError as exc:
+            # The transcript is already safe; the state file only caches. Tell the user, keep going.
+            self.save_error = _save_failed(exc)
+            self.state = sf.ScanResult(header=None)
+            return 0
+        self.save_error = ""
+        added, self.state.valid_bytes = sf.records_at(records, offset)
+        self.state.records.extend(added)
+        if stats is not None:
+            stats.save_ms += 1000 * (time.perf_counter() - t0)
+        if self.on_saved is not None:
+            self.on_saved()  # the state budget
+        return n
+
+    def _rewrite_state(self) -> bytes | None:
+        """Write the whole live state as one snapshot (compaction, shifts, recovery); returns its cells."""
+        eng = self.eng
+        n = eng.n_past
+        recs = [self._header()]
+        kv = eng.save_cells(0, n)
+        recs.append(sf.encode_record(sf.SNAPSHOT, 0, n, sf.cells_payload(eng.tokens, kv)))
+        if self._turn_logits is not None and self._turn_logits[0] <= n:
+            pos, arr = self._turn_logits
+            recs.append(sf.encode_record(sf.LOGITS, pos, pos, arr.astype("<f4").tobytes()))
+        try:
+            self.writer.rewrite(recs)
+        except OSError as exc:
+            self.save_error = _save_failed(exc)
+            self.state = sf.ScanResult(header=None)
+            return kv
+        self.save_error = ""
+        st = sf.ScanResult(header={"identity": self.identity})
+        st.records, st.valid_bytes = sf.records_at(recs, 0)
+        self.state = st
+        if self.on_saved is not None:
+            self.on_saved()  # the state budget
+        return kv
+
+
+# -- checkpoints: whole sequences saved by the backend ---------------------------------------------------
+
+
+def tokens_digest(tokens: Sequence[int]) -> str:
+    return hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()
+
+
+class CheckpointLog:
+    """The backend saves its whole sequence under one name per conversation; metadata says what it holds.
+
+    ``meta["checkpoint"] = {"name", "tokens", "sha256", "bytes"}``: the name the backend saved under, how
+    many tokens that save holds and a digest of them. Restoring asks the backend for exactly those tokens
+    (it refuses if its save holds anything else); the rest of the transcript is evaluated.
+    """
+
+    def __init__(self, backend: Backend, meta: dict[str, Any], name: str) -> None:
+        self.eng = backend
+        self.meta = meta
+        info = meta.get("checkpoint")
+        self.name = str(info["name"]) if isinstance(info, dict) and info.get("name") else name
+        self.save_error = ""
+        self.meta_changed = False
+        self.on_saved: Callable[[], None] | None = None  # its saves live on the server: nothing to budget here
+        self._saved: list[int] | None = None  # the tokens of the last checkpoint this process made
+
+    @property
+    def turn_logits(self) -> tuple[int, Logits] | None:
+        return None
+
+    def _eval(self, tokens: list[int], label: str) -> Iterator[Event]:
+        t0 = time.perf_counter()
+        for done, total in self.eng.eval_steps(tokens):
+            yield Progress(label, done, total, time.perf_counter() - t0)
+
+    def start(self, prefix_tokens: list[int], cache_file: Path | None) -> Iterator[Event]:
+        yield from self._eval(prefix_tokens, "evaluating persona prefix")
+        self.settle()
+
+    def restore(self, want: list[int], report: ResumeReport, plan: list[tuple[int, int]] | None = None) -> Iterator[Event]:
+        eng = self.eng
+        t0 = time.perf_counter()
+        info = self.meta.get("checkpoint")
+        if not (eng.caps.checkpoint and isinstance(info, dict)):
+            report.reason = "no saved state"
+        else:
+            n = int(info.get("tokens", 0))
+            if n > len(want) or tokens_digest(want[:n]) != info.get("sha256"):
+                report.reason = "saved state does not match the transcript"
+            else:
+                try:
+                    ok = eng.restore_checkpoint(self.name, want[:n])
+                except BackendError as exc:
+                    ok = False
+                    report.reason = f"saved state unusable ({exc})"
+                if ok:
+                    report.restored_tokens = eng.n_past
+                    report.restored_bytes = int(info.get("bytes", 0))
+                    self._saved = want[:n]
+                elif not report.reason:
+                    report.reason = "saved state is missing or does not match"
+        if eng.n_past and eng.tokens != want[:eng.n_past]:
+            eng.clear()  # a backend that restored something else: start from nothing rather than trust it
+            report.restored_tokens = report.restored_bytes = 0
+        report.seconds = time.perf_counter() - t0
+        tail = want[eng.n_past:]
+        if tail:
+            yield from self._eval(tail, "rebuilding context from the transcript")
+            report.reevaluated = len(tail)
+        self.settle()
+
+    def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats) -> None:
+        pass
+
+    def before_reply(self) -> int:
+        return 0
+
+    def reply_done(self, p0: int, tokens: list[int], stats: TurnStats) -> None:
+        self.settle()
+
+    def truncated(self, to: int, *, persist: bool = True) -> None:
+        pass  # the backend's own prefix reuse makes a shorter sequence free; the next settle saves it
+
+    def put_back(self, tokens: list[int]) -> int:
+        for _ in self.eng.eval_steps(tokens):
+            pass
+        return 0
+
+    def shifted(self) -> None:
+        pass
+
+    def settle(self) -> None:
+        eng = self.eng
+        if not eng.caps.checkpoint or self._saved == eng.tokens:
+            return
+        try:
+            n_bytes = eng.checkpoint(self.name)
+        except BackendError as exc:
+            self.save_error = _save_failed(exc)
+            return
+        self.save_error = ""
+        self._saved = list(eng.tokens)
+        self.meta["checkpoint"] = {"name": self.name, "tokens": eng.n_past, "sha256": tokens_digest(eng.tokens),
+                                   "bytes": n_bytes}
+        self.meta_changed = True
+
+    def size_bytes(self) -> int:
+        info = self.meta.get("checkpoint")
+        return int(info.get("bytes", 0)) if isinstance(info, dict) else 0

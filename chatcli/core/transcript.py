@@ -1,0 +1,161 @@
+"""The transcript model: a conversation's events folded into its current state.
+
+The transcript file (JSON Lines, fsynced; ``store.ConversationDir``) is the truth about a conversation.
+``Replay`` folds its events into what is in the context now (the active messages), every message ever
+written (alternatives, undone ones) and the redo stack. ``Transcript.append`` is the only way a live
+conversation changes: the event is made durable first, then applied by the same ``Replay.apply`` that
+reading the file uses, so a live conversation and a resumed one cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+from chatcli.core.template import Message
+
+if TYPE_CHECKING:
+    from chatcli.core.store import ConversationDir
+
+
+@dataclass
+class ActiveMessage:
+    """A message in the context: its text, the exact tokens it contributed and where they sit."""
+
+    mid: int
+    role: str
+    text: str
+    tokens: list[int]
+    p0: int
+    turn: int
+    alt: int = 0
+    stop: str = ""
+    ts: float = 0.0
+
+    @property
+    def p1(self) -> int:
+        return self.p0 + len(self.tokens)
+
+    def as_message(self) -> Message:
+        return Message(self.role, self.text)
+
+
+@dataclass
+class Replay:
+    """The transcript's events folded into the current state of the conversation."""
+
+    prefix_tokens: list[int] = field(default_factory=list)
+    persona: str = ""
+    persona_messages: list[Message] = field(default_factory=list)
+    active: list[ActiveMessage] = field(default_factory=list)
+    all: dict[int, dict[str, Any]] = field(default_factory=dict)
+    out_of_context: list[int] = field(default_factory=list)  # message ids dropped by context shifts
+    redo: list[list[int]] = field(default_factory=list)
+    undone: set[int] = field(default_factory=set)
+    next_mid: int = 0
+    max_turn: int = -1  # turn ids are never reused: after /undo or a shift a new turn gets a new id
+    has_prefix: bool = False
+    problems: list[str] = field(default_factory=list)
+
+    def tokens(self) -> list[int]:
+        out = list(self.prefix_tokens)
+        for m in self.active:
+            out.extend(m.tokens)
+        return out
+
+    def apply(self, ev: dict[str, Any]) -> None:
+        kind = ev.get("type")
+        if kind == "prefix":
+            self.prefix_tokens = [int(t) for t in ev["tokens"]]
+            self.persona = str(ev.get("persona", ""))
+            self.persona_messages = [Message(m["role"], m["content"]) for m in ev.get("messages", [])]
+            self.has_prefix = True
+        elif kind == "message":
+            mid = int(ev["mid"])
+            self.all[mid] = ev
+            self.next_mid = max(self.next_mid, mid + 1)
+            self.max_turn = max(self.max_turn, int(ev.get("turn", 0)))
+            self._push(ev, int(ev["span"][0]))
+            self.redo.clear()
+        elif kind == "activate":
+            ev_msg = self.all.get(int(ev["mid"]))
+            if ev_msg is not None:
+                self._push(ev_msg, int(ev["p0"]))
+                self.undone.discard(int(ev["mid"]))
+            if ev.get("redo") and self.redo:
+                self.redo.pop()
+        elif kind == "truncate":
+            to = int(ev["to"])
+            removed = [m for m in self.active if m.p0 >= to]
+            self.active = [m for m in self.active if m.p0 < to]
+            if ev.get("reason") == "undo" and removed:
+                self.redo.append([m.mid for m in removed])
+                self.undone.update(m.mid for m in removed)
+            elif ev.get("reason") != "redo":
+                self.redo.clear()
+        elif kind == "shift":
+            keep, drop = int(ev["keep"]), int(ev["drop"])
+            kept: list[ActiveMessage] = []
+            for m in self.active:
+                if keep <= m.p0 < keep + drop:
+                    self.out_of_context.append(m.mid)
+                else:
+                    if m.p0 >= keep + drop:
+                        m.p0 -= drop
+                    kept.append(m)
+            self.active = kept
+        # unknown event types from newer versions are skipped: the transcript stays readable
+
+    def _push(self, ev: dict[str, Any], p0: int) -> None:
+        expected = len(self.prefix_tokens) + sum(len(m.tokens) for m in self.active)
+        if p0 != expected:
+            self.problems.append(f"message {ev.get('mid')} starts at {p0}, expected {expected}; skipped")
+            return
+        self.active.append(ActiveMessage(
+            mid=int(ev["mid"]), role=str(ev["role"]), text=str(ev.get("text", "")),
+            tokens=[int(t) for t in ev["tokens"]], p0=p0, turn=int(ev.get("turn", 0)),
+            alt=int(ev.get("alt", 0)), stop=str(ev.get("stop", "")), ts=float(ev.get("ts", 0.0)),
+        ))
+
+    def alternatives(self, turn: int) -> list[dict[str, Any]]:
+        return [e for e in self.all.values() if e["role"] == "assistant" and int(e.get("turn", -1)) == turn]
+
+
+def replay_events(events: Sequence[dict[str, Any]]) -> Replay:
+    r = Replay()
+    for ev in events:
+        try:
+            r.apply(ev)
+        except (KeyError, TypeError, ValueError) as exc:
+            r.problems.append(f"transcript event {ev.get('type')!r} is malformed ({exc}); skipped")
+    return r
+
+
+class Transcript:
+    """A conversation's transcript file and its replayed state, kept equal."""
+
+    def __init__(self, conv_dir: ConversationDir, replay: Replay) -> None:
+        self.dir = conv_dir
+        self.r = replay
+
+    def append(self, ev: dict[str, Any]) -> dict[str, Any]:
+        """Make ``ev`` durable, then apply it; if the write fails (OSError) nothing is applied."""
+        # The timestamp is set here so the applied event is exactly the line on disk.
+        ev = {"ts": round(time.time(), 3), **ev}
+        self.dir.append_event(ev)
+        self.r.apply(ev)
+        return ev
+
+    def message(self, role: str, text: str, tokens: list[int], p0: int, turn: int, *, alt: int = 0,
+                stop: str = "") -> ActiveMessage:
+        """Append a message at position ``p0`` (the end of the context); returns it as now active."""
+        ev: dict[str, Any] = {"type": "message", "mid": self.r.next_mid, "role": role, "text": text,
+                              "tokens": list(tokens), "span": [p0, p0 + len(tokens)], "turn": turn, "alt": alt}
+        if stop:
+            ev["stop"] = stop
+        self.append(ev)
+        msg = self.r.active[-1] if self.r.active else None
+        if msg is None or msg.mid != ev["mid"]:
+            raise RuntimeError(f"message {ev['mid']} does not continue the context at {p0}")  # a bug, not input
+        return msg

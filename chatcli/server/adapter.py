@@ -1,0 +1,215 @@
+"""The server's only contact with the conversation core's API.
+
+Everything the server does to a conversation goes through these functions, so a change in the core
+(``Conversation``'s split into transcript / state log / policy) is absorbed here. Two operations the REPL
+never needs live here too: appending a client-written message without generating (a history that did not
+come from this server), and forking at any message boundary (``chatcli fork`` cuts at whole exchanges).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from chatcli.backends.llamacpp import ContextFullError, Engine, Sampling
+from chatcli.core import statefile as sf
+from chatcli.core.conversation import (
+    Conversation,
+    Event,
+    Notice,
+    ResumeReport,
+    TurnStats,
+    replay_events,
+)
+from chatcli.core.forking import _copy_state
+from chatcli.core.reply import make_title
+from chatcli.core.statelog import CellLog
+from chatcli.core.store import ConversationDir, ConversationStore
+from chatcli.core.template import Message
+from chatcli.session import Session
+
+
+@dataclass
+class Opened:
+    conv: Conversation
+    notices: list[str]
+    report: ResumeReport | None = None
+
+
+def _drain(gen: Iterator[Any]) -> Opened:
+    conv: Conversation | None = None
+    report: ResumeReport | None = None
+    notices: list[str] = []
+    for ev in gen:
+        if isinstance(ev, Conversation):
+            conv = ev
+        elif isinstance(ev, ResumeReport):
+            report = ev
+        elif isinstance(ev, Notice):
+            notices.append(ev.text)
+    assert conv is not None
+    return Opened(conv, notices, report)
+
+
+def create(session: Session, engine: Engine, *, persona: Sequence[Message], persona_name: str, persona_hash: str, seed: int,
+           sampling: Sampling, max_tokens: int, meta: dict[str, Any]) -> Opened:
+    """A new conversation from a persona (its prefix from the shared prefix cache when present)."""
+    from chatcli.config.settings import ensure_dir
+
+    opened = _drain(Conversation.create(
+        session.store, engine, session.template,
+        persona_name=persona_name, persona_messages=list(persona), persona_hash=persona_hash,
+        identity=session.identity(), model_path=str(session.model.path), sampling=sampling, seed=seed,
+        prefix_cache_dir=ensure_dir(session.paths.prefix_cache_dir), max_tokens=max_tokens,
+        reserve=session.settings.reserve,
+    ))
+    opened.conv.meta.update(meta)
+    opened.conv._touch_meta()
+    return opened
+
+
+def open_(session: Session, engine: Engine, cid: str, *, sampling: Sampling, max_tokens: int) -> Opened:
+    """Restore a stored conversation (takes its lock; raises LockedError if another process has it)."""
+    return _drain(Conversation.open(
+        session.store, cid, engine, session.template, identity=session.identity(),
+        sampling=sampling, max_tokens=max_tokens, reserve=session.settings.reserve, lock=True,
+    ))
+
+
+def adopt(session: Session, eng: Engine, cid: str, *, sampling: Sampling, max_tokens: int) -> Conversation | None:
+    """Open a conversation whose tokens the engine already holds at its start (a fork of the resident
+    conversation): cut the engine back to it instead of restoring from disk, as /regen does in the REPL.
+    None when the engine or the state file do not match (then ``open_`` restores it normally)."""
+    conv_dir = session.store.resolve(cid)
+    conv_dir.lock()
+    try:
+        meta = conv_dir.read_meta()
+        r = replay_events(conv_dir.read_transcript().events)
+        want = r.tokens()
+        state = sf.scan(conv_dir.state_path)
+        _chunks, logits_rec, n_live = state.live()
+        conv = Conversation(eng, session.template, conv_dir, meta, r, sampling, identity=session.identity(),
+                            max_tokens=max_tokens, reserve=session.settings.reserve)
+        log = conv.log
+        if (not isinstance(log, CellLog) or not r.has_prefix or r.problems or eng.tokens[:len(want)] != want
+                or n_live != len(want) or state.dropped_bytes or (state.header or {}).get("identity") != log.identity):
+            conv_dir.unlock()
+            return None
+        log.state = state
+        eng.truncate(len(want))
+        if logits_rec is not None and logits_rec.p0 == len(want):
+            arr = np.frombuffer(sf.read_payload(conv_dir.state_path, logits_rec), dtype="<f4")
+            if arr.shape == (eng.n_vocab,):
+                log._turn_logits = (logits_rec.p0, arr.copy())
+                eng.set_logits(arr)
+        return conv
+    except BaseException:
+        conv_dir.unlock()
+        raise
+
+
+def configure(conv: Conversation, *, sampling: Sampling, max_tokens: int, stop: Sequence[str]) -> None:
+    """Per-request sampling, reply length and extra stop strings (cut like the template's own)."""
+    conv.sampling = sampling
+    conv.max_tokens = max_tokens
+    conv._stop_strings = [*conv.template.reply_stop_strings(), *stop]
+
+
+def send(conv: Conversation, text: str, *, seed: int) -> Iterator[Event]:
+    return conv.send(text, seed=seed)
+
+
+def reply_pending(conv: Conversation, *, seed: int) -> Iterator[Event]:
+    """Generate the reply to the last message, a user message with no reply yet (0 tokens evaluated when
+    the state file kept the logits after it)."""
+    return conv.regen(seed=seed)
+
+
+def user_tokens(conv: Conversation, text: str, history: Sequence[Message] | None = None) -> int:
+    """How many tokens a user message adds after ``history`` (default: the conversation's)."""
+    hist = conv.history() if history is None else list(history)
+    return len(conv.engine.tokenize(conv.template.user_turn(hist, text), add_special=False))
+
+
+def append_user(conv: Conversation, text: str) -> None:
+    """Add a user message without replying (a client sent a history with its own replies)."""
+    eng = conv.engine
+    toks = eng.tokenize(conv.template.user_turn(conv.history(), text), add_special=False)
+    if eng.n_past + len(toks) + conv.reserve > eng.n_ctx:
+        raise ContextFullError(f"the history does not fit the context ({eng.n_past + len(toks)} tokens, n_ctx {eng.n_ctx})")
+    turn = conv.r.max_turn + 1
+    p0 = eng.n_past
+    conv.transcript.message("user", text, toks, p0, turn)  # transcript first, as in Conversation.send
+    for _ in eng.eval_steps(toks):
+        pass
+    conv.log.user_evaluated(p0, toks, TurnStats())
+    if not conv.title:
+        conv.meta["title"] = make_title(text)
+
+
+def append_reply(conv: Conversation, text: str) -> None:
+    """Add a reply the client wrote (or edited): the template's rendering of it, evaluated."""
+    eng = conv.engine
+    last = conv.r.active[-1]
+    closing = conv.template.closing([*conv.history(), Message("assistant", text)])
+    toks = eng.tokenize(text + closing, add_special=False)
+    if eng.n_past + len(toks) + conv.reserve > eng.n_ctx:
+        raise ContextFullError(f"the history does not fit the context ({eng.n_past + len(toks)} tokens, n_ctx {eng.n_ctx})")
+    turn = last.turn
+    alt = len(conv.r.alternatives(turn))
+    p0 = eng.n_past
+    conv.transcript.message("assistant", text, toks, p0, turn, alt=alt, stop="client")
+    for _ in eng.eval_steps(toks):
+        pass
+    conv.log.reply_done(p0, toks, TurnStats())
+    conv._touch_meta()
+
+
+def fork_at(store: ConversationStore, parent: ConversationDir, k: int, meta_update: dict[str, Any]) -> tuple[str, int]:
+    """A new conversation holding the parent's persona and first ``k`` active messages, with a copy of the
+    KV records covering them (and the logits after them when the parent kept those): nothing evaluated.
+
+    The parent is only read: its later turns stay where they are for whoever is on them.
+    """
+    meta = parent.read_meta()
+    events = parent.read_transcript().events
+    r = replay_events(events)
+    if not 0 <= k <= len(r.active):
+        raise ValueError(f"cannot fork {parent.id} after {k} messages: it has {len(r.active)}")
+    keep = r.active[:k]
+    cut = keep[-1].p1 if keep else len(r.prefix_tokens)
+    child_meta = {key: v for key, v in meta.items() if key not in ("id", "created", "updated")}
+    child_meta.update(forked_from=parent.id, turns=sum(1 for m in keep if m.role == "user"), tokens=cut, **meta_update)
+    child = store.create(child_meta)
+    child.lock()
+    try:
+        prefix = next(e for e in events if e.get("type") == "prefix")
+        child.append_event({key: v for key, v in prefix.items() if key not in ("v", "ts")})
+        for new_mid, m in enumerate(keep):
+            child.append_event({
+                "type": "message", "mid": new_mid, "role": m.role, "text": m.text, "tokens": m.tokens,
+                "span": [m.p0, m.p1], "turn": m.turn, "alt": 0, **({"stop": m.stop} if m.stop else {}),
+            })
+        copied = _copy_state(parent.state_path, child.state_path, cut)
+    except BaseException:
+        child.unlock()
+        store.remove(child)
+        raise
+    child.unlock()
+    return child.id, copied
+
+
+def stamp(conv_dir: ConversationDir) -> tuple[int, ...]:
+    """What changes when anyone writes the conversation: a resident copy is valid while this is unchanged."""
+    out = []
+    for p in (conv_dir.transcript_path, conv_dir.state_path):
+        try:
+            st = Path(p).stat()
+            out += [st.st_size, st.st_mtime_ns]
+        except OSError:
+            out += [-1, -1]
+    return tuple(out)

@@ -1,0 +1,261 @@
+"""The HTTP layer: FastAPI routes over ``ChatService``.
+
+``POST /v1/chat/completions`` (JSON or SSE), ``GET /v1/models``, ``GET /health``. Every error is an
+OpenAI error object with a 4xx/5xx status — never a traceback. With an API key every request needs
+``Authorization: Bearer KEY`` (compared in constant time). Each request logs one line: its id, the
+conversation, prompt tokens, cached (not evaluated) tokens, generated tokens and time to first token.
+
+The service runs in a worker thread per request (it blocks on the model); events come back through an
+asyncio queue. A streaming client that disconnects makes the worker close the service's iterator, which
+records the reply so far like a Ctrl-C'd one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from chatcli.server.errors import APIError
+from chatcli.server.schemas import parse_chat_request
+from chatcli.server.service import (
+    ChatRequest,
+    ChatService,
+    Delta,
+    Finished,
+    ServiceError,
+    Started,
+)
+
+log = logging.getLogger("chatcli.server")
+
+CONVERSATION_HEADER = "X-Chatcli-Conversation"
+DEFAULT_MAX_BODY = 8 * 1024 * 1024
+DEFAULT_MAX_MESSAGES = 2048
+_END = object()
+
+
+@dataclass
+class ServerLimits:
+    max_body: int = DEFAULT_MAX_BODY
+    max_messages: int = DEFAULT_MAX_MESSAGES
+
+
+def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def create_app(service: ChatService, *, api_key: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
+    limits = limits or ServerLimits()
+    app = FastAPI(title="chatcli", docs_url=None, redoc_url=None, openapi_url=None)
+    key_bytes = api_key.encode() if api_key else None
+
+    @app.middleware("http")
+    async def auth_and_log(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        t0 = time.perf_counter()
+        if key_bytes is not None:
+            given = request.headers.get("authorization", "")
+            scheme, _, token = given.partition(" ")
+            # compare_digest on bytes: the time taken does not reveal how much of the key matched.
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key_bytes):
+                log.info("- %s %s 401 missing or wrong API key", request.method, request.url.path)
+                return error_response(APIError("authentication", "missing or wrong API key: send "
+                                               "'Authorization: Bearer KEY'"), {"WWW-Authenticate": "Bearer"})
+        response = await call_next(request)
+        if request.url.path != "/v1/chat/completions":
+            log.info("- %s %s %d %.0fms", request.method, request.url.path, response.status_code,
+                     1000 * (time.perf_counter() - t0))
+        return response
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        return error_response(APIError(kind, str(exc.detail), status=exc.status_code))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return error_response(APIError("server_error", f"internal error ({type(exc).__name__})"))
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": service.model_name, "conversations_indexed": len(service.index)}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": service.model_name, "object": "model", "created": 0, "owned_by": "chatcli"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        rid = "chatcmpl-" + secrets.token_hex(12)
+        t0 = time.perf_counter()
+        try:
+            doc = await _read_json(request, limits.max_body)
+            req, body = parse_chat_request(doc, max_messages=limits.max_messages,
+                                           header_conversation=request.headers.get(CONVERSATION_HEADER))
+        except APIError as bad:
+            log.info("%s %d %s", rid, bad.status, bad.message)
+            return error_response(bad)
+        run = _Run(service, req)
+        first = await run.next()
+        if isinstance(first, ServiceError):
+            err = APIError(first.kind, str(first), first.param)
+            log.info("%s %d %s", rid, err.status, err.message)
+            return error_response(err)
+        assert isinstance(first, Started)
+        headers = {CONVERSATION_HEADER: first.conversation, "X-Request-Id": rid}
+        created = int(time.time())
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return EventSourceResponse(_sse(run, rid, created, service.model_name, include_usage, t0),
+                                       headers=headers, ping=15)
+        text: list[str] = []
+        ttft = 0.0
+        while True:
+            ev = await run.next()
+            if isinstance(ev, Delta):
+                if not ttft:
+                    ttft = time.perf_counter() - t0
+                text.append(ev.text)
+            elif isinstance(ev, Finished):
+                _log_done(rid, ev, ttft or time.perf_counter() - t0)
+                return JSONResponse({
+                    "id": rid, "object": "chat.completion", "created": created, "model": service.model_name,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": ev.text},
+                                 "finish_reason": ev.finish_reason, "logprobs": None}],
+                    "usage": _usage(ev), "chatcli": _extension(ev),
+                }, headers=headers)
+            elif isinstance(ev, ServiceError):
+                err = APIError(ev.kind, str(ev), ev.param)
+                log.info("%s %d %s", rid, err.status, err.message)
+                return error_response(err, headers)
+            elif ev is _END:
+                err = APIError("server_error", "the reply ended without a result")
+                return error_response(err, headers)
+
+    return app
+
+
+async def _read_json(request: Request, max_body: int) -> Any:
+    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if ctype not in ("application/json", ""):
+        raise APIError("unsupported_media_type", f"content-type must be application/json, not {ctype}")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body:
+        raise APIError("body_too_large", f"request body too large ({declared} bytes; at most {max_body})")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body:
+            raise APIError("body_too_large", f"request body too large (more than {max_body} bytes)")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise APIError("invalid_json", f"the request body is not valid JSON ({exc})") from None
+
+
+class _Run:
+    """One service call in a worker thread; its events arrive on an asyncio queue."""
+
+    def __init__(self, service: ChatService, req: ChatRequest) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[object] = asyncio.Queue()
+        self.cancel = threading.Event()
+        self.thread = threading.Thread(target=self._work, args=(service.complete(req),), daemon=True)
+        self.thread.start()
+
+    def _put(self, item: object) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def _work(self, it: Iterator[object]) -> None:
+        try:
+            for ev in it:
+                self._put(ev)
+                if self.cancel.is_set():
+                    break  # the client left: closing the iterator records the reply so far
+        except ServiceError as exc:
+            self._put(exc)
+        except Exception as exc:  # never a traceback to the client; the log has it
+            log.exception("request failed")
+            self._put(ServiceError("server_error", f"internal error ({type(exc).__name__})"))
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+            self._put(_END)
+
+    async def next(self) -> object:
+        return await self.queue.get()
+
+
+def _usage(ev: Finished) -> dict[str, Any]:
+    return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
+            "total_tokens": ev.prompt_tokens + ev.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": ev.cached_tokens}}
+
+
+def _extension(ev: Finished) -> dict[str, Any]:
+    """chatcli's own fields (OpenAI clients ignore unknown fields)."""
+    return {"conversation": ev.conversation, "forked_from": ev.forked_from, "evaluated_tokens": ev.evaluated,
+            "state_from": ev.state,
+            "context_shift": {"messages_dropped": ev.shifted} if ev.shifted else None, "notices": ev.notices}
+
+
+def _log_done(rid: str, ev: Finished, ttft: float) -> None:
+    log.info("%s 200 conv=%s prompt=%d cached=%d generated=%d ttft=%.0fms state=%s%s", rid, ev.conversation,
+             ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens, 1000 * ttft, ev.state,
+             f" forked_from={ev.forked_from}" if ev.forked_from else "")
+
+
+async def _sse(run: _Run, rid: str, created: int, model: str, include_usage: bool, t0: float) -> AsyncIterator[dict[str, str]]:
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, str]:
+        doc = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+        return {"data": json.dumps(doc, ensure_ascii=False)}
+
+    ttft = 0.0
+    finished = False
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        while True:
+            ev = await run.next()
+            if isinstance(ev, Delta):
+                if not ttft:
+                    ttft = time.perf_counter() - t0
+                yield chunk({"content": ev.text})
+            elif isinstance(ev, Finished):
+                finished = True
+                _log_done(rid, ev, ttft or time.perf_counter() - t0)
+                yield chunk({}, ev.finish_reason, usage=_usage(ev), chatcli=_extension(ev))
+                if include_usage:
+                    yield {"data": json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                               "model": model, "choices": [], "usage": _usage(ev)})}
+                yield {"data": "[DONE]"}
+                return
+            elif isinstance(ev, ServiceError):
+                err = APIError(ev.kind, str(ev), ev.param)
+                log.info("%s %d %s (mid-stream)", rid, err.status, err.message)
+                yield {"data": json.dumps(err.body())}
+                return
+            elif ev is _END:
+                return
+    finally:
+        if not finished:
+            run.cancel.set()
+            log.info("%s client went away mid-stream: reply so far recorded", rid)

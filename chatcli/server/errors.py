@@ -1,0 +1,42 @@
+"""OpenAI-style error objects: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# service error kind -> (HTTP status, OpenAI error type)
+KINDS: dict[str, tuple[int, str]] = {
+    "invalid_request": (400, "invalid_request_error"),
+    "context_length_exceeded": (400, "invalid_request_error"),
+    "invalid_json": (400, "invalid_request_error"),
+    "authentication": (401, "invalid_request_error"),
+    "not_found": (404, "invalid_request_error"),
+    "method_not_allowed": (405, "invalid_request_error"),
+    "conflict": (409, "invalid_request_error"),
+    "body_too_large": (413, "invalid_request_error"),
+    "unsupported_media_type": (415, "invalid_request_error"),
+    "server_error": (500, "server_error"),
+}
+
+CODES: dict[str, str | None] = {
+    "context_length_exceeded": "context_length_exceeded",
+    "invalid_json": "invalid_json",
+    "authentication": "invalid_api_key",
+    "conflict": "conversation_busy",
+    "body_too_large": "request_too_large",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client as an OpenAI error object."""
+
+    def __init__(self, kind: str, message: str, param: str | None = None, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind if kind in KINDS else "server_error"
+        self.message = message
+        self.param = param
+        self.status = status or KINDS[self.kind][0]
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": KINDS[self.kind][1], "param": self.param,
+                          "code": CODES.get(self.kind, self.kind if self.kind != "server_error" else None)}}

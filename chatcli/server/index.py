@@ -1,0 +1,255 @@
+"""The prefix index: which stored conversation shares the longest history with a request.
+
+Every conversation on disk — the server's and the REPL's — is indexed by the chain keys of its message
+boundaries (``history.chain``): after the persona, and after each message still in its context. A lookup
+walks the request's keys from the longest down and returns the conversations holding that boundary, with
+the token position it ends at, so the caller can restore exactly that much state and evaluate only the rest.
+
+The index is a cache of what the transcripts say: it is saved to one JSON file so a restarted server
+does not replay every transcript, and each entry remembers the size and mtime of the transcript it was
+built from, so conversations changed by another process (a REPL turn, ``chatcli rm``) are re-read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from chatcli.core.conversation import Replay, replay_events
+from chatcli.core.fsutil import atomic_write_text
+from chatcli.core.store import ConversationDir, ConversationStore, StoreError
+from chatcli.core.template import Message
+from chatcli.server import history
+
+INDEX_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One boundary of one conversation: after ``k`` of its active messages, the state holds ``pos`` tokens."""
+
+    conv: str
+    k: int
+    pos: int
+    rest: int  # messages the conversation has after the boundary (0: its end, continuing needs no fork)
+    updated: float
+
+    @property
+    def end(self) -> bool:
+        return self.rest == 0
+
+
+@dataclass
+class PersonaInfo:
+    messages: tuple[Message, ...]
+    name: str
+    hash: str
+
+
+@dataclass
+class _Conv:
+    size: int
+    mtime: int
+    root: str
+    persona: PersonaInfo | None
+    updated: float
+    entries: list[tuple[str, int, int]]  # (key, k, pos)
+    n_active: int
+
+
+def conversation_keys(root: str, r: Replay) -> list[tuple[str, int, int]]:
+    """(key, k, pos) for each boundary whose state the conversation holds.
+
+    Messages that a context shift dropped are part of the history a client resends, so they enter the
+    chain; but only boundaries after them can be restored.
+    """
+    dropped = [r.all[mid] for mid in r.out_of_context if mid in r.all]
+    logical = [Message(str(e["role"]), str(e.get("text", ""))) for e in dropped]
+    logical += [m.as_message() for m in r.active]
+    keys = history.chain(root, logical)
+    out: list[tuple[str, int, int]] = []
+    pos = len(r.prefix_tokens)
+    if not dropped:
+        out.append((root, 0, pos))
+    for k, m in enumerate(r.active, start=1):
+        pos = m.p1
+        out.append((keys[len(dropped) + k - 1], k, pos))
+    return out
+
+
+class PrefixIndex:
+    def __init__(
+        self,
+        store: ConversationStore,
+        path: Path,
+        *,
+        model_identity: dict[str, Any],
+        n_ctx: int,
+        template_source: str,
+    ) -> None:
+        self.store = store
+        self.path = path
+        self.identity = model_identity
+        self.n_ctx = n_ctx
+        self.template_source = template_source
+        self._stamp = hashlib.sha256(json.dumps(
+            {"id": model_identity, "n_ctx": n_ctx, "t": template_source}, sort_keys=True).encode()).hexdigest()[:16]
+        self._convs: dict[str, _Conv] = {}
+        self._keys: dict[str, list[Entry]] = {}
+        self._dirty = False
+        self._saved_at = 0.0
+        self._load()
+
+    # -- keys ----------------------------------------------------------------------------------------
+
+    def root(self, persona: Iterable[Message]) -> str:
+        return history.root_key(self.identity, self.n_ctx, self.template_source, tuple(persona))
+
+    def personas(self) -> list[tuple[Message, ...]]:
+        """Personas of the indexed conversations (to recognise a REPL persona a client resends whole)."""
+        seen: dict[tuple[Message, ...], None] = {}
+        for c in self._convs.values():
+            if c.persona is not None and c.entries:
+                seen[c.persona.messages] = None
+        return list(seen)
+
+    def persona_for_root(self, root: str) -> PersonaInfo | None:
+        for c in self._convs.values():
+            if c.root == root and c.persona is not None:
+                return c.persona
+        return None
+
+    # -- lookup --------------------------------------------------------------------------------------
+
+    def lookup(self, root: str, keys: list[str], *, only: str | None = None) -> tuple[int, list[Entry]]:
+        """The longest matched boundary: (messages matched after the persona, entries); (-1, []) if none."""
+        for i in range(len(keys), -1, -1):
+            key = keys[i - 1] if i else root
+            found = [e for e in self._keys.get(key, ()) if only is None or e.conv == only]
+            if found:
+                return i, found
+        return -1, []
+
+    # -- maintenance -----------------------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Re-read conversations whose transcript changed since they were indexed; forget deleted ones."""
+        ids = set(self.store.ids())
+        for cid in list(self._convs):
+            if cid not in ids:
+                self._drop(cid)
+        for cid in ids:
+            conv = ConversationDir(self.store.root / cid)
+            try:
+                st = conv.transcript_path.stat()
+            except OSError:
+                if cid in self._convs:
+                    self._drop(cid)
+                continue
+            old = self._convs.get(cid)
+            if old is not None and old.size == st.st_size and old.mtime == st.st_mtime_ns:
+                continue
+            self._index_dir(conv, st.st_size, st.st_mtime_ns)
+        self.save_soon()
+
+    def update(self, conv: ConversationDir, r: Replay, meta: dict[str, Any]) -> None:
+        """Re-index a conversation this process just wrote (no need to read the transcript back)."""
+        try:
+            st = conv.transcript_path.stat()
+        except OSError:
+            return
+        self._set(conv.id, st.st_size, st.st_mtime_ns, r, meta)
+
+    def _index_dir(self, conv: ConversationDir, size: int, mtime: int) -> None:
+        try:
+            meta = conv.read_meta()
+        except StoreError:
+            self._drop(conv.id)
+            return
+        r = replay_events(conv.read_transcript().events)
+        self._set(conv.id, size, mtime, r, meta)
+
+    def _set(self, cid: str, size: int, mtime: int, r: Replay, meta: dict[str, Any]) -> None:
+        self._drop(cid)
+        model = {k: v for k, v in (meta.get("model") or {}).items() if k != "path"}
+        n_ctx = int((meta.get("params") or {}).get("n_ctx", 0) or 0)
+        usable = r.has_prefix and model == self.identity and n_ctx == self.n_ctx
+        persona = tuple(r.persona_messages)
+        root = self.root(persona) if usable else ""
+        entries = conversation_keys(root, r) if usable else []
+        info = PersonaInfo(persona, str(meta.get("persona", "")), str(meta.get("persona_hash", ""))) if usable else None
+        self._convs[cid] = _Conv(size, mtime, root, info, float(meta.get("updated", 0) or 0), entries, len(r.active))
+        self._add(cid)
+        self._dirty = True
+
+    def _add(self, cid: str) -> None:
+        c = self._convs[cid]
+        for key, k, pos in c.entries:
+            self._keys.setdefault(key, []).append(Entry(cid, k, pos, c.n_active - k, c.updated))
+
+    def _drop(self, cid: str) -> None:
+        c = self._convs.pop(cid, None)
+        if c is None:
+            return
+        for key, _k, _pos in c.entries:
+            lst = [e for e in self._keys.get(key, ()) if e.conv != cid]
+            if lst:
+                self._keys[key] = lst
+            else:
+                self._keys.pop(key, None)
+        self._dirty = True
+
+    # -- persistence -----------------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        try:
+            doc = json.loads(self.path.read_text("utf-8"))
+            if doc.get("version") != INDEX_VERSION or doc.get("stamp") != self._stamp:
+                return  # another model or format: rebuilt from the transcripts
+            for cid, c in doc["convs"].items():
+                persona = None
+                if c.get("persona") is not None:
+                    p = c["persona"]
+                    persona = PersonaInfo(tuple(Message(str(m[0]), str(m[1])) for m in p["messages"]),
+                                          str(p["name"]), str(p["hash"]))
+                self._convs[cid] = _Conv(int(c["size"]), int(c["mtime"]), str(c["root"]), persona,
+                                         float(c["updated"]), [(str(k), int(a), int(b)) for k, a, b in c["entries"]],
+                                         int(c["n_active"]))
+                self._add(cid)
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            self._convs.clear()  # an unreadable index is only a cache: start over
+            self._keys.clear()
+
+    def save_soon(self, interval: float = 10.0) -> None:
+        """Save when changed, at most every ``interval`` seconds: a stale saved index costs a restarted
+        server only the re-reading of the transcripts that changed since (their size/mtime tell)."""
+        if self._dirty and time.monotonic() - self._saved_at >= interval:
+            self.save()
+
+    def save(self) -> None:
+        convs: dict[str, Any] = {}
+        for cid, c in self._convs.items():
+            persona = None
+            if c.persona is not None:
+                persona = {"messages": [[m.role, m.content] for m in c.persona.messages],
+                           "name": c.persona.name, "hash": c.persona.hash}
+            convs[cid] = {"size": c.size, "mtime": c.mtime, "root": c.root, "persona": persona,
+                          "updated": c.updated, "entries": c.entries, "n_active": c.n_active}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            atomic_write_text(self.path, json.dumps({"version": INDEX_VERSION, "stamp": self._stamp, "convs": convs},
+                                                    ensure_ascii=False, separators=(",", ":")))
+            self._dirty = False
+            self._saved_at = time.monotonic()
+        except OSError:
+            pass  # the index is rebuilt from the transcripts when it cannot be saved
+
+    def __len__(self) -> int:
+        return len(self._convs)
+
+

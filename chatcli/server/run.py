@@ -1,0 +1,45 @@
+"""Start ``chatcli serve``: load the model once, build the service and the app, run uvicorn until stopped."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+
+from chatcli.config.settings import Paths, Settings
+from chatcli.session import Session
+
+
+def serve(settings: Settings, paths: Paths, session: Session) -> int:
+    import uvicorn
+
+    from chatcli.server.app import create_app
+    from chatcli.server.service import ChatService
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    service = ChatService(session, parallel=settings.parallel)
+    app = create_app(service, api_key=settings.api_key)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
+                            lifespan="off")
+    server = uvicorn.Server(config)
+    # Bind here, so a port in use is one clear error line (OSError) instead of uvicorn's exit.
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((settings.host, settings.port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}") from None
+    eng = session.engine
+    print(f"chatcli serve: http://{settings.host}:{settings.port}/v1 · model {service.model_name} · "
+          f"n_ctx {eng.n_ctx} · {settings.parallel} resident · {len(service.index)} conversations indexed"
+          + (" · API key required" if settings.api_key else ""), file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        service.close()
+        sock.close()
+    return 0
+
+

@@ -1,0 +1,467 @@
+"""The server's service layer: a request's message list → a conversation, continued without re-ingesting.
+
+No HTTP here: the app calls ``ChatService.complete`` (an iterator of ``Started``, ``Delta``, ``Finished``)
+in a worker thread. Per request:
+
+1. the messages are split into persona + turns (``history``) and keyed;
+2. the index gives the stored conversation with the longest common history, and the boundary matched;
+3. that conversation is continued when the match is its end (restored from its state file unless it is
+   the resident one), else *forked* at the boundary (its KV records copied; the original untouched), else
+   a new conversation starts from the persona prefix (shared prefix cache);
+4. messages after the boundary are appended — the last user message through ``Conversation.send``, exactly
+   as a REPL turn (transcript first, then the turn's cells and logits); a history that ends at a stored
+   user message is "regenerate": its reply is sampled from the saved logits, 0 tokens evaluated.
+
+One engine, one resident sequence: requests are served one at a time under a lock (others wait in their
+worker threads); switching conversations restores from disk; a conversation's lock is held only while
+a request runs on it, so ``chatcli resume`` can take over any conversation between requests.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from chatcli.backends.llamacpp import ContextFullError, Engine, EngineError, Sampling
+from chatcli.core.conversation import (
+    Conversation,
+    ConversationError,
+    Notice,
+    ReplyEnd,
+    ReplyStart,
+    ReplyText,
+    replay_events,
+)
+from chatcli.core.store import ConversationDir, LockedError, StoreError
+from chatcli.core.template import Message, TemplateError
+from chatcli.server import adapter, history
+from chatcli.server.history import HistoryError, SplitHistory
+from chatcli.server.index import Entry, PrefixIndex, conversation_keys
+from chatcli.session import Session
+
+API_PERSONA = "(api)"  # persona name of conversations whose prefix came from a request's system message
+
+
+class ServiceError(Exception):
+    """A request the service refuses; ``kind`` says which (the HTTP layer maps it to a status code)."""
+
+    def __init__(self, kind: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind  # invalid_request | context_length_exceeded | not_found | conflict | server_error
+        self.param = param
+
+
+@dataclass
+class ChatRequest:
+    messages: list[Message]
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repeat_penalty: float | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    conversation: str | None = None  # continue this conversation (else: found by the index)
+
+
+@dataclass
+class Started:
+    conversation: str
+    forked_from: str | None
+    prompt_tokens: int  # tokens in the context when the reply starts
+    evaluated: int  # of which this request evaluated (the rest came from memory or disk)
+    state: str = ""  # where the rest came from: memory | disk | fork | new
+
+    @property
+    def cached_tokens(self) -> int:
+        return max(0, self.prompt_tokens - self.evaluated)
+
+
+@dataclass
+class Delta:
+    text: str
+
+
+@dataclass
+class Finished:
+    conversation: str
+    forked_from: str | None
+    text: str
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    evaluated: int
+    completion_tokens: int
+    notices: list[str] = field(default_factory=list)
+    shifted: int = 0  # messages that left the context during this request (context shift)
+    state: str = ""  # memory | disk | fork | new (see Started)
+
+    @property
+    def cached_tokens(self) -> int:
+        return max(0, self.prompt_tokens - self.evaluated)
+
+
+ServiceEvent = Started | Delta | Finished
+
+
+@dataclass
+class _Slot:
+    """One context of the pool and the conversation resident in it (its KV is what the context holds)."""
+
+    engine: Engine
+    conv: Conversation | None = None
+    stamp: tuple[int, ...] = ()
+    used: float = 0.0
+    busy: bool = False  # a request is running on this context
+
+
+@dataclass
+class _Req:
+    """What one request holds: its context, that context's evaluation counter when taken, where the
+    conversation's state came from."""
+
+    slot: _Slot | None = None
+    ev0: int = 0
+    how: str = ""
+
+    @property
+    def evaluated(self) -> int:
+        return self.slot.engine.n_evaluated_total - self.ev0 if self.slot is not None else 0
+
+
+@dataclass
+class _Prepared:
+    conv: Conversation
+    created: bool
+    forked_from: str | None
+    tail: Sequence[Message]
+    seed: int
+
+
+class ChatService:
+    """Chat completions over stored conversations; thread-safe (requests come from worker threads).
+
+    One lock guards the index and the pool; it is held while a request finds and restores its
+    conversation, not while it evaluates and generates: requests on different contexts (``parallel``)
+    run at the same time, each on the context it took; with every context busy, a request waits.
+    """
+
+    def __init__(self, session: Session, *, parallel: int = 1, index_path: Path | None = None) -> None:
+        self.session = session
+        self.engine = session.engine
+        self.store = session.store
+        self.index = PrefixIndex(
+            session.store, index_path or session.paths.data_dir / "server" / "index.json",
+            model_identity=session.identity(), n_ctx=session.engine.n_ctx, template_source=session.template.source,
+        )
+        self._cond = threading.Condition()
+        with self._cond:
+            self.index.refresh()
+        # ``parallel`` contexts over the one model: that many conversations stay resident; switching among
+        # them restores nothing. The least recently used is released (its state is already on disk).
+        self._slots = [_Slot(session.engine)] + [_Slot(session.engine.sibling()) for _ in range(parallel - 1)]
+        self.model_name = session.model.info.name or Path(str(session.model.path)).stem
+
+    # -- the one operation ------------------------------------------------------------------------------
+
+    def complete(self, req: ChatRequest) -> Iterator[ServiceEvent]:
+        """Serve one chat completion. Closing the iterator early records the reply so far (like Ctrl-C)."""
+        rq = _Req()
+        try:
+            with self._cond:
+                while all(s.busy for s in self._slots):
+                    self._cond.wait()
+                prep = self._prepare(req, rq)
+            yield from self._run(req, rq, prep)
+        except HistoryError as exc:
+            raise ServiceError("invalid_request", str(exc), exc.param) from None
+        except ContextFullError as exc:
+            raise ServiceError("context_length_exceeded", str(exc), "messages") from None
+        except LockedError as exc:
+            raise ServiceError("conflict", str(exc)) from None
+        except StoreError as exc:
+            raise ServiceError("not_found", str(exc), "conversation") from None
+        except (ConversationError, TemplateError) as exc:
+            raise ServiceError("invalid_request", str(exc)) from None
+        except EngineError as exc:
+            with self._cond:
+                if rq.slot is not None:
+                    rq.slot.conv = None  # what its context holds is unknown now: restore next time
+            raise ServiceError("server_error", str(exc)) from None
+        finally:
+            with self._cond:
+                self._give_back(rq)
+
+    def _prepare(self, req: ChatRequest, rq: _Req) -> _Prepared:
+        """Under the lock: find the conversation, take a context, restore or fork into it."""
+        self.index.refresh()
+        sh, explicit = self._split(req)
+        root = self.index.root(sh.persona)
+        keys = history.chain(root, sh.turns)
+        i, entries = self.index.lookup(root, keys, only=explicit)
+        self._check_fits(sh, max(i, 0))
+        if explicit is not None and i < 0:
+            raise ServiceError("conflict", f"conversation {explicit} was made with another model or context size")
+        sampling = self._sampling(req)
+        max_tokens = req.max_tokens or self.session.settings.max_tokens
+        conv, created, forked_from, tail = self._acquire(sh, root, keys, i, entries, sampling, max_tokens,
+                                                         explicit, rq)
+        adapter.configure(conv, sampling=sampling, max_tokens=max_tokens, stop=req.stop)
+        seed = req.seed if req.seed is not None else secrets.randbits(31)
+        return _Prepared(conv, created, forked_from, tail, seed)
+
+    def _run(self, req: ChatRequest, rq: _Req, prep: _Prepared) -> Iterator[ServiceEvent]:
+        """Without the lock: append the new messages and generate, on the context this request holds."""
+        conv, tail = prep.conv, prep.tail
+        eng = conv.engine
+        shifted0 = len(conv.r.out_of_context)
+        notices: list[str] = []
+        try:
+            for m in tail[:-1]:
+                (adapter.append_user if m.role == "user" else adapter.append_reply)(conv, m.content)
+            gen = (adapter.send(conv, tail[-1].content, seed=prep.seed) if tail
+                   else adapter.reply_pending(conv, seed=prep.seed))
+        except ContextFullError:
+            self._abandon(conv, rq, remove=prep.created)
+            raise
+        except BaseException:
+            self._abandon(conv, rq, remove=False)
+            raise
+        started: Started | None = None
+        end: ReplyEnd | None = None
+        raw = emitted = ""
+        stops = list(conv._stop_strings)
+        try:
+            for ev in gen:
+                if isinstance(ev, Notice):
+                    notices.append(ev.text)
+                elif isinstance(ev, ReplyStart):
+                    started = Started(conv.id, prep.forked_from, eng.n_past, rq.evaluated, rq.how)
+                    yield started
+                elif isinstance(ev, ReplyText):
+                    raw += ev.text
+                    safe = _safe_prefix(raw, stops)
+                    if len(safe) > len(emitted):
+                        yield Delta(safe[len(emitted):])
+                        emitted = safe
+                elif isinstance(ev, ReplyEnd):
+                    end = ev
+        except ContextFullError:
+            _close(gen)
+            self._abandon(conv, rq, remove=prep.created and started is None)
+            raise
+        except BaseException:
+            _close(gen)  # a consumer that went away: the reply so far is recorded like a Ctrl-C'd one
+            self._release(conv, rq)
+            raise
+        self._release(conv, rq)
+        assert started is not None and end is not None
+        text = end.message.text
+        if text.startswith(emitted) and len(text) > len(emitted):
+            yield Delta(text[len(emitted):])
+        reason = "length" if end.stats.stop_reason in ("length", "context") else "stop"
+        yield Finished(conv.id, prep.forked_from, text, reason, started.prompt_tokens, started.evaluated,
+                       end.stats.n_generated, notices, len(conv.r.out_of_context) - shifted0, rq.how)
+
+    # -- steps ------------------------------------------------------------------------------------------
+
+    def _split(self, req: ChatRequest) -> tuple[SplitHistory, str | None]:
+        msgs = history.normalize(req.messages)
+        if req.conversation is None:
+            return history.split(msgs, self.index.personas()), None
+        conv_dir = self.store.resolve(req.conversation)
+        if conv_dir.id != req.conversation:
+            raise StoreError(f"no conversation {req.conversation!r} (give the whole id)")
+        r = replay_events(conv_dir.read_transcript().events)
+        persona = tuple(r.persona_messages)
+        if persona and tuple(msgs[:len(persona)]) == persona:
+            msgs = msgs[len(persona):]
+        sh = history.split(msgs)
+        if sh.persona:
+            raise HistoryError(f"the messages before the first user message differ from conversation "
+                               f"{conv_dir.id}'s persona: send its persona messages exactly, or none", "messages")
+        return SplitHistory(persona, sh.turns), conv_dir.id
+
+    def _check_fits(self, sh: SplitHistory, start: int) -> None:
+        """Refuse before anything is written when a new message cannot fit the context even alone."""
+        eng = self.engine
+        room = eng.n_ctx - self.session.settings.reserve
+        for n, m in enumerate(sh.turns[start:], start=start):
+            if m.role == "user" and len(eng.tokenize(m.content, add_special=False)) >= room:
+                raise ServiceError(
+                    "context_length_exceeded",
+                    f"message {len(sh.persona) + n} is longer than the context allows "
+                    f"(n_ctx {eng.n_ctx}, {self.session.settings.reserve} kept for the reply)", "messages")
+
+    def _sampling(self, req: ChatRequest) -> Sampling:
+        s = self.session.settings
+        return Sampling(
+            temperature=s.temperature if req.temperature is None else req.temperature,
+            top_p=s.top_p if req.top_p is None else req.top_p,
+            top_k=s.top_k if req.top_k is None else req.top_k,
+            repeat_penalty=s.repeat_penalty if req.repeat_penalty is None else req.repeat_penalty,
+        )
+
+    def _acquire(
+        self, sh: SplitHistory, root: str, keys: list[str], i: int, entries: list[Entry], sampling: Sampling,
+        max_tokens: int, explicit: str | None, rq: _Req,
+    ) -> tuple[Conversation, bool, str | None, Sequence[Message]]:
+        """The conversation to continue, positioned at the matched boundary, in a context this request
+        now holds; whether it is new; the conversation it was forked from; the messages still to append."""
+        resident = {s.conv.id for s in self._slots if s.conv is not None}
+        # Its end first (no fork); else the conversation that goes least beyond the boundary (a regenerate
+        # of its last reply finds the logits saved there); a resident one saves a restore.
+        cands = sorted(entries, key=lambda e: (e.rest, e.conv not in resident, -e.updated))
+        want = keys[i - 1] if i > 0 else root
+        for e in cands:
+            if not e.end:
+                break
+            try:
+                conv = self._open(e.conv, sampling, max_tokens, rq)
+            except LockedError:
+                if explicit is not None:
+                    raise
+                continue  # another request or process is on it: fork below instead
+            if self._at(conv, root, want):
+                return conv, False, None, sh.turns[i:]
+            self._release(conv, rq)  # changed on disk since it was indexed
+            self._give_back(rq)
+        if i > 0 and cands:
+            e = cands[0]
+            parent = ConversationDir(self.store.root / e.conv)
+            holder = next((s for s in self._slots if s.conv is not None and s.conv.id == e.conv and not s.busy), None)
+            # A resident parent's cells are in its context already: the fork only cuts them back.
+            in_engine = holder is not None and adapter.stamp(parent) == holder.stamp
+            child, _ = adapter.fork_at(self.store, parent, e.k, {"source": "api"})
+            adopted = None
+            if holder is not None and in_engine:
+                self._take(holder, rq)
+                holder.conv = None
+                adopted = adapter.adopt(self.session, holder.engine, child, sampling=sampling, max_tokens=max_tokens)
+                if adopted is None:
+                    self._give_back(rq)
+            conv = adopted or self._open(child, sampling, max_tokens, rq)
+            rq.how = "fork"
+            if not self._at(conv, root, want):
+                self._abandon(conv, rq, remove=True)
+                raise ServiceError("conflict", f"conversation {e.conv} changed while it was being forked: retry")
+            return conv, True, e.conv, sh.turns[i:]
+        # Nothing stored shares more than the persona: a new conversation from the (cached) prefix.
+        info = self.index.persona_for_root(root) if i == 0 else None
+        forked_from = cands[0].conv if i == 0 and cands else None
+        if info is not None and info.hash:
+            name, phash = info.name, info.hash  # a REPL persona: its prefix cache entry is reused
+        else:
+            name, phash = API_PERSONA, history.persona_hash(sh.persona)
+        slot = self._take(self._free_slot(), rq)
+        rq.how = "new"
+        meta = {"source": "api", **({"forked_from": forked_from} if forked_from else {})}
+        opened = adapter.create(self.session, slot.engine, persona=sh.persona, persona_name=name, persona_hash=phash,
+                                seed=secrets.randbits(31), sampling=sampling, max_tokens=max_tokens, meta=meta)
+        return opened.conv, True, forked_from, sh.turns
+
+    def _open(self, cid: str, sampling: Sampling, max_tokens: int, rq: _Req) -> Conversation:
+        """Restore ``cid`` into a context this request takes (its own context when it is resident there)."""
+        for slot in self._slots:
+            if slot.conv is not None and slot.conv.id == cid:
+                if slot.busy:
+                    raise LockedError(f"conversation {cid} is in use by another request")
+                slot.conv.dir.lock()
+                self._take(slot, rq)
+                if adapter.stamp(slot.conv.dir) == slot.stamp:
+                    rq.how = "memory"
+                    return slot.conv  # its KV is what this context holds: nothing to restore
+                slot.conv.dir.unlock()  # someone else wrote it since: restore from disk
+                slot.conv = None
+                break
+        else:
+            slot = self._take(self._free_slot(), rq)
+        rq.how = "disk"
+        try:
+            return adapter.open_(self.session, slot.engine, cid, sampling=sampling, max_tokens=max_tokens).conv
+        except BaseException:
+            self._give_back(rq)
+            raise
+
+    def _free_slot(self) -> _Slot:
+        """A free context: an empty one, else the least recently used (its conversation is on disk already)."""
+        slot = min((s for s in self._slots if not s.busy), key=lambda s: (s.conv is not None, s.used))
+        slot.conv = None
+        return slot
+
+    def _take(self, slot: _Slot, rq: _Req) -> _Slot:
+        slot.busy = True
+        rq.slot = slot
+        rq.ev0 = slot.engine.n_evaluated_total
+        return slot
+
+    def _give_back(self, rq: _Req) -> None:
+        if rq.slot is not None:
+            rq.slot.busy = False
+            rq.slot = None
+            self._cond.notify_all()
+
+    def _at(self, conv: Conversation, root: str, want: str) -> bool:
+        """The conversation ends exactly at the boundary the request matched."""
+        keys = conversation_keys(root, conv.r)
+        return bool(keys) and keys[-1][0] == want and keys[-1][1] == len(conv.r.active)
+
+    def _release(self, conv: Conversation, rq: _Req) -> None:
+        """The request is done with the conversation: it stays resident in its context, unlocked."""
+        with self._cond:
+            self.index.update(conv.dir, conv.r, conv.meta)
+            if rq.slot is not None:
+                rq.slot.conv = conv
+                rq.slot.stamp = adapter.stamp(conv.dir)
+                rq.slot.used = time.monotonic()
+            conv.dir.unlock()
+            self.index.save_soon()
+
+    def _abandon(self, conv: Conversation, rq: _Req, *, remove: bool) -> None:
+        """A request that failed: the conversation is released, and removed when this request made it."""
+        with self._cond:
+            if rq.slot is not None:
+                rq.slot.conv = None
+            conv.dir.unlock()
+            if remove:
+                try:
+                    self.store.remove(conv.dir)
+                except (OSError, StoreError):
+                    pass
+            self.index.refresh()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop: running replies are cut (recorded like Ctrl-C) and waited for, then the contexts freed."""
+        with self._cond:
+            for s in self._slots:
+                if s.busy:
+                    s.engine.cancel()
+            self._cond.wait_for(lambda: not any(s.busy for s in self._slots), timeout)
+            self.index.save()
+            for s in self._slots:
+                s.conv = None
+            for s in self._slots[1:]:
+                s.engine.close()  # siblings first: the first context's engine owns the model
+
+
+def _close(it: Iterator[object]) -> None:
+    """Close a generator: a reply being generated is then recorded as it stands (like Ctrl-C)."""
+    close = getattr(it, "close", None)
+    if close is not None:
+        close()
+
+
+def _safe_prefix(text: str, stops: Sequence[str]) -> str:
+    """The part of a reply being streamed that can be sent already: never a piece of a stop string nor
+    trailing whitespace, which the final text may cut; so what a client receives is a prefix of what is
+    stored, and resending it matches the conversation."""
+    cut = len(text)
+    for s in stops:
+        for n in range(min(len(s), len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                cut = min(cut, len(text) - n)
+                break
+    return text[:cut].rstrip()

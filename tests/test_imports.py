@@ -1,0 +1,71 @@
+"""Commands that never run the model load neither llama.cpp nor numpy (issue #12 item 3).
+
+Each command runs in a fresh interpreter, so what it imports is exactly what it needs; the conversation it
+reads is written by hand here (these commands only read files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from chatcli.config.settings import get_paths
+from chatcli.core.store import ConversationStore
+
+HEAVY = ("llama_cpp", "numpy")
+
+# Runs the CLI in-process with the given arguments, then reports what it imported (last stdout line).
+WRAPPER = f"""
+import json, sys
+from chatcli.cli import app
+code = 0
+try:
+    app(sys.argv[1:], prog_name="chatcli")
+except SystemExit as exc:
+    code = exc.code or 0
+print()
+print(json.dumps({{"code": code, "heavy": [m for m in {HEAVY!r} if m in sys.modules]}}))
+"""
+
+
+@pytest.fixture
+def conv_id(chatcli_home: Path) -> str:
+    store = ConversationStore(get_paths().conversations_dir)
+    conv = store.create({"title": "hand-made", "persona": "alice", "model": {"name": "none"}, "seed": 1})
+    conv.append_event({"type": "prefix", "persona": "alice", "messages": [{"role": "system", "content": "S"}],
+                       "tokens": [1, 2, 3], "span": [0, 3]})
+    conv.append_event({"type": "message", "mid": 0, "role": "user", "text": "hi", "tokens": [4, 5], "span": [3, 5], "turn": 0})
+    conv.append_event({"type": "message", "mid": 1, "role": "assistant", "text": "hello", "tokens": [6, 7],
+                       "span": [5, 7], "turn": 0})
+    return conv.id
+
+
+def run_cli(*args: str) -> dict[str, object]:
+    proc = subprocess.run([sys.executable, "-c", WRAPPER, *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ}, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["code"] == 0, (args, proc.stdout, proc.stderr)
+    return result
+
+
+@pytest.mark.parametrize("args", [
+    ["ls"], ["ls", "--json"], ["show", "{id}"], ["show", "{id}", "--json"], ["export", "{id}"],
+    ["export", "{id}", "--format", "json"], ["config", "show"], ["config", "path"], ["personas"],
+    ["rm", "--yes", "{id}"],
+])
+def test_commands_that_do_not_run_the_model_import_neither_llama_cpp_nor_numpy(conv_id: str, args: list[str]) -> None:
+    result = run_cli(*(a.format(id=conv_id) for a in args))
+    assert result["heavy"] == [], f"`chatcli {' '.join(args)}` imported {result['heavy']}"
+
+
+def test_the_wrapper_sees_heavy_imports() -> None:
+    """The check above can fail: a command that loads the model's modules is seen doing so."""
+    proc = subprocess.run([sys.executable, "-c", "import chatcli.backends.llamacpp\n" + WRAPPER, "--version"],
+                          capture_output=True, text=True, timeout=120)
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["heavy"] == list(HEAVY)

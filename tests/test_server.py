@@ -1,0 +1,557 @@
+"""`chatcli serve` end to end: a real server process, the official `openai` client, the bundled model, greedy.
+
+One server (with an API key) serves the whole module; it is SIGKILLed and restarted by the restart test
+(the fixture object follows it). A second server, never restarted and with its own data, is the reference
+that replies must equal. Each test uses its own system prompt so the tests' conversations never meet in
+the index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from chatcli.core import statefile as sf
+from chatcli.core.conversation import Replay, replay_events
+from chatcli.core.store import ConversationDir
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "test-key-0123456789"
+N_CTX = 2048
+MAX_TOKENS = 24
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Resp:
+    """A plain HTTP response (stdlib client: the raw protocol, independent of the openai SDK's transport)."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        self.status_code = status
+        self.text = body.decode("utf-8", "replace")
+
+    def json(self) -> Any:
+        return json.loads(self.text)
+
+
+def request(port: int, method: str, path: str, body: bytes | str | None = None,
+            headers: dict[str, str] | None = None, timeout: float = 60) -> Resp:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return Resp(r.status, r.read())
+    finally:
+        conn.close()
+
+
+class Server:
+    """A `chatcli serve` process on a free loopback port, with its own CHATCLI_HOME."""
+
+    def __init__(self, home: Path, *, api_key: str | None, n_ctx: int = N_CTX, parallel: int = 1) -> None:
+        self.home = home
+        self.parallel = parallel
+        self.api_key = api_key
+        self.n_ctx = n_ctx
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = home / "server.log"
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CHATCLI_")}
+        env.update(CHATCLI_HOME=str(self.home), PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+        args = [sys.executable, "-m", "chatcli", "serve", "--port", str(self.port), "--n-ctx", str(self.n_ctx),
+                "--threads", "2", "--reserve", "64", "--max-tokens", str(MAX_TOKENS), "--parallel", str(self.parallel)]
+        if self.api_key:
+            args += ["--api-key", self.api_key]
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(args, env=env, stdout=log, stderr=log, cwd=str(self.home))
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                if request(self.port, "GET", "/health", headers=self.auth(), timeout=2).status_code == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError("server did not start: " + self.log.read_text()[-3000:])
+
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+
+    def client(self) -> Any:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=self.api_key or "unused", max_retries=0, timeout=300)
+
+    def conv(self, cid: str) -> ConversationDir:
+        return ConversationDir(self.home / "data" / "conversations" / cid)
+
+    def replay(self, cid: str) -> Replay:
+        return replay_events(self.conv(cid).read_transcript().events)
+
+    def ids(self) -> set[str]:
+        root = self.home / "data" / "conversations"
+        return {p.name for p in root.iterdir()} if root.exists() else set()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = Server(tmp_path_factory.mktemp("serve") / "home", api_key=KEY, parallel=2)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Never restarted, one resident conversation, its own data: what every reply must equal."""
+    srv = Server(tmp_path_factory.mktemp("reference") / "home", api_key=None)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+class Reply:
+    def __init__(self, raw: Any) -> None:
+        comp = raw.parse()
+        self.conv = raw.headers.get("x-chatcli-conversation")
+        self.text: str = comp.choices[0].message.content
+        self.prompt: int = comp.usage.prompt_tokens
+        self.cached: int = comp.usage.prompt_tokens_details.cached_tokens
+        self.generated: int = comp.usage.completion_tokens
+        self.ext: dict[str, Any] = (comp.model_extra or {}).get("chatcli") or {}
+
+
+def chat(srv: Server, messages: list[dict[str, str]], **kw: Any) -> Reply:
+    kw.setdefault("temperature", 0)
+    raw = srv.client().chat.completions.with_raw_response.create(
+        model="any", messages=messages, max_tokens=MAX_TOKENS, **kw)
+    return Reply(raw)
+
+
+def chat_stream(srv: Server, messages: list[dict[str, str]]) -> tuple[str, Any, str]:
+    text = ""
+    usage = None
+    with srv.client().chat.completions.with_streaming_response.create(
+            model="any", messages=messages, temperature=0, max_tokens=MAX_TOKENS, stream=True,
+            stream_options={"include_usage": True}) as resp:
+        conv = resp.headers.get("x-chatcli-conversation")
+        for chunk in resp.parse():
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if chunk.usage is not None:
+                usage = chunk.usage
+    return text, usage, conv
+
+
+def converse(srv: Server, system: str, questions: list[str], *, stream: bool = False) -> tuple[list[dict[str, str]], list[Reply | tuple[str, Any, str]]]:
+    msgs = [{"role": "system", "content": system}]
+    out: list[Any] = []
+    for q in questions:
+        msgs.append({"role": "user", "content": q})
+        if stream:
+            r = chat_stream(srv, msgs)
+            text = r[0]
+        else:
+            r = chat(srv, msgs)
+            text = r.text
+        out.append(r)
+        msgs.append({"role": "assistant", "content": text})
+    return msgs, out
+
+
+QUESTIONS = ["Name a fruit.", "Name a colour.", "Name an animal.", "Name a city."]
+
+
+def user_span(srv: Server, cid: str, n: int) -> tuple[int, int]:
+    """Token span of the n-th user message (0-based) of a stored conversation."""
+    users = [m for m in srv.replay(cid).active if m.role == "user"]
+    return users[n].p0, users[n].p1
+
+
+def file_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# -- a conversation -----------------------------------------------------------------------------------
+
+
+def test_three_turns_reuse_the_whole_history(server: Server) -> None:
+    msgs, replies = converse(server, "You are terse. (three turns)", QUESTIONS[:3])
+    r1, r2, r3 = replies
+    assert isinstance(r3, Reply)
+    assert r1.conv == r2.conv == r3.conv
+    assert r1.cached == 0
+    # The 3rd request evaluated its new message only: everything before it came from memory.
+    p0, p1 = user_span(server, r3.conv, 2)
+    assert (r3.cached, r3.prompt) == (p0, p1)
+    assert r3.ext["evaluated_tokens"] == p1 - p0
+    p0, p1 = user_span(server, r2.conv, 1)
+    assert (r2.cached, r2.prompt) == (p0, p1)
+    # Stored exactly like a REPL turn: the transcript holds the replies the client got.
+    r = server.replay(r3.conv)
+    assert [m.text for m in r.active] == [m["content"] for m in msgs[1:]]
+    assert [m.as_dict() for m in r.persona_messages] == [msgs[0]]
+    meta = server.conv(r3.conv).read_meta()
+    assert meta["source"] == "api"
+
+
+def test_streaming_equals_non_streaming(server: Server, reference: Server) -> None:
+    system = "You are terse. (streaming)"
+    _, plain = converse(server, system, QUESTIONS[:3])
+    _, streamed = converse(reference, system, QUESTIONS[:3], stream=True)
+    assert [p.text for p in plain] == [s[0] for s in streamed]  # type: ignore[union-attr,index]
+    text, usage, conv = streamed[2]  # type: ignore[misc]
+    p0, p1 = user_span(reference, conv, 2)
+    assert (usage.prompt_tokens_details.cached_tokens, usage.prompt_tokens) == (p0, p1)
+    assert reference.replay(conv).active[-1].text == text
+
+
+# -- restart -----------------------------------------------------------------------------------------
+
+
+def test_sigkill_restart_evaluates_only_the_new_message(server: Server, reference: Server) -> None:
+    system = "You are terse. (restart)"
+    msgs, replies = converse(server, system, QUESTIONS[:3])
+    cid = replies[-1].conv  # type: ignore[union-attr]
+    server.kill()
+    server.start()
+    msgs.append({"role": "user", "content": QUESTIONS[3]})
+    r4 = chat(server, msgs)
+    assert r4.conv == cid
+    p0, p1 = user_span(server, cid, 3)
+    assert (r4.cached, r4.prompt) == (p0, p1)
+    assert r4.ext["evaluated_tokens"] == p1 - p0
+    # The same conversation on a server that was never restarted gives the same greedy replies.
+    _, ref = converse(reference, system, QUESTIONS[:4])
+    assert [r.text for r in replies] + [r4.text] == [r.text for r in ref]  # type: ignore[union-attr]
+
+
+# -- regenerate, edit ---------------------------------------------------------------------------------
+
+
+def test_regenerate_evaluates_nothing_and_keeps_the_original(server: Server) -> None:
+    msgs, replies = converse(server, "You are terse. (regenerate)", QUESTIONS[:2])
+    cid = replies[-1].conv  # type: ignore[union-attr]
+    before = file_hash(server.conv(cid).transcript_path)
+    regen = chat(server, msgs[:-1])
+    assert regen.ext["evaluated_tokens"] == 0
+    assert regen.cached == regen.prompt == user_span(server, cid, 1)[1]
+    assert regen.conv != cid and regen.ext["forked_from"] == cid
+    assert regen.text == replies[-1].text  # greedy: the same logits, the same reply
+    assert file_hash(server.conv(cid).transcript_path) == before
+    # Both branches stay reachable: the original history still continues the original conversation.
+    nxt = chat(server, msgs + [{"role": "user", "content": QUESTIONS[2]}])
+    assert nxt.conv in (cid, regen.conv)  # identical histories: either may continue
+    assert nxt.cached == user_span(server, nxt.conv, 2)[0]
+
+
+def test_edit_forks_and_the_original_stays_intact(server: Server) -> None:
+    system = "You are terse. (edit)"
+    msgs, replies = converse(server, system, QUESTIONS[:3])
+    cid = replies[-1].conv  # type: ignore[union-attr]
+    conv = server.conv(cid)
+    before = (file_hash(conv.transcript_path), file_hash(conv.state_path))
+    # Edit of message 1: only the persona is shared.
+    e1 = chat(server, [msgs[0], {"role": "user", "content": "Name a vegetable."}])
+    assert e1.conv != cid and e1.ext["forked_from"] == cid
+    assert e1.cached == len(server.replay(cid).prefix_tokens)
+    # Edit of message 2: the first exchange's cells are copied, only the new message is evaluated.
+    e2 = chat(server, msgs[:3] + [{"role": "user", "content": "Name a planet."}])
+    assert e2.conv not in (cid, e1.conv) and e2.ext["forked_from"] == cid
+    assert e2.cached == user_span(server, cid, 1)[0]
+    assert e2.ext["evaluated_tokens"] == e2.prompt - e2.cached
+    assert server.replay(e2.conv).active[0].tokens == server.replay(cid).active[0].tokens
+    assert (file_hash(conv.transcript_path), file_hash(conv.state_path)) == before
+    # The original continues where it was, as if nothing happened.
+    r4 = chat(server, msgs + [{"role": "user", "content": QUESTIONS[3]}])
+    assert r4.conv == cid
+    assert r4.cached == user_span(server, cid, 3)[0]
+
+
+def test_stop_strings_and_seed(server: Server) -> None:
+    msgs = [{"role": "system", "content": "You are a poet. (stop and seed)"},
+            {"role": "user", "content": "Write a long poem about the sea."}]
+    full = chat(server, msgs)
+    words = full.text.split()
+    assert len(words) > 3
+    stop = " " + words[2]
+    cut = chat(server, msgs, stop=[stop])
+    assert stop not in cut.text and full.text.startswith(cut.text)
+    # Stored as the client saw it: resending the cut reply continues that conversation.
+    nxt = chat(server, [*msgs, {"role": "assistant", "content": cut.text}, {"role": "user", "content": "More."}])
+    assert nxt.conv == cut.conv
+    # A seed makes a sampled reply reproducible; regenerating samples again (and forks each time).
+    a = chat(server, msgs, temperature=1.0, seed=7)
+    b = chat(server, msgs, temperature=1.0, seed=7)
+    assert a.text == b.text and a.conv != b.conv
+    assert a.ext["evaluated_tokens"] == b.ext["evaluated_tokens"] == 0
+
+
+# -- concurrency -----------------------------------------------------------------------------------------
+
+
+def test_two_clients_at_once_equal_their_sequential_runs(server: Server, reference: Server) -> None:
+    systems = ["You are terse. (client A)", "You are verbose. (client B)"]
+    results: dict[str, list[str]] = {}
+    errors: list[BaseException] = []
+
+    def run(system: str) -> None:
+        try:
+            _, replies = converse(server, system, QUESTIONS[:3])
+            results[system] = [r.text for r in replies]  # type: ignore[union-attr]
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in systems]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors, errors
+    for system in systems:
+        _, ref = converse(reference, system, QUESTIONS[:3])
+        assert results[system] == [r.text for r in ref]  # type: ignore[union-attr]
+
+
+def test_resident_conversations_are_not_restored(server: Server, reference: Server) -> None:
+    """Two contexts (--parallel 2): switching between two conversations restores nothing; a third
+    conversation releases the least recently used one, which then comes back from its state file."""
+    a = [{"role": "system", "content": "You are terse. (resident A)"}, {"role": "user", "content": QUESTIONS[0]}]
+    b = [{"role": "system", "content": "You are terse. (resident B)"}, {"role": "user", "content": QUESTIONS[0]}]
+    c = [{"role": "system", "content": "You are terse. (resident C)"}, {"role": "user", "content": QUESTIONS[0]}]
+    seen: dict[str, list[str]] = {"a": [], "b": []}
+
+    def turn(msgs: list[dict[str, str]], name: str) -> Reply:
+        r = chat(server, msgs)
+        msgs += [{"role": "assistant", "content": r.text}, {"role": "user", "content": QUESTIONS[len(msgs) // 2]}]
+        seen[name].append(r.text)
+        return r
+
+    assert turn(a, "a").ext["state_from"] == "new"
+    assert turn(b, "b").ext["state_from"] == "new"
+    ra = turn(a, "a")
+    rb = turn(b, "b")
+    assert (ra.ext["state_from"], rb.ext["state_from"]) == ("memory", "memory")
+    assert chat(server, c).ext["state_from"] == "new"  # a was the least recently used: released
+    ra = turn(a, "a")
+    assert ra.ext["state_from"] == "disk" and ra.cached == user_span(server, ra.conv, 2)[0]
+    # Contexts of their own compute exactly what a single context does.
+    for name, system in (("a", "You are terse. (resident A)"), ("b", "You are terse. (resident B)")):
+        _, ref = converse(reference, system, QUESTIONS[:len(seen[name])])
+        assert seen[name] == [r.text for r in ref]  # type: ignore[union-attr]
+
+
+# -- disconnect ------------------------------------------------------------------------------------------
+
+
+def test_disconnect_mid_stream_records_the_reply_so_far(server: Server) -> None:
+    system = "You are a storyteller. (disconnect)"
+    msgs, replies = converse(server, system, ["Name a fruit."])
+    cid = replies[0].conv  # type: ignore[union-attr]
+    msgs.append({"role": "user", "content": "Tell me a very long story about a dragon."})
+    body = {"model": "any", "messages": msgs, "temperature": 0, "max_tokens": 400, "stream": True}
+    got = ""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                 headers={"Content-Type": "application/json", **server.auth()})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    while len(got) <= 20:
+        line = resp.readline().decode().strip()
+        assert line or not resp.isclosed()
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunk = json.loads(line[6:])
+            got += chunk["choices"][0]["delta"].get("content") or ""
+    conn.sock.shutdown(socket.SHUT_RDWR)  # leave mid-reply
+    conn.close()
+    # The server records what it produced, like a Ctrl-C'd reply: transcript and state agree.
+    deadline = time.monotonic() + 60
+    while True:
+        r = server.replay(cid)
+        if len(r.active) == 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    last = r.active[-1]
+    assert last.role == "assistant" and last.stop == "cancelled", last
+    assert last.text.startswith(got.strip()) and len(last.tokens) < 400
+    res = sf.scan(server.conv(cid).state_path)
+    assert res.live()[2] == last.p1
+    # Nothing is lost: resending the history with the recorded reply continues the same conversation.
+    msgs.append({"role": "assistant", "content": last.text})
+    msgs.append({"role": "user", "content": "Thanks."})
+    nxt = chat(server, msgs)
+    assert nxt.conv == cid and nxt.cached == last.p1
+
+
+# -- other front ends --------------------------------------------------------------------------------------
+
+
+def test_api_conversations_in_ls_and_resumable(server: Server) -> None:
+    _, replies = converse(server, "You are terse. (ls)", QUESTIONS[:1])
+    cid = replies[0].conv  # type: ignore[union-attr]
+    env = {**os.environ, "CHATCLI_HOME": str(server.home), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "chatcli", "ls", "--json"], capture_output=True, text=True,
+                          env=env, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["id"]: r for r in json.loads(proc.stdout)}
+    assert rows[cid]["from"] == "api"
+    # Between requests the server holds no lock: another process can take the conversation over.
+    conv = server.conv(cid)
+    conv.lock()
+    conv.unlock()
+
+
+def test_a_repl_conversation_is_continued_without_reingesting(server: Server) -> None:
+    sys.path.insert(0, str(ROOT / "tests"))
+    import drive
+
+    env_home = os.environ.get("CHATCLI_HOME")
+    os.environ["CHATCLI_HOME"] = str(server.home)
+    try:
+        out = drive.run_process("--new", *drive.says(["Hello there."]))
+    finally:
+        if env_home is not None:
+            os.environ["CHATCLI_HOME"] = env_home
+    cid = out["id"]
+    r = server.replay(cid)
+    msgs = [m.as_dict() for m in r.persona_messages] + [{"role": m.role, "content": m.text} for m in r.active]
+    msgs.append({"role": "user", "content": "What is your name?"})
+    nxt = chat(server, msgs)
+    assert nxt.conv == cid
+    assert nxt.cached == r.active[-1].p1
+
+
+# -- context full -------------------------------------------------------------------------------------------
+
+
+def test_context_full_shifts_like_the_repl_and_is_reported(tmp_path: Path) -> None:
+    srv = Server(tmp_path / "small", api_key=None, n_ctx=512)
+    srv.start()
+    try:
+        msgs = [{"role": "system", "content": "You are terse."}]
+        shifted = None
+        for i in range(8):
+            msgs.append({"role": "user", "content": f"Question {i}: " + "tell me about the sea and the sky. " * 10})
+            r = chat(srv, msgs)
+            msgs.append({"role": "assistant", "content": r.text})
+            if r.ext.get("context_shift"):
+                shifted = r
+                break
+        assert shifted is not None, "the context never filled up"
+        assert shifted.ext["context_shift"]["messages_dropped"] >= 2
+        assert any("context full" in n for n in shifted.ext["notices"])
+        cid = shifted.conv
+        rp = srv.replay(cid)
+        assert rp.out_of_context and len(rp.prefix_tokens) > 0
+        assert shifted.prompt == rp.active[-1].p0  # what the model saw: persona + what stayed
+        # The client resends everything, dropped messages included: the shifted conversation continues.
+        msgs.append({"role": "user", "content": "Thanks."})
+        nxt = chat(srv, msgs)
+        assert nxt.conv == cid
+        assert nxt.cached == srv.replay(cid).active[-2].p0
+    finally:
+        srv.stop()
+
+
+# -- bad input ------------------------------------------------------------------------------------------
+
+
+def post(server: Server, body: bytes | str, headers: dict[str, str] | None = None) -> Resp:
+    h = {"Content-Type": "application/json", **server.auth(), **(headers or {})}
+    return request(server.port, "POST", "/v1/chat/completions", body, h)
+
+
+def _msgs(*contents: Any, role: str = "user") -> str:
+    return json.dumps({"messages": [{"role": role, "content": c} for c in contents], "max_tokens": 4})
+
+
+BAD = {
+    "malformed json": ('{"messages": [', 400, "invalid_json"),
+    "not an object": ("[1, 2]", 400, None),
+    "messages not a list": ('{"messages": "hi"}', 400, None),
+    "content not a string": (_msgs(5), 400, None),
+    "temperature not a number": ('{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', 400, None),
+    "stream not a bool": ('{"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', 400, None),
+    "no messages": ('{"messages": []}', 400, None),
+    "missing messages": ('{"model": "x"}', 400, None),
+    "empty message": (_msgs("   "), 400, None),
+    "unknown role": (_msgs("hi", role="wizard"), 400, None),
+    "ends with a reply": (_msgs("hi", role="assistant"), 400, None),
+    "too long for the context": (_msgs("word " * 3000), 400, "context_length_exceeded"),
+    "n > 1": ('{"messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_a_4xx_with_an_openai_error(server: Server, case: str) -> None:
+    body, status, code = BAD[case]
+    before = server.ids()
+    resp = post(server, body)
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error" and "Traceback" not in resp.text
+    if code:
+        assert err["code"] == code
+    assert server.ids() == before  # a refused request changes nothing
+
+
+def test_authentication_and_limits(server: Server) -> None:
+    ok = _msgs("hi")
+    for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong-key-0000000"}, {"Authorization": KEY}):
+        resp = post(server, ok, headers)
+        assert resp.status_code == 401, resp.text
+        assert resp.json()["error"]["code"] == "invalid_api_key"
+    assert request(server.port, "GET", "/v1/models").status_code == 401
+    models = request(server.port, "GET", "/v1/models", headers=server.auth()).json()
+    assert models["data"][0]["object"] == "model"
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * (9 * 1024 * 1024)}]})
+    resp = post(server, big)
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+    many = json.dumps({"messages": [{"role": "user", "content": "hi"}] * 3000})
+    resp = post(server, many)
+    assert resp.status_code == 400 and "too many messages" in resp.json()["error"]["message"]
+    resp = request(server.port, "GET", "/v1/nothing", headers=server.auth())
+    assert resp.status_code == 404 and resp.json()["error"]["message"]
+    resp = post(server, _msgs("hi"), {"X-Chatcli-Conversation": "zzzzzz"})
+    assert resp.status_code == 404 and resp.json()["error"]["param"] == "conversation"

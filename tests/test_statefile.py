@@ -1,0 +1,77 @@
+"""The state file's read path: one mapped pass, each record's crc checked once, zero-copy payloads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from chatcli.backends.llamacpp import Engine
+from chatcli.core import statefile as sf
+
+
+def _write(path: Path, payloads: list[tuple[int, int, int, bytes]]) -> None:
+    records = [sf.encode_record(sf.HEADER, 0, 0, sf.header_payload({"m": 1}))]
+    records += [sf.encode_record(kind, p0, p1, data) for kind, p0, p1, data in payloads]
+    sf.StateWriter(path).rewrite(records)
+
+
+def test_mapped_scan_payloads_and_damage(tmp_path: Path) -> None:
+    path = tmp_path / "state.kv"
+    cells = sf.cells_payload([5, 6, 7], b"kv-bytes" * 100)
+    logits = np.arange(10, dtype="<f4").tobytes()
+    _write(path, [(sf.CELLS, 0, 3, cells), (sf.LOGITS, 3, 3, logits), (sf.CELLS, 3, 4, sf.cells_payload([9], b"x"))])
+    with sf.map_state(path) as ms:
+        res = ms.result
+        assert res.header == {"format": sf.FORMAT_VERSION, "identity": {"m": 1}} and not res.problem
+        assert [r.kind for r in res.records] == [sf.HEADER, sf.CELLS, sf.LOGITS, sf.CELLS]
+        assert res.valid_bytes == path.stat().st_size and res.dropped_bytes == 0
+        toks, kv = ms.cells(res.records[1])
+        assert toks == [5, 6, 7] and isinstance(kv, memoryview) and bytes(kv) == b"kv-bytes" * 100
+        assert bytes(ms.payload(res.records[2])) == logits
+        assert bytes(ms.payload(res.records[1])) == sf.read_payload(path, res.records[1])
+        del kv
+    with sf.map_state(path, background=True) as ms:
+        assert all(ms.wait_ok(r) for r in ms.records.records)
+        assert ms.result == res
+    # A flipped payload byte in the middle record: it and everything after it are dropped, once.
+    data = bytearray(path.read_bytes())
+    rec = res.records[2]
+    data[rec.offset + sf.HEADER_SIZE + 3] ^= 1
+    path.write_bytes(bytes(data))
+    bad = sf.scan(path)
+    # Checked in the background: the records before the damage are good, the damaged one and later not,
+    # and the final answer is the same as the synchronous scan's.
+    with sf.map_state(path, background=True) as ms:
+        recs = ms.records.records
+        assert len(recs) == 4  # the header index alone cannot see the damage
+        assert ms.wait_ok(recs[1]) and not ms.wait_ok(recs[2]) and not ms.wait_ok(recs[3])
+        assert ms.result == bad
+    assert bad.problem == "checksum mismatch"
+    assert [r.kind for r in bad.records] == [sf.HEADER, sf.CELLS]
+    assert bad.valid_bytes == rec.offset and bad.dropped_bytes == len(data) - rec.offset
+    # Empty and missing files.
+    path.write_bytes(b"")
+    assert sf.scan(path).problem == "empty"
+    assert sf.scan(tmp_path / "nope.kv").problem == "missing"
+
+
+def test_load_cells_from_a_mapped_view_is_bit_identical(engine: Engine, tmp_path: Path) -> None:
+    """Cells loaded through a view into the mapped file give the same logits as evaluating the tokens."""
+    engine.clear()
+    toks = engine.tokenize("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    engine.eval(toks[:-1])
+    kv = engine.save_cells(0, engine.n_past)
+    engine.eval(toks[-1:])
+    want = engine.logits()
+    path = tmp_path / "state.kv"
+    _write(path, [(sf.CELLS, 0, len(toks) - 1, sf.cells_payload(toks[:-1], kv))])
+    engine.clear()
+    with sf.map_state(path) as ms:
+        rec = ms.result.records[1]
+        got_toks, view = ms.cells(rec)
+        engine.load_cells(rec.p0, rec.p1, view, got_toks)
+        view.release()
+    assert engine.tokens == toks[:-1]
+    engine.eval(toks[-1:])
+    assert np.array_equal(engine.logits(), want)
