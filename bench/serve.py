@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import NEXT_MSG, PARAGRAPHS, REPO, dir_bytes
 
-FULL = {"turns": 8, "msg_tokens": 370, "reply_tokens": 8, "clients": 4, "client_turns": 4, "client_msg_tokens": 200}
+FULL = {"turns": 8, "msg_tokens": 370, "reply_tokens": 8, "clients": 4, "client_turns": 4, "client_msg_tokens": 150}
 QUICK = {"turns": 3, "msg_tokens": 120, "reply_tokens": 4, "clients": 4, "client_turns": 2, "client_msg_tokens": 80}
 SYSTEM = "You are a helpful gardening assistant. Answer briefly."
 # The turn after the first short post-restart turn: shows what each server does once it has warmed up again.
@@ -697,9 +697,13 @@ def markdown(res: dict[str, Any], chart: str | None) -> str:
     for i, row in enumerate(res["turns"][kinds[0]]):
         w(f"| {row['turn']} | {row['history_tokens']:,} | "
           + " | ".join(f_s(res["turns"][k][i]["ttft"]) for k in kinds) + " |")
+    w("| sum | | " + " | ".join(f"**{f_s(sum(x['ttft'] for x in res['turns'][k]))}**" for k in kinds) + " |")
     w("")
     w("Prompt tokens each server evaluated at the last turn: " + ", ".join(
-        f"{LABELS[k]} {f_tok(res['turns'][k][-1]['evaluated'])}" for k in kinds) + ".\n")
+        f"{LABELS[k]} {f_tok(res['turns'][k][-1]['evaluated'])}" for k in kinds) + ". While a server stays up, "
+      "every one of them evaluates only the new message (plus a few template tokens), so per-turn TTFT is the "
+      "same work everywhere and its differences here are one sample each of a loaded machine's noise; the sum "
+      "over the turns is the steadier comparison.\n")
     # 2. restart, regen, disk
     w("**After a restart, regenerate, bytes on disk:**\n")
     w("| | " + head[2:])
@@ -815,6 +819,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="OMP_WAIT_POLICY for every server (default passive, as bench.run)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="results directory")
     ap.add_argument("--work", help="scratch directory (default: a new temp dir, removed afterwards)")
+    ap.add_argument("--from-json", help="only re-render serve.md and the chart from a serve.json (no servers run)")
     ap.add_argument("--keep-work", action="store_true", help="keep the scratch directory (logs, server data)")
     return ap.parse_args(argv)
 
@@ -826,6 +831,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg["turns"] = o.turns
     if o.model:
         o.model = str(Path(o.model).expanduser().resolve())
+    if o.from_json:
+        res = json.loads(Path(o.from_json).read_text())
+        files = write(res, Path(o.out))
+        print("wrote " + ", ".join(str(f) for f in files), file=sys.stderr)
+        return 0
     unknown = [k for k in o.servers.split(",") if k and k not in SERVERS]
     if unknown:
         print(f"unknown server(s): {', '.join(unknown)}", file=sys.stderr)
