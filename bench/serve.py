@@ -773,7 +773,11 @@ def chart(res: dict[str, Any], out: Path) -> str | None:
                    s=80, color=col)
         mu = sorted(res["multi"][k], key=lambda x: x["history_tokens"])
         a2.plot([x["history_tokens"] for x in mu], [x["ttft"] for x in mu], marker="o", linestyle="", color=col,
-                alpha=0.7, label=LABELS[k])
+                alpha=0.45)
+        rounds = sorted({x["round"] for x in mu})
+        a2.plot([med([x["history_tokens"] for x in mu if x["round"] == r]) for r in rounds],
+                [med([x["ttft"] for x in mu if x["round"] == r]) for r in rounds], color=col,
+                label=f"{LABELS[k]} (median of the round)")
     a1.set_title("one client: TTFT per turn (× = short turn after restart)")
     a2.set_title(f"{res['config']['clients']} interleaved clients")
     for a in (a1, a2):
