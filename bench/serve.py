@@ -578,7 +578,7 @@ def git_head(root: Path) -> str | None:
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--", "chatcli"],
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
@@ -721,6 +721,10 @@ def markdown(res: dict[str, Any], chart: str | None) -> str:
     w("| … tokens evaluated | " + " | ".join(f"**{f_tok(rg[k]['evaluated'])}**" for k in kinds) + " |")
     w("| bytes on disk after the growing conversation | " + " | ".join(f_mb(res["disk_after_turns"][k]) for k in kinds)
       + " |")
+    if "chatcli" in kinds and rg["chatcli"].get("conversation") and \
+            rg["chatcli"]["conversation"] != rs["chatcli"]["second"].get("conversation"):
+        w("| (chatcli's regenerate forked the conversation: a copy of its state, kept with the original) | "
+          + " | ".join("yes" if k == "chatcli" else "" for k in kinds) + " |")
     w("| bytes on disk at the end | " + " | ".join(f_mb(res["disk_end"][k]) for k in kinds) + " |")
     w("")
     # 3. multi
