@@ -1,6 +1,6 @@
 """Serve benchmark: a client that resends its whole history, against chatcli serve and the servers it replaces.
 
-    python -m bench.serve             # full run (~15 min on 2 busy cores)
+    python -m bench.serve             # full run (22 min on 2 cores at load average 12-16; less when idle)
     python -m bench.serve --quick     # smoke variant (~3 min)
 
 Every server runs on the same model file, thread count and context size, on a free 127.0.0.1 port, with its
