@@ -1,6 +1,6 @@
 """Serve benchmark: a client that resends its whole history, against chatcli serve and the servers it replaces.
 
-    python -m bench.serve             # full run (~15 min on 2 busy cores)
+    python -m bench.serve             # full run (22 min on 2 cores at load average 12-16; less when idle)
     python -m bench.serve --quick     # smoke variant (~3 min)
 
 Every server runs on the same model file, thread count and context size, on a free 127.0.0.1 port, with its
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import NEXT_MSG, PARAGRAPHS, REPO, dir_bytes
 
-FULL = {"turns": 8, "msg_tokens": 370, "reply_tokens": 8, "clients": 4, "client_turns": 4, "client_msg_tokens": 200}
+FULL = {"turns": 8, "msg_tokens": 370, "reply_tokens": 8, "clients": 4, "client_turns": 4, "client_msg_tokens": 150}
 QUICK = {"turns": 3, "msg_tokens": 120, "reply_tokens": 4, "clients": 4, "client_turns": 2, "client_msg_tokens": 80}
 SYSTEM = "You are a helpful gardening assistant. Answer briefly."
 # The turn after the first short post-restart turn: shows what each server does once it has warmed up again.
@@ -281,6 +281,9 @@ class Server:
     def send(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
         off = self.log_offset()
         r = chat(self.port, messages, max_tokens)
+        # Untimed: flush what this server left dirty in the page cache (the disk cache writes its whole state
+        # after each completion), so the kernel's write-back does not land in the next server's measurement.
+        os.sync()
         ev = evaluated_tokens(self.kind, r, self.log_evaluated(off))
         prompt: int | None = None
         if r.usage and r.usage.get("prompt_tokens") is not None:
@@ -575,7 +578,7 @@ def git_head(root: Path) -> str | None:
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--", "chatcli"],
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
@@ -694,9 +697,13 @@ def markdown(res: dict[str, Any], chart: str | None) -> str:
     for i, row in enumerate(res["turns"][kinds[0]]):
         w(f"| {row['turn']} | {row['history_tokens']:,} | "
           + " | ".join(f_s(res["turns"][k][i]["ttft"]) for k in kinds) + " |")
+    w("| sum | | " + " | ".join(f"**{f_s(sum(x['ttft'] for x in res['turns'][k]))}**" for k in kinds) + " |")
     w("")
     w("Prompt tokens each server evaluated at the last turn: " + ", ".join(
-        f"{LABELS[k]} {f_tok(res['turns'][k][-1]['evaluated'])}" for k in kinds) + ".\n")
+        f"{LABELS[k]} {f_tok(res['turns'][k][-1]['evaluated'])}" for k in kinds) + ". While a server stays up, "
+      "every one of them evaluates only the new message (plus a few template tokens), so per-turn TTFT is the "
+      "same work everywhere and its differences here are one sample each of a loaded machine's noise; the sum "
+      "over the turns is the steadier comparison.\n")
     # 2. restart, regen, disk
     w("**After a restart, regenerate, bytes on disk:**\n")
     w("| | " + head[2:])
@@ -714,6 +721,10 @@ def markdown(res: dict[str, Any], chart: str | None) -> str:
     w("| … tokens evaluated | " + " | ".join(f"**{f_tok(rg[k]['evaluated'])}**" for k in kinds) + " |")
     w("| bytes on disk after the growing conversation | " + " | ".join(f_mb(res["disk_after_turns"][k]) for k in kinds)
       + " |")
+    if "chatcli" in kinds and rg["chatcli"].get("conversation") and \
+            rg["chatcli"]["conversation"] != rs["chatcli"]["second"].get("conversation"):
+        w("| (chatcli's regenerate forked the conversation: a copy of its state, kept with the original) | "
+          + " | ".join("yes" if k == "chatcli" else "" for k in kinds) + " |")
     w("| bytes on disk at the end | " + " | ".join(f_mb(res["disk_end"][k]) for k in kinds) + " |")
     w("")
     # 3. multi
@@ -766,7 +777,11 @@ def chart(res: dict[str, Any], out: Path) -> str | None:
                    s=80, color=col)
         mu = sorted(res["multi"][k], key=lambda x: x["history_tokens"])
         a2.plot([x["history_tokens"] for x in mu], [x["ttft"] for x in mu], marker="o", linestyle="", color=col,
-                alpha=0.7, label=LABELS[k])
+                alpha=0.45)
+        rounds = sorted({x["round"] for x in mu})
+        a2.plot([med([x["history_tokens"] for x in mu if x["round"] == r]) for r in rounds],
+                [med([x["ttft"] for x in mu if x["round"] == r]) for r in rounds], color=col,
+                label=f"{LABELS[k]} (median of the round)")
     a1.set_title("one client: TTFT per turn (× = short turn after restart)")
     a2.set_title(f"{res['config']['clients']} interleaved clients")
     for a in (a1, a2):
@@ -812,6 +827,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="OMP_WAIT_POLICY for every server (default passive, as bench.run)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="results directory")
     ap.add_argument("--work", help="scratch directory (default: a new temp dir, removed afterwards)")
+    ap.add_argument("--from-json", help="only re-render serve.md and the chart from a serve.json (no servers run)")
     ap.add_argument("--keep-work", action="store_true", help="keep the scratch directory (logs, server data)")
     return ap.parse_args(argv)
 
@@ -823,6 +839,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg["turns"] = o.turns
     if o.model:
         o.model = str(Path(o.model).expanduser().resolve())
+    if o.from_json:
+        res = json.loads(Path(o.from_json).read_text())
+        files = write(res, Path(o.out))
+        print("wrote " + ", ".join(str(f) for f in files), file=sys.stderr)
+        return 0
     unknown = [k for k in o.servers.split(",") if k and k not in SERVERS]
     if unknown:
         print(f"unknown server(s): {', '.join(unknown)}", file=sys.stderr)
