@@ -403,7 +403,9 @@ def serve(
 ) -> None:
     """Serve an OpenAI-compatible API whose conversations never re-ingest their history, even after a restart.
 
-    Point any OpenAI client at http://127.0.0.1:8765/v1. Each conversation is stored like a REPL one (`chatcli ls` marks them "api"); a client that resends a history continues the stored conversation with the longest common history, evaluating only the new message.
+    Point any OpenAI client at http://127.0.0.1:8765/v1. Each conversation is stored like a REPL one
+    (`chatcli ls` marks them "api"); a client that resends a history continues the stored conversation
+    with the longest common history, evaluating only the new message.
 
     Examples: chatcli serve · chatcli serve --port 9000 --api-key $(openssl rand -hex 16)
     """
