@@ -22,6 +22,7 @@ from chatcli.config.settings import get_paths, load_settings
 from chatcli.core.backend import BackendError
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import ReplyEnd, ReplyText, ResumeReport
+from chatcli.core.opening import split_opening
 from chatcli.session import Session
 from tests.remote_server import SKIP_REASON, LlamaServer, server_binary
 
@@ -55,16 +56,10 @@ def remote_session(url: str, **flags: Any) -> Session:
 
 
 def drain(gen: Any) -> tuple[Conversation | None, ResumeReport | None, list[ReplyEnd]]:
-    conv = report = None
-    ends: list[ReplyEnd] = []
-    for ev in gen:
-        if isinstance(ev, Conversation):
-            conv = ev
-        elif isinstance(ev, ResumeReport):
-            report = ev
-        elif isinstance(ev, ReplyEnd):
-            ends.append(ev)
-    return conv, report, ends
+    """Run an operation to its end through the front ends' own drain (core/opening.split_opening)."""
+    events, opened = split_opening(gen)
+    ends = [ev for ev in events if isinstance(ev, ReplyEnd)]
+    return opened.conversation, opened.report, ends
 
 
 def say(conv: Conversation, text: str) -> ReplyEnd:
