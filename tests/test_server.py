@@ -446,6 +446,63 @@ def test_disconnect_mid_stream_records_the_reply_so_far(server: Server) -> None:
     assert nxt.conv == cid and nxt.cached == last.p1
 
 
+LONG = "The river runs past the old mill and the orchard, and the miller counts his sacks. " * 95
+
+
+def _post_and_leave(srv: Server, body: dict[str, Any], after: float) -> http.client.HTTPConnection:
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                 headers={"Content-Type": "application/json", **srv.auth()})
+    time.sleep(after)
+    return conn
+
+
+def test_disconnect_while_the_prompt_is_read_stops_between_batches(server: Server) -> None:
+    """A client that leaves while its long message is evaluated (several n_batch batches) is noticed before
+    the reply starts: the evaluation stops at the next batch and nothing is stored for it (a new
+    conversation holding nothing is removed), instead of reading the prompt and generating for nobody."""
+    before = server.ids()
+    n_logged = server.log.read_text().count("client went away before its reply started")
+    body = {"model": "any", "messages": [{"role": "system", "content": "You are terse. (prompt disconnect)"},
+                                         {"role": "user", "content": LONG}], "temperature": 0, "max_tokens": 8}
+    conn = _post_and_leave(server, body, 0.2)
+    assert conn.sock is not None
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.monotonic() + 120
+    while server.log.read_text().count("client went away before its reply started") == n_logged:
+        assert time.monotonic() < deadline, server.log.read_text()[-2000:]
+        time.sleep(0.1)
+    assert server.ids() == before  # the prompt was cut before its end: no reply, no conversation
+    # The server goes on serving.
+    _, replies = converse(server, "You are terse. (after prompt disconnect)", QUESTIONS[:1])
+    assert replies[0].generated > 0  # type: ignore[union-attr]
+
+
+def test_sigterm_while_a_prompt_is_read_answers_503_and_exits_promptly(tmp_path: Path) -> None:
+    """Shutting down does not wait for a long prompt and its whole reply: the request stops at the next
+    batch, its client is told (503, an OpenAI error), the process exits 0."""
+    srv = Server(tmp_path / "term-prompt", api_key=None)
+    srv.start()
+    try:
+        body = {"model": "any", "messages": [{"role": "user", "content": LONG}], "max_tokens": 400}
+        conn = _post_and_leave(srv, body, 0.3)
+        assert srv.proc is not None
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        resp = conn.getresponse()
+        status, err = resp.status, json.loads(resp.read())["error"]
+        assert srv.proc.wait(90) == 0
+        took = time.monotonic() - t0
+        conn.close()
+    finally:
+        srv.stop()
+    assert status == 503 and "shutting down" in err["message"], err
+    log = srv.log.read_text()
+    assert "Traceback" not in log and "chatcli serve: stopped" in log
+    assert took < 30, took  # not the whole prompt and a 400-token reply
+
+
 def test_sigterm_mid_stream_records_the_reply_and_exits_cleanly(tmp_path: Path) -> None:
     srv = Server(tmp_path / "term", api_key=None)
     srv.start()
@@ -561,6 +618,7 @@ BAD = {
     "not an object": ("[1, 2]", 400, None),
     "messages not a list": ('{"messages": "hi"}', 400, None),
     "content not a string": (_msgs(5), 400, None),
+    "image content part": (_msgs([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]), 400, None),
     "temperature not a number": ('{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', 400, None),
     "stream not a bool": ('{"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', 400, None),
     "no messages": ('{"messages": []}', 400, None),
@@ -605,3 +663,18 @@ def test_authentication_and_limits(server: Server) -> None:
     assert resp.status_code == 404 and resp.json()["error"]["message"]
     resp = post(server, _msgs("hi"), {"X-Chatcli-Conversation": "zzzzzz"})
     assert resp.status_code == 404 and resp.json()["error"]["param"] == "conversation"
+
+
+def test_content_errors_say_what_is_accepted() -> None:
+    from chatcli.server.errors import APIError
+    from chatcli.server.schemas import parse_chat_request
+
+    for content in (5, [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]):
+        with pytest.raises(APIError) as info:
+            parse_chat_request({"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": content}]},
+                               max_messages=10, header_conversation=None)
+        assert info.value.param == "messages.1.content" and "text parts" in info.value.message
+        assert ".str" not in info.value.message
+    req, _ = parse_chat_request({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+                                max_messages=10, header_conversation=None)
+    assert req.messages[0].content == "hi"

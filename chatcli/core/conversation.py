@@ -13,7 +13,7 @@ from __future__ import annotations
 import secrets
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from chatcli.core import budget, prefixcache, rebuild
 from chatcli.core.backend import Backend, BackendError, ContextFullError, Sampling
@@ -32,7 +32,7 @@ from chatcli.core.events import (
 from chatcli.core.reply import Draft, closing_tokens, make_title, reply_seed, stream_reply
 from chatcli.core.statelog import StateLog, make_state_log
 from chatcli.core.store import ConversationDir
-from chatcli.core.template import ChatTemplate
+from chatcli.core.template import ChatTemplate, Message
 from chatcli.core.transcript import ActiveMessage, Replay, Transcript, replay_events
 from chatcli.core.views import Alternative, ConversationViews
 
@@ -269,6 +269,86 @@ class Conversation(ConversationViews):
 
     def cancel(self) -> None:
         self.backend.cancel()
+
+    # -- requests from an API front end ---------------------------------------------------------------
+    # A stateless client sends the whole history: messages it wrote itself (or took from elsewhere) are
+    # appended without generating, exactly as a REPL turn would have stored them (transcript first, then
+    # the state records), so the same history always gives the same token ids.
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """Where a reply is cut: the template's end-of-reply strings plus the extra ones set per request."""
+        return list(self._stop_strings)
+
+    def set_options(self, *, sampling: Sampling | None = None, max_tokens: int | None = None,
+                    extra_stop: Sequence[str] = ()) -> None:
+        """Options for the replies that follow: sampling, reply length, and stop strings added to the
+        template's own (a reply is cut at them like at the template's, and they are not kept in it)."""
+        if sampling is not None:
+            self.sampling = sampling
+        if max_tokens is not None:
+            self.max_tokens = max_tokens
+        self._stop_strings = [*self.template.reply_stop_strings(), *extra_stop]
+
+    def update_meta(self, fields: Mapping[str, Any]) -> None:
+        """Merge ``fields`` into the metadata and write it (e.g. where a conversation came from)."""
+        self.meta.update(fields)
+        self._touch_meta()
+
+    def append_user(self, text: str) -> Iterator[Progress]:
+        """Add a user message without replying to it (a client sent a history holding its own replies).
+
+        Stored as ``send`` stores one before it samples: transcript, then the cells and the logits after it
+        (a later ``regen`` samples from those, nothing evaluated). Yields after each evaluated batch; closing
+        the iterator there takes the message back out, as a failed ``send`` does. Refused before anything
+        is written when it does not fit the context with ``reserve`` tokens left (no shift here).
+        """
+        tokens = self._user_tokens(self.r.active, text)
+        self._check_fits(tokens)
+        turn = self.r.max_turn + 1
+        yield from self._append_evaluated("user", text, tokens, turn)
+        self.log.user_evaluated(self.r.active[-1].p0, tokens, TurnStats())
+        if not self.title:
+            self.meta["title"] = make_title(text)
+
+    def append_reply(self, text: str) -> Iterator[Progress]:
+        """Add a reply the client wrote (or edited) to the last user message: the template's rendering
+        of it, closing included, recorded as a new alternative of that turn (``stop`` = "client").
+        Iterated and closed like ``append_user``."""
+        if not self.pending_user:
+            raise ConversationError("a reply must follow a user message")
+        closing = self.template.closing([*self.history(), Message("assistant", text)])
+        tokens = self.backend.tokenize(text + closing, add_special=False)
+        self._check_fits(tokens)
+        turn = self.r.active[-1].turn
+        yield from self._append_evaluated("assistant", text, tokens, turn, alt=len(self.r.alternatives(turn)),
+                                          stop="client")
+        self.log.reply_done(self.r.active[-1].p0, tokens, TurnStats())
+        self._touch_meta()
+
+    def _check_fits(self, tokens: Sequence[int]) -> None:
+        eng = self.backend
+        if eng.n_past + len(tokens) + self.reserve > eng.n_ctx:
+            raise ContextFullError(f"the history does not fit the context ({eng.n_past + len(tokens)} tokens, "
+                                   f"n_ctx {eng.n_ctx})")
+
+    def _append_evaluated(self, role: str, text: str, tokens: list[int], turn: int, *, alt: int = 0,
+                          stop: str = "") -> Iterator[Progress]:
+        eng = self.backend
+        p0 = eng.n_past
+        self.transcript.message(role, text, tokens, p0, turn, alt=alt, stop=stop)  # transcript first
+        t0 = time.perf_counter()
+        try:
+            for done, total in eng.eval_steps(tokens):
+                yield Progress("reading the history", done, total, time.perf_counter() - t0)
+        except BaseException:
+            # Closed early or failed: not in the context means not in the conversation (kept in the
+            # transcript, out of the active path), exactly as in ``_send``.
+            if eng.n_past > p0:
+                eng.truncate(p0)
+            self.transcript.append({"type": "truncate", "to": p0, "reason": "failed"})
+            self.log.truncated(p0, persist=False)
+            raise
 
     # -- rollback ---------------------------------------------------------------------------------
 

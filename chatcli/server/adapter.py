@@ -1,9 +1,9 @@
 """The server's only contact with the conversation core's API.
 
 Everything the server does to a conversation goes through these functions, so a change in the core
-(``Conversation``'s split into transcript / state log / policy) is absorbed here. Two operations the REPL
-never needs live here too: appending a client-written message without generating (a history that did not
-come from this server), and forking at any message boundary (``chatcli fork`` cuts at whole exchanges).
+(``Conversation``'s split into transcript / state log / policy) is absorbed here. Appending a client-written
+message without generating is the core's (``Conversation.append_user`` / ``append_reply``); forking at any
+message boundary lives here (``chatcli fork`` cuts at whole exchanges).
 """
 
 from __future__ import annotations
@@ -18,19 +18,18 @@ from typing import Any
 
 import numpy as np
 
-from chatcli.backends.llamacpp import ContextFullError, Engine, Sampling
+from chatcli.backends.llamacpp import Engine, Sampling
 from chatcli.core import statefile as sf
 from chatcli.core.conversation import (
     Conversation,
     Event,
     Notice,
+    Progress,
     ResumeReport,
-    TurnStats,
     replay_events,
 )
 from chatcli.core.fsutil import fsync_dir
 from chatcli.core.loading import create_conversation, open_conversation
-from chatcli.core.reply import make_title
 from chatcli.core.statelog import CellLog
 from chatcli.core.store import ConversationDir, ConversationStore
 from chatcli.core.template import Message
@@ -75,8 +74,7 @@ def create(session: Session, engine: Engine, *, persona: Sequence[Message], pers
         prefix_cache_dir=ensure_private_dir(session.paths.prefix_cache_dir), max_tokens=max_tokens,
         reserve=session.settings.reserve,
     ), session)
-    opened.conv.meta.update(meta)
-    opened.conv._touch_meta()
+    opened.conv.update_meta(meta)
     return opened
 
 
@@ -123,9 +121,7 @@ def adopt(session: Session, eng: Engine, cid: str, *, sampling: Sampling, max_to
 
 def configure(conv: Conversation, *, sampling: Sampling, max_tokens: int, stop: Sequence[str]) -> None:
     """Per-request sampling, reply length and extra stop strings (cut like the template's own)."""
-    conv.sampling = sampling
-    conv.max_tokens = max_tokens
-    conv._stop_strings = [*conv.template.reply_stop_strings(), *stop]
+    conv.set_options(sampling=sampling, max_tokens=max_tokens, extra_stop=stop)
 
 
 def send(conv: Conversation, text: str, *, seed: int) -> Iterator[Event]:
@@ -144,38 +140,12 @@ def user_tokens(conv: Conversation, text: str, history: Sequence[Message] | None
     return len(conv.engine.tokenize(conv.template.user_turn(hist, text), add_special=False))
 
 
-def append_user(conv: Conversation, text: str) -> None:
-    """Add a user message without replying (a client sent a history with its own replies)."""
-    eng = conv.engine
-    toks = eng.tokenize(conv.template.user_turn(conv.history(), text), add_special=False)
-    if eng.n_past + len(toks) + conv.reserve > eng.n_ctx:
-        raise ContextFullError(f"the history does not fit the context ({eng.n_past + len(toks)} tokens, n_ctx {eng.n_ctx})")
-    turn = conv.r.max_turn + 1
-    p0 = eng.n_past
-    conv.transcript.message("user", text, toks, p0, turn)  # transcript first, as in Conversation.send
-    for _ in eng.eval_steps(toks):
-        pass
-    conv.log.user_evaluated(p0, toks, TurnStats())
-    if not conv.title:
-        conv.meta["title"] = make_title(text)
-
-
-def append_reply(conv: Conversation, text: str) -> None:
-    """Add a reply the client wrote (or edited): the template's rendering of it, evaluated."""
-    eng = conv.engine
-    last = conv.r.active[-1]
-    closing = conv.template.closing([*conv.history(), Message("assistant", text)])
-    toks = eng.tokenize(text + closing, add_special=False)
-    if eng.n_past + len(toks) + conv.reserve > eng.n_ctx:
-        raise ContextFullError(f"the history does not fit the context ({eng.n_past + len(toks)} tokens, n_ctx {eng.n_ctx})")
-    turn = last.turn
-    alt = len(conv.r.alternatives(turn))
-    p0 = eng.n_past
-    conv.transcript.message("assistant", text, toks, p0, turn, alt=alt, stop="client")
-    for _ in eng.eval_steps(toks):
-        pass
-    conv.log.reply_done(p0, toks, TurnStats())
-    conv._touch_meta()
+def append(conv: Conversation, message: Message) -> Iterator[Progress]:
+    """Add a message of the client's history without generating (one ``Progress`` per evaluated batch;
+    closing the iterator early takes the message back out)."""
+    if message.role == "user":
+        return conv.append_user(message.content)
+    return conv.append_reply(message.content)
 
 
 def fork_at(store: ConversationStore, parent: ConversationDir, k: int, meta_update: dict[str, Any]) -> tuple[str, int]:

@@ -13,6 +13,7 @@ records the reply so far like a Ctrl-C'd one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -29,7 +30,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chatcli.server.errors import APIError
-from chatcli.server.schemas import parse_chat_request
+from chatcli.server.schemas import ChatCompletionBody, parse_chat_request
 from chatcli.server.service import (
     ChatRequest,
     ChatService,
@@ -60,6 +61,17 @@ def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSON
 def create_app(service: ChatService, *, api_key: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
     limits = limits or ServerLimits()
     app = FastAPI(title="chatcli", docs_url=None, redoc_url=None, openapi_url=None)
+    runs: set[_Run] = set()  # requests whose worker is still running
+    stopping = threading.Event()
+
+    def stop_requests() -> None:
+        """Shutting down: every running request stops at its next batch or token (its reply so far is
+        recorded), so the server does not wait for whole replies to be generated for nobody."""
+        stopping.set()
+        for run in list(runs):
+            run.cancel.set()
+
+    app.state.stop_requests = stop_requests
     key_bytes = api_key.encode() if api_key else None
 
     @app.middleware("http")
@@ -74,7 +86,7 @@ def create_app(service: ChatService, *, api_key: str | None = None, limits: Serv
                 return error_response(APIError("authentication", "missing or wrong API key: send "
                                                "'Authorization: Bearer KEY'"), {"WWW-Authenticate": "Bearer"})
         response = await call_next(request)
-        if request.url.path != "/v1/chat/completions":
+        if request.url.path != "/v1/chat/completions" or request.method != "POST":  # that route logs its own
             log.info("- %s %s %d %.0fms", request.method, request.url.path, response.status_code,
                      1000 * (time.perf_counter() - t0))
         return response
@@ -109,8 +121,20 @@ def create_app(service: ChatService, *, api_key: str | None = None, limits: Serv
         except APIError as bad:
             log.info("%s %d %s", rid, bad.status, bad.message)
             return error_response(bad)
-        run = _Run(service, req)
+        run = _Run(service, req, runs)
+        watcher = asyncio.create_task(_watch_disconnect(request, run.cancel))
+        try:
+            return await _respond(run, body, rid, t0)
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+    async def _respond(run: _Run, body: ChatCompletionBody, rid: str, t0: float) -> Response:
         first = await run.next()
+        if run.cancel.is_set() or first is _END:
+            # Stopped before its reply started (between batches of its prompt): what was appended is kept.
+            return _stopped(rid, "before its reply started")
         if isinstance(first, ServiceError):
             err = APIError(first.kind, str(first), first.param)
             log.info("%s %d %s", rid, err.status, err.message)
@@ -143,8 +167,17 @@ def create_app(service: ChatService, *, api_key: str | None = None, limits: Serv
                 log.info("%s %d %s", rid, err.status, err.message)
                 return error_response(err, headers)
             elif ev is _END:
+                if run.cancel.is_set():
+                    return _stopped(rid, "mid-reply: reply so far recorded")
                 err = APIError("server_error", "the reply ended without a result")
                 return error_response(err, headers)
+
+    def _stopped(rid: str, when: str) -> Response:
+        if stopping.is_set():
+            log.info("%s stopped by the shutdown %s", rid, when)
+            return error_response(APIError("unavailable", "the server is shutting down: retry later"))
+        log.info("%s client went away %s", rid, when)
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
     return app
 
@@ -173,11 +206,14 @@ async def _read_json(request: Request, max_body: int) -> Any:
 class _Run:
     """One service call in a worker thread; its events arrive on an asyncio queue."""
 
-    def __init__(self, service: ChatService, req: ChatRequest) -> None:
+    def __init__(self, service: ChatService, req: ChatRequest, running: set[_Run]) -> None:
+        self.running = running
+        running.add(self)
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[object] = asyncio.Queue()
         self.cancel = threading.Event()
-        self.thread = threading.Thread(target=self._work, args=(service.complete(req),), daemon=True)
+        self.thread = threading.Thread(target=self._work, args=(service.complete(req, cancelled=self.cancel.is_set),),
+                                       daemon=True)
         self.thread.start()
 
     def _put(self, item: object) -> None:
@@ -203,10 +239,22 @@ class _Run:
             close = getattr(it, "close", None)
             if close is not None:
                 close()
+            self.running.discard(self)
             self._put(_END)
 
     async def next(self) -> object:
         return await self.queue.get()
+
+
+async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
+    """Wait for the client to go away (after its body, the only message left is the disconnect) and tell
+    the service, which stops even between batches of a long prompt. Cancelled before a streaming
+    response starts: sse-starlette then listens for the disconnect itself."""
+    while True:
+        message = await request.receive()
+        if message.get("type") == "http.disconnect":
+            cancel.set()
+            return
 
 
 def _usage(ev: Finished) -> dict[str, Any]:

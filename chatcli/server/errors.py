@@ -16,6 +16,7 @@ KINDS: dict[str, tuple[int, str]] = {
     "body_too_large": (413, "invalid_request_error"),
     "unsupported_media_type": (415, "invalid_request_error"),
     "server_error": (500, "server_error"),
+    "unavailable": (503, "server_error"),
 }
 
 CODES: dict[str, str | None] = {

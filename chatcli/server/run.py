@@ -5,19 +5,22 @@ from __future__ import annotations
 import logging
 import socket
 import sys
+from collections.abc import Callable
 from types import FrameType
 
 from chatcli.config.settings import Paths, Settings
 from chatcli.session import Session
 
 
-def _server_class() -> type:
+def _server_class(on_exit: Callable[[], None]) -> type:
     import uvicorn
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             # Shut down as uvicorn does on SIGINT/SIGTERM, but without re-raising the signal once it has
             # stopped: replies cut by the shutdown must still be recorded (service.close) before we exit.
+            # Running requests are told to stop first: uvicorn waits for them to end.
+            on_exit()
             super().handle_exit(sig, frame)
             captured = getattr(self, "_captured_signals", None)
             if isinstance(captured, list):
@@ -37,7 +40,7 @@ def serve(settings: Settings, paths: Paths, session: Session) -> int:
     app = create_app(service, api_key=settings.api_key)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
                             lifespan="off")
-    server = _server_class()(config)
+    server = _server_class(app.state.stop_requests)(config)
     # Bind here, so a port in use is one clear error line (OSError) instead of uvicorn's exit.
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -56,6 +59,7 @@ def serve(settings: Settings, paths: Paths, session: Session) -> int:
     finally:
         service.close()
         sock.close()
+    print("chatcli serve: stopped", file=sys.stderr, flush=True)
     return 0
 
 

@@ -66,7 +66,14 @@ def parse_chat_request(doc: Any, *, max_messages: int, header_conversation: str 
         body = ChatCompletionBody.model_validate(doc)
     except ValidationError as exc:
         err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err.get("loc", ()))
+        path = tuple(err.get("loc", ()))
+        if len(path) >= 3 and path[0] == "messages" and path[2] == "content":
+            # A union's error names the branch pydantic tried ("content.str"): say what is accepted instead.
+            loc = f"messages.{path[1]}.content"
+            raise APIError("invalid_request", f"{loc}: must be a string or a list of text parts "
+                           "({\"type\": \"text\", \"text\": ...}); images, audio and files are not supported",
+                           loc) from None
+        loc = ".".join(str(p) for p in path)
         raise APIError("invalid_request", f"{loc or 'body'}: {err.get('msg', 'invalid value')}", loc or None) from None
     if len(body.messages) > max_messages:
         raise APIError("invalid_request", f"too many messages ({len(body.messages)}; at most {max_messages})", "messages")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from chatcli.core.conversation import (
     Conversation,
     ConversationError,
     Notice,
+    Progress,
     ReplyEnd,
     ReplyStart,
     ReplyText,
@@ -168,15 +169,20 @@ class ChatService:
 
     # -- the one operation ------------------------------------------------------------------------------
 
-    def complete(self, req: ChatRequest) -> Iterator[ServiceEvent]:
-        """Serve one chat completion. Closing the iterator early records the reply so far (like Ctrl-C)."""
+    def complete(self, req: ChatRequest, *, cancelled: Callable[[], bool] = lambda: False) -> Iterator[ServiceEvent]:
+        """Serve one chat completion. Closing the iterator early records the reply so far (like Ctrl-C).
+
+        ``cancelled`` says the client went away: it is asked between evaluated batches of the prompt (a
+        long history is not read for nobody); the iterator then ends without a reply, the message being
+        read taken back out, the ones before it kept.
+        """
         rq = _Req()
         try:
             with self._cond:
                 while all(s.busy for s in self._slots):
                     self._cond.wait()
                 prep = self._prepare(req, rq)
-            yield from self._run(req, rq, prep)
+            yield from self._run(req, rq, prep, cancelled)
         except HistoryError as exc:
             raise ServiceError("invalid_request", str(exc), exc.param) from None
         except ContextFullError as exc:
@@ -214,7 +220,8 @@ class ChatService:
         seed = req.seed if req.seed is not None else secrets.randbits(31)
         return _Prepared(conv, created, forked_from, tail, seed)
 
-    def _run(self, req: ChatRequest, rq: _Req, prep: _Prepared) -> Iterator[ServiceEvent]:
+    def _run(self, req: ChatRequest, rq: _Req, prep: _Prepared,
+             cancelled: Callable[[], bool]) -> Iterator[ServiceEvent]:
         """Without the lock: append the new messages and generate, on the context this request holds."""
         conv, tail = prep.conv, prep.tail
         eng = conv.engine
@@ -222,7 +229,15 @@ class ChatService:
         notices: list[str] = []
         try:
             for m in tail[:-1]:
-                (adapter.append_user if m.role == "user" else adapter.append_reply)(conv, m.content)
+                steps = adapter.append(conv, m)
+                for _ in steps:
+                    if cancelled():
+                        _close(steps)  # this message is taken back out; the ones before it stay
+                        self._gone(conv, rq, prep)
+                        return
+            if cancelled():
+                self._gone(conv, rq, prep)
+                return
             gen = (adapter.send(conv, tail[-1].content, seed=prep.seed) if tail
                    else adapter.reply_pending(conv, seed=prep.seed))
         except ContextFullError:
@@ -234,9 +249,13 @@ class ChatService:
         started: Started | None = None
         end: ReplyEnd | None = None
         raw = emitted = ""
-        stops = list(conv._stop_strings)
+        stops = conv.stop_strings
         try:
             for ev in gen:
+                if isinstance(ev, Progress) and started is None and cancelled():
+                    _close(gen)  # between two batches of the prompt: the message is taken back out
+                    self._gone(conv, rq, prep)
+                    return
                 if isinstance(ev, Notice):
                     notices.append(ev.text)
                 elif isinstance(ev, ReplyStart):
@@ -420,6 +439,14 @@ class ChatService:
                 rq.slot.used = time.monotonic()
             conv.dir.unlock()
             self.index.save_soon()
+
+    def _gone(self, conv: Conversation, rq: _Req, prep: _Prepared) -> None:
+        """The client left before its reply started: keep what was appended, drop a conversation this
+        request created that holds nothing yet."""
+        if prep.created and not conv.r.active:
+            self._abandon(conv, rq, remove=True)
+        else:
+            self._release(conv, rq)
 
     def _abandon(self, conv: Conversation, rq: _Req, *, remove: bool) -> None:
         """A request that failed: the conversation is released, and removed when this request made it."""

@@ -1,0 +1,130 @@
+"""The core's operations for API front ends: client-written messages appended without generating, and
+per-request options. A stateless client's history must give exactly the token ids and state records a
+REPL turn gives, or the server's cache never hits (real model, greedy)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from chatcli.core import statefile as sf
+from chatcli.core.backend import ContextFullError
+from chatcli.core.conversation import Conversation
+from chatcli.core.events import ConversationError, ReplyEnd
+from tests.drive import build_session, drain, say
+
+Q = "Name a fruit."
+
+
+def test_append_user_then_regen_equals_a_sent_turn() -> None:
+    """append_user stores the message as send does before sampling: same tokens, the logits after it saved,
+    so generating its reply evaluates nothing and gives the same reply with bit-identical logits."""
+    session = build_session()
+    sent, _, _ = drain(session.new_conversation("alice"))
+    assert sent is not None
+    want_reply, want_logits = say(sent, Q)
+    want_tokens = sent.r.tokens()
+    sent.close()
+
+    conv, _, _ = drain(session.new_conversation("alice"))
+    assert conv is not None
+    steps = list(conv.append_user(Q))
+    assert steps and steps[-1].done == steps[-1].total == len(conv.r.active[-1].tokens)
+    assert conv.pending_user and conv.title == sent.title
+    n_eval = session.engine.n_evaluated_total
+    _, _, ends = drain(conv.regen())
+    assert session.engine.n_evaluated_total - n_eval == len(ends[-1].message.tokens)  # the reply only
+    assert ends[-1].message.tokens == want_reply and conv.r.tokens() == want_tokens
+    assert conv.turn_logits is not None and np.array_equal(conv.turn_logits[1], want_logits)
+    conv.close()
+    session.close()
+
+
+def test_a_client_written_history_resumes_and_continues_like_a_repl_one() -> None:
+    """Client-written messages give the REPL's token ids; the state records cover them exactly, so a resume
+    restores them (nothing re-evaluated) and continues bit-identically to the process that appended them."""
+    session = build_session()
+    ref, _, _ = drain(session.new_conversation("alice"))
+    assert ref is not None
+    say(ref, Q)
+    reply_text = ref.r.active[-1].text
+    say(ref, "Another one?")
+    ref_tokens = ref.r.tokens()
+    ref.close()
+
+    def appended() -> Conversation:
+        conv, _, _ = drain(session.new_conversation("alice"))
+        assert conv is not None
+        with pytest.raises(ConversationError):
+            list(conv.append_reply("a reply to nothing"))  # refused: the last message is not a user message
+        list(conv.append_user(Q))
+        list(conv.append_reply(reply_text))
+        last = conv.r.active[-1]
+        assert last.role == "assistant" and last.stop == "client" and last.text == reply_text
+        assert conv.r.tokens() == ref_tokens[:last.p1]  # the template's rendering, closing included
+        # Transcript first, then the state records: the state file covers exactly the transcript.
+        assert sf.scan(conv.dir.state_path).live()[2] == last.p1 == session.engine.n_past
+        conv.update_meta({"source": "api"})
+        assert conv.dir.read_meta()["source"] == "api" and conv.dir.read_meta()["tokens"] == last.p1
+        return conv
+
+    stored = appended()
+    stored.close()
+    live = appended()  # continued in the process that appended it
+    live_reply, live_logits = say(live, "Another one?")
+    assert live.r.active[-2].tokens == ref_tokens[live.r.active[-2].p0:live.r.active[-2].p1]
+    live.close()
+    again, report, _ = drain(session.open_conversation(stored.id))
+    assert again is not None and report is not None and report.reevaluated == 0
+    got, logits = say(again, "Another one?")
+    assert got == live_reply and np.array_equal(logits, live_logits)
+    again.close()
+    session.close()
+
+
+def test_closing_an_append_mid_message_takes_it_back_out() -> None:
+    """A client that goes away between two batches of a long message: the message leaves the context
+    (kept in the transcript, out of the active path, like a failed send); the conversation goes on."""
+    session = build_session()
+    eng = session.engine
+    conv, _, _ = drain(session.new_conversation("alice"))
+    assert conv is not None
+    say(conv, Q)
+    before = conv.r.tokens()
+    long_text = "The river runs past the old mill and the orchard. " * 90
+    steps = conv.append_user(long_text)
+    first = next(steps)
+    assert first.done == eng.n_batch < first.total  # one batch in, more to come
+    steps.close()
+    assert eng.tokens == before == conv.r.tokens() and not conv.pending_user
+    assert any(e.get("type") == "truncate" and e.get("reason") == "failed"
+               for e in conv.dir.read_transcript().events)
+    # Too long for what is left of the context: refused before anything is written.
+    n_events = len(conv.dir.read_transcript().events)
+    with pytest.raises(ContextFullError):
+        list(conv.append_user("word " * (eng.n_ctx - eng.n_past)))
+    assert len(conv.dir.read_transcript().events) == n_events and eng.tokens == before
+    _, _, ends = drain(conv.send("Another one?"))
+    assert isinstance(ends[-1], ReplyEnd)
+    cid = conv.id
+    conv.close()
+    again, report, _ = drain(session.open_conversation(cid))
+    assert again is not None and report is not None and report.reevaluated == 0
+    assert again.r.tokens() == eng.tokens
+    again.close()
+    session.close()
+
+
+def test_per_request_options() -> None:
+    session = build_session()
+    conv, _, _ = drain(session.new_conversation("alice"))
+    assert conv is not None
+    template_stops = conv.stop_strings
+    conv.set_options(max_tokens=5, extra_stop=["STOP"])
+    assert conv.stop_strings == [*template_stops, "STOP"] and conv.max_tokens == 5
+    _, _, ends = drain(conv.send(Q))
+    assert ends[-1].stats.n_generated <= 5
+    conv.set_options()  # the extra stop strings last until set again
+    assert conv.stop_strings == template_stops and conv.max_tokens == 5
+    conv.close()
+    session.close()
