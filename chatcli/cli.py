@@ -699,9 +699,22 @@ def config_show() -> None:
 
     with user_errors():
         for name, value, origin in describe_settings():
-            if name == "api_key" and value:
-                value = "***"  # a secret: say where it is set, never print it
-            print(f"{name} = {value!r}  # {origin}")
+            print(_config_line(name, value, origin))
+
+
+def _config_line(name: str, value: object, origin: str) -> str:
+    """One setting as a TOML line that can be pasted into the config file (an unset one commented out)."""
+    if value is None:
+        return f"# {name} = (not set)  # {origin}"
+    if name.endswith("api_key"):
+        return f'{name} = "***"  # {origin} (a secret: where it is set, never its value)'
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, (int, float)):
+        text = repr(value)
+    else:
+        text = json.dumps(str(value), ensure_ascii=False)  # a TOML basic string uses JSON's escapes
+    return f"{name} = {text}  # {origin}"
 
 
 @config_app.command("edit")

@@ -240,7 +240,8 @@ def check_setting(name: str, value: Any) -> Any:
         raise SettingsError(f"{name} must be a finite number (got {value!r})")
     rule = _RULES.get(name)
     if rule is not None and not rule[0](value):
-        raise SettingsError(f"{name} {rule[1]} (got {value!r})")
+        got = f"{len(value)} characters" if name.endswith("api_key") else repr(value)  # never echo a secret
+        raise SettingsError(f"{name} {rule[1]} (got {got})")
     return value
 
 

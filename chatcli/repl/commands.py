@@ -178,10 +178,13 @@ def _undo(ctx: CommandContext, arg: str) -> None:
 
 @REGISTRY.register("redo", "bring back what /undo removed")
 def _redo(ctx: CommandContext, arg: str) -> None:
+    n_before = len(ctx.conv.messages)
     stats = ctx.conv.redo()
     _warn(ctx, stats)
-    ctx.renderer.notice(f"redone: {stats.reevaluated} tokens evaluated, history untouched")
-    ctx.show_last()
+    back = ctx.conv.messages[n_before:]
+    n_users = sum(1 for m in back if m.role == "user")
+    ctx.renderer.notice(f"redone {n_users} exchange(s): {stats.reevaluated} tokens evaluated, history untouched")
+    ctx.renderer.history(back, n_users)  # what came back, your messages too (not only the last reply)
 
 
 def _alt_complete(ctx: CommandContext) -> list[tuple[str, str]]:
