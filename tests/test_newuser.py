@@ -40,3 +40,14 @@ def test_redo_shows_what_came_back() -> None:
     assert res.exit_code == 0, res.output
     after = res.stderr.split("redone 1 exchange(s): 0 tokens evaluated", 1)[1]
     assert "you: Name a fruit." in after and "assistant: " in after
+
+
+def test_serve_warns_when_reachable_from_other_machines_without_a_key() -> None:
+    from chatcli.server.run import exposure_warning
+
+    for host in ("127.0.0.1", "::1", "[::1]", "localhost", "127.0.0.2"):
+        assert exposure_warning(host, None) is None
+    for host in ("0.0.0.0", "::", "192.168.1.5", "gpu-box.lan"):
+        warning = exposure_warning(host, None)
+        assert warning is not None and "--api-key" in warning
+        assert exposure_warning(host, "a-long-enough-key") is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import sys
@@ -29,6 +30,21 @@ def _server_class(on_exit: Callable[[], None]) -> type:
     return Server
 
 
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """A line for a server that other machines can reach without a key (they could use the model and
+    continue anyone's conversation by resending it)."""
+    if api_key:
+        return None
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if loopback:
+        return None
+    return (f"listening on {host} without --api-key: anyone who can reach this port can use the model "
+            "and the stored conversations; set --api-key (and put TLS in front on an untrusted network)")
+
+
 def serve(settings: Settings, paths: Paths, session: Session) -> int:
     import uvicorn
 
@@ -50,6 +66,9 @@ def serve(settings: Settings, paths: Paths, session: Session) -> int:
     except OSError as exc:
         sock.close()
         raise OSError(exc.errno, f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}") from None
+    warning = exposure_warning(settings.host, settings.api_key)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     eng = session.engine
     print(f"chatcli serve: http://{settings.host}:{settings.port}/v1 · model {service.model_name} · "
           f"n_ctx {eng.n_ctx} · {settings.parallel} resident · {len(service.index)} conversations indexed"
