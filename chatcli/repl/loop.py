@@ -27,7 +27,7 @@ from prompt_toolkit.output import Output
 from chatcli.config.personas import PersonaError
 from chatcli.core.backend import BackendError, ContextFullError
 from chatcli.core.conversation import Conversation
-from chatcli.core.events import ConversationError, Event, ResumeReport
+from chatcli.core.events import ConversationError, Event, Progress, ReplyStart, ResumeReport
 from chatcli.core.fsutil import ensure_private_dir
 from chatcli.core.opening import split_opening
 from chatcli.core.template import TemplateError
@@ -39,6 +39,10 @@ if TYPE_CHECKING:
     from chatcli.session import Session
 
 USER_ERRORS = (CommandError, ConversationError, ContextFullError, PersonaError, TemplateError, BackendError, OSError)
+
+
+class ReadingStopped(Exception):
+    """Ctrl-C while a long message was being read: it was taken back out and returns to the prompt."""
 
 
 class SlashCompleter(Completer):
@@ -297,7 +301,11 @@ class Repl:
                             text = line[1:] if line.startswith("//") else line
                             n_users = len(self.conv.user_messages())
                             try:
-                                self.run_reply(self.conv.send(text))
+                                self.run_reply(self.conv.send(text), stop_reading=True)
+                            except ReadingStopped:
+                                pending = line
+                                self.renderer.notice("Ctrl-C: stopped reading your message; it is back at the "
+                                                     "prompt (Enter sends it again)")
                             except USER_ERRORS:
                                 if len(self.conv.user_messages()) == n_users:
                                     pending = line  # refused, so it comes back in the prompt: nothing is lost
@@ -357,12 +365,14 @@ class Repl:
         else:
             raise EOFError
 
-    def run_reply(self, events: Iterator[Event]) -> None:
-        """Render an operation that streams a reply; Ctrl-C stops the reply, not the program."""
+    def run_reply(self, events: Iterator[Event], *, stop_reading: bool = False) -> None:
+        """Render an operation that streams a reply; Ctrl-C stops the reply, not the program. With
+        ``stop_reading`` (a new message, which the caller can give back), a Ctrl-C while the message is
+        still being read stops that between two batches: ReadingStopped, the message out of the context."""
         self._generating = True
         self._cancel_requested = False
         try:
-            end = self.renderer.stream(self._cancellable(events), label="thinking")
+            end = self.renderer.stream(self._cancellable(events, stop_reading), label="thinking")
         finally:
             self._generating = False
             close = getattr(events, "close", None)
@@ -371,11 +381,17 @@ class Repl:
         if end is not None:
             self.renderer.stats(end.stats)
 
-    def _cancellable(self, events: Iterator[Event]) -> Iterator[Event]:
+    def _cancellable(self, events: Iterator[Event], stop_reading: bool = False) -> Iterator[Event]:
         # A Ctrl-C that lands before sampling starts (while the message is read) would be forgotten when
         # generation begins, so the request is repeated until the reply ends.
+        started = False
         for ev in events:
+            started = started or isinstance(ev, ReplyStart)
             if self._cancel_requested:
+                if stop_reading and not started and isinstance(ev, Progress):
+                    # A long message (a paste) reads for seconds to minutes: do not make Ctrl-C wait for it.
+                    # run_reply closes ``events`` on the way out, which takes the message back out.
+                    raise ReadingStopped
                 self.conv.cancel()
             yield ev
 
