@@ -4,6 +4,9 @@ REPL turn gives, or the server's cache never hits (real model, greedy)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -11,15 +14,28 @@ from chatcli.core import statefile as sf
 from chatcli.core.backend import ContextFullError
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import ConversationError, ReplyEnd
-from tests.drive import build_session, drain, say
+from chatcli.session import Session
+from tests.drive import drain, isolated_session, rebind, say
 
 Q = "Name a fruit."
 
 
-def test_append_user_then_regen_equals_a_sent_turn() -> None:
+@pytest.fixture(scope="module")
+def base_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
+    session = isolated_session(tmp_path_factory.mktemp("append") / "home")
+    yield session
+    session.close()
+
+
+@pytest.fixture
+def session(base_session: Session, chatcli_home: Path) -> Session:
+    """The module's model load bound to this test's CHATCLI_HOME."""
+    return rebind(base_session)
+
+
+def test_append_user_then_regen_equals_a_sent_turn(session: Session) -> None:
     """append_user stores the message as send does before sampling: same tokens, the logits after it saved,
     so generating its reply evaluates nothing and gives the same reply with bit-identical logits."""
-    session = build_session()
     sent, _, _ = drain(session.new_conversation("alice"))
     assert sent is not None
     want_reply, want_logits = say(sent, Q)
@@ -37,13 +53,11 @@ def test_append_user_then_regen_equals_a_sent_turn() -> None:
     assert ends[-1].message.tokens == want_reply and conv.r.tokens() == want_tokens
     assert conv.turn_logits is not None and np.array_equal(conv.turn_logits[1], want_logits)
     conv.close()
-    session.close()
 
 
-def test_a_client_written_history_resumes_and_continues_like_a_repl_one() -> None:
+def test_a_client_written_history_resumes_and_continues_like_a_repl_one(session: Session) -> None:
     """Client-written messages give the REPL's token ids; the state records cover them exactly, so a resume
     restores them (nothing re-evaluated) and continues bit-identically to the process that appended them."""
-    session = build_session()
     ref, _, _ = drain(session.new_conversation("alice"))
     assert ref is not None
     say(ref, Q)
@@ -79,13 +93,11 @@ def test_a_client_written_history_resumes_and_continues_like_a_repl_one() -> Non
     got, logits = say(again, "Another one?")
     assert got == live_reply and np.array_equal(logits, live_logits)
     again.close()
-    session.close()
 
 
-def test_closing_an_append_mid_message_takes_it_back_out() -> None:
+def test_closing_an_append_mid_message_takes_it_back_out(session: Session) -> None:
     """A client that goes away between two batches of a long message: the message leaves the context
     (kept in the transcript, out of the active path, like a failed send); the conversation goes on."""
-    session = build_session()
     eng = session.engine
     conv, _, _ = drain(session.new_conversation("alice"))
     assert conv is not None
@@ -112,11 +124,9 @@ def test_closing_an_append_mid_message_takes_it_back_out() -> None:
     assert again is not None and report is not None and report.reevaluated == 0
     assert again.r.tokens() == eng.tokens
     again.close()
-    session.close()
 
 
-def test_per_request_options() -> None:
-    session = build_session()
+def test_per_request_options(session: Session) -> None:
     conv, _, _ = drain(session.new_conversation("alice"))
     assert conv is not None
     template_stops = conv.stop_strings
@@ -127,4 +137,3 @@ def test_per_request_options() -> None:
     conv.set_options()  # the extra stop strings last until set again
     assert conv.stop_strings == template_stops and conv.max_tokens == 5
     conv.close()
-    session.close()
