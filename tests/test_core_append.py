@@ -106,7 +106,7 @@ def test_closing_an_append_mid_message_takes_it_back_out(session: Session) -> No
     long_text = "The river runs past the old mill and the orchard. " * 90
     steps = conv.append_user(long_text)
     first = next(steps)
-    assert first.done == eng.n_batch < first.total  # one batch in, more to come
+    assert first.stoppable and first.done == eng.n_batch < first.total  # one batch in, more to come
     steps.close()
     assert eng.tokens == before == conv.r.tokens() and not conv.pending_user
     assert any(e.get("type") == "truncate" and e.get("reason") == "failed"

@@ -184,7 +184,7 @@ class Conversation(ConversationViews):
         try:
             for done, total in eng.eval_steps(tokens):
                 if total > eng.n_batch:  # a bar only for messages that take more than one batch
-                    yield Progress("reading your message", done, total, time.perf_counter() - t0)
+                    yield Progress("reading your message", done, total, time.perf_counter() - t0, stoppable=True)
         except BaseException:
             # Not in the context means not in the conversation: take the message back out of the active path
             # (it stays in the transcript, and a front end gives the text back to the user).
@@ -340,7 +340,7 @@ class Conversation(ConversationViews):
         t0 = time.perf_counter()
         try:
             for done, total in eng.eval_steps(tokens):
-                yield Progress("reading the history", done, total, time.perf_counter() - t0)
+                yield Progress("reading the history", done, total, time.perf_counter() - t0, stoppable=True)
         except BaseException:
             # Closed early or failed: not in the context means not in the conversation (kept in the
             # transcript, out of the active path), exactly as in ``_send``.

@@ -29,6 +29,10 @@ class Progress:
     done: int
     total: int
     seconds: float = 0.0
+    # Closing the operation's generator right after this event is safe and cheap: what was being
+    # evaluated (a new message) is taken back out and nothing else changes. Front ends stop there on
+    # Ctrl-C or a client that went away; elsewhere (rebuilding a context) they must let it finish.
+    stoppable: bool = False
 
 
 @dataclass

@@ -27,7 +27,7 @@ from prompt_toolkit.output import Output
 from chatcli.config.personas import PersonaError
 from chatcli.core.backend import BackendError, ContextFullError
 from chatcli.core.conversation import Conversation
-from chatcli.core.events import ConversationError, Event, Progress, ReplyStart, ResumeReport
+from chatcli.core.events import ConversationError, Event, Progress, ResumeReport
 from chatcli.core.fsutil import ensure_private_dir
 from chatcli.core.opening import split_opening
 from chatcli.core.template import TemplateError
@@ -384,11 +384,9 @@ class Repl:
     def _cancellable(self, events: Iterator[Event], stop_reading: bool = False) -> Iterator[Event]:
         # A Ctrl-C that lands before sampling starts (while the message is read) would be forgotten when
         # generation begins, so the request is repeated until the reply ends.
-        started = False
         for ev in events:
-            started = started or isinstance(ev, ReplyStart)
             if self._cancel_requested:
-                if stop_reading and not started and isinstance(ev, Progress):
+                if stop_reading and isinstance(ev, Progress) and ev.stoppable:
                     # A long message (a paste) reads for seconds to minutes: do not make Ctrl-C wait for it.
                     # run_reply closes ``events`` on the way out, which takes the message back out.
                     raise ReadingStopped

@@ -252,7 +252,7 @@ class ChatService:
         stops = conv.stop_strings
         try:
             for ev in gen:
-                if isinstance(ev, Progress) and started is None and cancelled():
+                if isinstance(ev, Progress) and ev.stoppable and cancelled():
                     _close(gen)  # between two batches of the prompt: the message is taken back out
                     self._gone(conv, rq, prep)
                     return
