@@ -1,7 +1,7 @@
 """Serve benchmark: a client that resends its whole history, against chatcli serve and the servers it replaces.
 
-    python -m bench.serve             # full run (22 min on 2 cores at load average 12-16; less when idle)
-    python -m bench.serve --quick     # smoke variant (~3 min)
+    python -m bench.serve             # full run: 3 conversations × 8 turns (≈50 min on 2 cores at load 12; far less idle)
+    python -m bench.serve --quick     # smoke variant: 1 conversation × 3 turns (~1 min idle)
 
 Every server runs on the same model file, thread count and context size, on a free 127.0.0.1 port, with its
 data in a temporary directory; this harness starts and stops each of them. All servers are up at once and the
@@ -44,6 +44,8 @@ SYSTEM = "You are a helpful gardening assistant. Answer briefly."
 # The turn after the first short post-restart turn: shows what each server does once it has warmed up again.
 SECOND_SHORT = "And one more tip for the week after, please."
 SEED = 1234
+# First words of the repeated conversations' messages (see Harness.run, step 1).
+NOTEBOOKS = ("Basil", "Tansy", "Sorrel", "Yarrow", "Chervil", "Lovage", "Borage", "Fennel")
 REQUEST_TIMEOUT = 600.0
 LLAMA_SERVER_ENV = "CHATCLI_LLAMA_SERVER"
 
@@ -582,9 +584,10 @@ class Harness:
             res["machine"]["hearth"] = None
 
         # -- 1. a conversation growing to ~3k tokens, every server in turn at each length; `reps` times ------
-        # Each repetition is a new conversation with its own messages (its notebook number leads every message,
-        # so no server finds one repetition's history in another's cache); the same messages go to every
-        # server. Repetitions run one after the other: each is one client's conversation, as in the issue.
+        # Each repetition is a new conversation with its own messages, so no server finds one repetition's
+        # history in another's cache (beyond the system prompt they all share, which every server may reuse);
+        # the same messages go to every server. Repetitions run one after the other: each is one client's
+        # conversation, as in the issue.
         servers = self.make(kinds, "main")
         reps = int(c.get("reps", 1))
         per_rep: dict[str, list[list[dict[str, Any]]]] = {s.kind: [] for s in servers}
@@ -593,9 +596,12 @@ class Harness:
         self.log(f"1. growing conversation: {c['turns']} turns of ~{c['msg_tokens']} tokens, {reps} repetition(s)")
         step = 0
         for rp in range(reps):
-            note = f" (notebook {rp + 1})" if reps > 1 else ""
-            msgs = [sized_text(self.count, c["msg_tokens"], 3 * t + 11 * rp,
-                               header=f"Part {t + 1} of my garden notes{note}.") for t in range(c["turns"])]
+            # The first repetition keeps the messages of earlier runs; the others lead with their own name, so
+            # even a token-level prefix match (llama-server's slot) stops at the shared system prompt.
+            head = ("Part {} of my garden notes." if rp == 0
+                    else NOTEBOOKS[(rp - 1) % len(NOTEBOOKS)] + "'s garden notes, part {}.")
+            msgs = [sized_text(self.count, c["msg_tokens"], 3 * t + 11 * rp, header=head.format(t + 1))
+                    for t in range(c["turns"])]
             hist = {s.kind: [{"role": "system", "content": SYSTEM}] for s in servers}
             for s in servers:
                 per_rep[s.kind].append([])

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     from chatcli.config.settings import Settings, get_paths
     from chatcli.core.template import Message
     from chatcli.models.resolve import bundled_model_path
-    from chatcli.server.service import ChatRequest, ChatService, Started
+    from chatcli.server.service import ChatRequest, ChatService, Delta, Finished, Started
     from chatcli.session import Session
 
     timer = Timer()
@@ -190,17 +190,17 @@ def main(argv: list[str] | None = None) -> int:
             c0 = time.process_time()
             it = svc.complete(ChatRequest(list(msgs), temperature=0.0, max_tokens=4, seed=1234))
             started: Started | None = None
-            first = 0.0
+            first = cpu_first = t_started = 0.0
             reply = ""
             for ev in it:
                 if isinstance(ev, Started):
                     started = ev
                     t_started = time.perf_counter() - t0
-                elif hasattr(ev, "text") and not first and getattr(ev, "text", ""):
+                elif isinstance(ev, Delta) and not first and ev.text:
                     first = time.perf_counter() - t0
                     cpu_first = time.process_time() - c0
                     timer.active = False
-                if type(ev).__name__ == "Finished":
+                elif isinstance(ev, Finished):
                     reply = ev.text
             timer.active = False
             total = time.perf_counter() - t0
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                 keep = prev_tokens if prev_tokens and prompt[:len(prev_tokens)] == prev_tokens else []
                 cur = [int(x) for x in m.input_ids[:m.n_tokens]]
                 if not keep or keep[:len(cur)] != cur:
-                    m.reset()
+                    m.reset()  # type: ignore[no-untyped-call]
                     cur = []
                 if len(keep) > len(cur):
                     m.eval(keep[len(cur):])  # untimed: the cached prefix (the last reply, as its server evaluated it)
