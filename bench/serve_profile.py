@@ -59,6 +59,15 @@ STEPS: list[tuple[str, str, str]] = [
 ]
 
 
+# The steps of a client's regenerate (its history minus the last reply): the conversation is forked at the
+# user message (its KV records copied) and the reply sampled from the saved logits.
+REGEN_STEPS: list[tuple[str, str, str]] = [
+    ("fork: transcript prefix + state copy (adapter.fork_at)", "adapter", "fork_at"),
+    ("  of which state copy + fsync (adapter.copy_state)", "adapter", "copy_state"),
+    ("adopt the resident cells (adapter.adopt)", "adapter", "adopt"),
+]
+
+
 class Timer:
     """Accumulates wall time per label while ``active``; only the first call of a nested label counts."""
 
@@ -108,7 +117,7 @@ def install(timer: Timer) -> None:
     mods: dict[str, Any] = {"index": index, "service": service, "history": history, "adapter": adapter,
                             "store": store, "conversation": conversation, "transcript": transcript,
                             "engine": llamacpp, "statelog": statelog, "statefile": statefile, "session": session}
-    for label, owner, attr in STEPS:
+    for label, owner, attr in STEPS + REGEN_STEPS:
         mod = mods[owner]
         if "." in attr:
             cls_name, meth = attr.split(".")
@@ -175,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         return len(eng.tokenize(s, add_special=False))
 
     rows: list[dict[str, Any]] = []
+    regens: list[dict[str, Any]] = []
     load0 = os.getloadavg()
     t_start = time.perf_counter()
     for rep in range(o.reps):
@@ -239,11 +249,32 @@ def main(argv: list[str] | None = None) -> int:
                   f"ttft {1000 * (first or total):.0f} ms"
                   f" decode {1000 * steps.get('prompt eval (llama_decode)', 0):.0f} ms; llama_cpp "
                   + ", ".join(f"{k} {1000 * v:.0f}" for k, v in cmp.items()), file=sys.stderr, flush=True)
+        # A client's regenerate: the history minus the last reply (it ends at the last user message).
+        timer.t.clear()
+        timer.active = True
+        t0 = time.perf_counter()
+        c0 = time.process_time()
+        ev0 = eng.n_evaluated_total
+        first = cpu_first = 0.0
+        how = ""
+        for ev in svc.complete(ChatRequest(list(msgs[:-1]), temperature=0.0, max_tokens=4, seed=1234)):
+            if isinstance(ev, Started):
+                how = ev.state
+            elif isinstance(ev, Delta) and not first and ev.text:
+                first = time.perf_counter() - t0
+                cpu_first = time.process_time() - c0
+                timer.active = False
+        timer.active = False
+        regens.append({"rep": rep + 1, "prompt_tokens": len(eng.tokens), "ttft": first, "cpu_to_first": cpu_first,
+                       "evaluated": eng.n_evaluated_total - ev0, "state": how, "steps": dict(timer.t),
+                       "state_bytes": sum(f.stat().st_size for f in sess.paths.conversations_dir.rglob("state.kv"))})
+        print(f"rep {rep + 1} regenerate: ttft {1000 * first:.0f} ms, state {how}, steps "
+              + ", ".join(f"{k} {1000 * v:.0f}" for k, v in timer.t.items() if v > 0.0005), file=sys.stderr, flush=True)
     svc.close()
     res = {"config": vars(o), "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                           "llama_cpp_python": llama_cpp.__version__, "load_start": load0,
                                           "load_end": os.getloadavg()},
-           "seconds": time.perf_counter() - t_start, "rows": rows}
+           "seconds": time.perf_counter() - t_start, "rows": rows, "regen": regens}
     out = Path(o.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve_profile.json").write_text(json.dumps(res, indent=1))
@@ -294,6 +325,20 @@ def markdown(res: dict[str, Any]) -> str:
         L.append(f"| {k} | {1000 * v:.1f} | {v / dec:.2f} |")
     L.append(f"| chatcli prompt eval (llama_decode, last logits) | {1000 * dec:.1f} | 1.00 |")
     L.append("")
+    rg = res.get("regen") or []
+    if rg:
+        L.append("")
+        L.append(f"**A client's regenerate** (the history minus the last reply, ~{med([r['prompt_tokens'] for r in rg]):.0f} "
+                 f"tokens; median of {len(rg)}; tokens evaluated: {', '.join(str(r['evaluated']) for r in rg)}; "
+                 f"how: {', '.join(r['state'] for r in rg)}):\n")
+        L.append("| step before the first token | ms (median) |")
+        L.append("|---|---|")
+        for label, _o, _a in REGEN_STEPS + STEPS:
+            v = med([r["steps"].get(label, 0.0) for r in rg])
+            if v > 0.0005:
+                L.append(f"| {label} | {1000 * v:.1f} |")
+        L.append(f"| **TTFT in the service** | **{1000 * med([r['ttft'] for r in rg]):.1f}** |")
+        L.append("")
     cc = med([r["cpu_to_first"] for r in rows])
     L.append("CPU time (all threads; load does not stretch it as it stretches wall time): chatcli serve, the whole "
              f"request up to its first token: **{1000 * cc:.0f} ms**; llama-cpp-python evaluating the same tokens and "
