@@ -805,12 +805,8 @@ def goals(res: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
 def _server_side_summary(res: dict[str, Any]) -> str:
     """One sentence: what the servers themselves report for the per-turn requests (medians over turns 2+)."""
     parts = []
-    cpu = []
     for k, rows in res["turns"].items():
         reqs = [x for row in rows if row["turn"] > 1 for x in row.get("reps", [])]
-        cs = [x["cpu_seconds"] for x in reqs if x.get("cpu_seconds") is not None]
-        if cs:
-            cpu.append(f"{LABELS.get(k, k)} {f_s(med(cs))} s")
         if k == "chatcli":
             gaps = [1000 * x["ttft"] - x["server_ttft_ms"] for x in reqs if x.get("server_ttft_ms") is not None]
             srv = [x["server_ttft_ms"] for x in reqs if x.get("server_ttft_ms") is not None]
@@ -822,12 +818,8 @@ def _server_side_summary(res: dict[str, Any]) -> str:
             if pe:
                 parts.append(f"{LABELS.get(k, k)} reported a prompt eval of {med([p[0] for p in pe]):,.0f} ms for "
                              f"{med([p[1] for p in pe]):.0f} tokens")
-    out = ("What the servers report themselves (median over the requests of turns 2 on): " + "; ".join(parts) + "."
-           if parts else "")
-    if cpu:
-        out += ((" " if out else "") + "CPU time the server's processes used per request (all threads, turns 2 on, "
-                "median; the work itself, which load does not stretch as it stretches TTFT): " + ", ".join(cpu) + ".")
-    return out
+    return ("What the servers report themselves (median over the requests of turns 2 on): " + "; ".join(parts) + "."
+            if parts else "")
 
 
 def markdown(res: dict[str, Any], chart: str | None) -> str:
@@ -890,6 +882,17 @@ def markdown(res: dict[str, Any], chart: str | None) -> str:
     for i, row in enumerate(res["turns"][kinds[0]]):
         w(f"| {row['turn']} | " + " | ".join(f_tok(res["turns"][k][i]["evaluated"]) for k in kinds) + " |")
     w("")
+    cpu_rows = [[med([x.get("cpu_seconds") for x in res["turns"][k][i].get("reps", [])]) for k in kinds]
+                for i in range(len(res["turns"][kinds[0]]))]
+    if any(not math.isnan(v) for row in cpu_rows for v in row):
+        w("**CPU time per request** (s; every thread of the server's processes, from sending the request to the "
+          "end of its stream, so it includes the reply and what each server saves; " + ("median; " if spread else "")
+          + "the work done, which the machine's load stretches far less than it stretches TTFT):\n")
+        w("| turn | " + head[2:])
+        w("|---" * (len(kinds) + 1) + "|")
+        for i, row in enumerate(res["turns"][kinds[0]]):
+            w(f"| {row['turn']} | " + " | ".join(f_s(v) for v in cpu_rows[i]) + " |")
+        w("")
     side = _server_side_summary(res)
     if side:
         w(side + "\n")

@@ -204,6 +204,7 @@ def test_serve_report_states_the_issue_goals_and_rerenders_from_json(tmp_path: P
     assert "**Prompt tokens each server evaluated per turn**" in md and "| 1 | 95 | 98 | 98 | 98 |" in md
     assert "regenerate (history minus the last reply): TTFT (s) | 0.10 | 0.10 | 0.10 | 0.10 |" in md
     assert "3 ms less than the client measured" in md
+    assert "**CPU time per request**" in md and "| 2 | 1.50 | 1.50 | 1.50 | 1.50 |" in md
     g = {name: ok for name, ok, _ in goals(res)}
     assert g["the post-restart short turn ≤ 1/20 of the RAM cache's"] is False  # 0.3 s × 20 > 5 s
     assert g["… and ≤ 1/3 of the disk cache's and hearth's"] is True
