@@ -257,16 +257,17 @@ def main(argv: list[str] | None = None) -> int:
         ev0 = eng.n_evaluated_total
         first = cpu_first = 0.0
         how = ""
+        n_ev: int | None = None
         for ev in svc.complete(ChatRequest(list(msgs[:-1]), temperature=0.0, max_tokens=4, seed=1234)):
             if isinstance(ev, Started):
-                how = ev.state
+                how, n_ev = ev.state, ev.evaluated
             elif isinstance(ev, Delta) and not first and ev.text:
                 first = time.perf_counter() - t0
                 cpu_first = time.process_time() - c0
                 timer.active = False
         timer.active = False
         regens.append({"rep": rep + 1, "prompt_tokens": len(eng.tokens), "ttft": first, "cpu_to_first": cpu_first,
-                       "evaluated": eng.n_evaluated_total - ev0, "state": how, "steps": dict(timer.t),
+                       "evaluated": n_ev, "evaluated_through_reply": eng.n_evaluated_total - ev0, "state": how, "steps": dict(timer.t),
                        "state_bytes": sum(f.stat().st_size for f in sess.paths.conversations_dir.rglob("state.kv"))})
         print(f"rep {rep + 1} regenerate: ttft {1000 * first:.0f} ms, state {how}, steps "
               + ", ".join(f"{k} {1000 * v:.0f}" for k, v in timer.t.items() if v > 0.0005), file=sys.stderr, flush=True)
@@ -298,7 +299,7 @@ def markdown(res: dict[str, Any]) -> str:
          f"{res['config']['reps']} conversations; turns 2+ (the conversation resident, as in a live server); medians "
          f"over {len(rows)} requests. Load average {m['load_start'][0]:.1f} at start, {m['load_end'][0]:.1f} at end; "
          f"{m['cpus']} CPUs.\n",
-         f"Tokens evaluated per request: median {med([r['evaluated'] for r in rows]):.0f} "
+         f"Prompt tokens evaluated per request: median {med([r['service_evaluated'] for r in rows]):.0f} "
          f"(prompt {med([r['prompt_tokens'] for r in rows]):.0f}).\n",
          "| step before the first token | ms (median) | share of TTFT |", "|---|---|---|"]
     ttft = med([r["ttft"] for r in rows])
