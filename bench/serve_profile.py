@@ -267,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                 timer.active = False
         timer.active = False
         regens.append({"rep": rep + 1, "prompt_tokens": len(eng.tokens), "ttft": first, "cpu_to_first": cpu_first,
-                       "evaluated": n_ev, "evaluated_through_reply": eng.n_evaluated_total - ev0, "state": how, "steps": dict(timer.t),
+                       "evaluated": n_ev, "evaluated_through_reply": eng.n_evaluated_total - ev0, "state": how,
+                       "steps": dict(timer.t),
                        "state_bytes": sum(f.stat().st_size for f in sess.paths.conversations_dir.rglob("state.kv"))})
         print(f"rep {rep + 1} regenerate: ttft {1000 * first:.0f} ms, state {how}, steps "
               + ", ".join(f"{k} {1000 * v:.0f}" for k, v in timer.t.items() if v > 0.0005), file=sys.stderr, flush=True)
