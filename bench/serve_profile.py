@@ -331,8 +331,10 @@ def markdown(res: dict[str, Any]) -> str:
     if rg:
         L.append("")
         L.append(f"**A client's regenerate** (the history minus the last reply, ~{med([r['prompt_tokens'] for r in rg]):.0f} "
-                 f"tokens; median of {len(rg)}; tokens evaluated: {', '.join(str(r['evaluated']) for r in rg)}; "
-                 f"how: {', '.join(r['state'] for r in rg)}):\n")
+                 f"tokens; median of {len(rg)}; "
+                 + (f"prompt tokens evaluated: {', '.join(str(r['evaluated']) for r in rg)}; "
+                    if all("evaluated_through_reply" in r for r in rg) else "")
+                 + f"how: {', '.join(r['state'] for r in rg)}):\n")
         L.append("| step before the first token | ms (median) |")
         L.append("|---|---|")
         for label, _o, _a in REGEN_STEPS + STEPS:
