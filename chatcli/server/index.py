@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,11 +23,12 @@ from typing import Any
 
 from chatcli.core.conversation import Replay, replay_events
 from chatcli.core.fsutil import atomic_write_text
-from chatcli.core.store import ConversationDir, ConversationStore, StoreError
+from chatcli.core.store import _ID_RE, ConversationDir, ConversationStore, StoreError
 from chatcli.core.template import Message
 from chatcli.server import history
 
 INDEX_VERSION = 1
+_TRANSCRIPT = ConversationDir(Path(".")).transcript_path.name  # the file whose size and mtime say "changed"
 
 
 @dataclass(frozen=True)
@@ -137,16 +139,27 @@ class PrefixIndex:
 
     # -- maintenance -----------------------------------------------------------------------------------
 
-    def refresh(self) -> None:
-        """Re-read conversations whose transcript changed since they were indexed; forget deleted ones."""
-        ids = set(self.store.ids())
+    def refresh(self, *, save: bool = True) -> None:
+        """Re-read conversations whose transcript changed since they were indexed; forget deleted ones.
+
+        Runs before every request, so it only lists the store and stats each transcript, on plain strings
+        (``Path`` objects made this ~4× slower: ~40 ms a request with 1,000 conversations). ``save=False``
+        leaves saving the index (tens of ms for a large store) to after the reply.
+        """
+        ids: dict[str, str] = {}  # id → its transcript's path
+        try:
+            with os.scandir(self.store.root) as it:
+                for ent in it:  # the store's own rule for a conversation folder (ConversationStore.ids)
+                    if _ID_RE.match(ent.name) and ent.is_dir():
+                        ids[ent.name] = f"{ent.path}{os.sep}{_TRANSCRIPT}"
+        except (FileNotFoundError, NotADirectoryError):
+            pass  # no conversations yet
         for cid in list(self._convs):
             if cid not in ids:
                 self._drop(cid)
-        for cid in ids:
-            conv = ConversationDir(self.store.root / cid)
+        for cid, transcript in ids.items():
             try:
-                st = conv.transcript_path.stat()
+                st = os.stat(transcript)
             except OSError:
                 if cid in self._convs:
                     self._drop(cid)
@@ -154,8 +167,9 @@ class PrefixIndex:
             old = self._convs.get(cid)
             if old is not None and old.size == st.st_size and old.mtime == st.st_mtime_ns:
                 continue
-            self._index_dir(conv, st.st_size, st.st_mtime_ns)
-        self.save_soon()
+            self._index_dir(ConversationDir(self.store.root / cid), st.st_size, st.st_mtime_ns)
+        if save:
+            self.save_soon()
 
     def update(self, conv: ConversationDir, r: Replay, meta: dict[str, Any]) -> None:
         """Re-index a conversation this process just wrote (no need to read the transcript back)."""

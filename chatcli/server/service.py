@@ -204,7 +204,7 @@ class ChatService:
 
     def _prepare(self, req: ChatRequest, rq: _Req) -> _Prepared:
         """Under the lock: find the conversation, take a context, restore or fork into it."""
-        self.index.refresh()
+        self.index.refresh(save=False)  # saved after the reply (``_release``), not before its first token
         sh, explicit = self._split(req)
         root = self.index.root(sh.persona)
         keys = history.chain(root, sh.turns)
