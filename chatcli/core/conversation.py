@@ -195,7 +195,7 @@ class Conversation(ConversationViews):
             raise
         stats.prompt_seconds = time.perf_counter() - t0
         stats.n_prompt = len(tokens)
-        self.log.user_evaluated(p0, tokens, stats)
+        self.log.user_evaluated(p0, tokens, stats, defer=True)  # written with the reply
         yield from self._notices()
         if not self.title:
             self.meta["title"] = make_title(text)

@@ -55,7 +55,11 @@ class StateLog(Protocol):
         ``plan`` says, see rebuild.py)."""
         ...
 
-    def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats) -> None: ...
+    def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats, *, defer: bool = False) -> None:
+        """A user message is in the backend. ``defer``: its reply follows at once, so its cells may be written
+        with the reply's (after the first token, off the time to first token); any other operation writes
+        them first."""
+        ...
     def before_reply(self) -> int:
         """Get the backend ready to sample at its current position; returns tokens re-evaluated."""
         ...
@@ -102,6 +106,8 @@ class CellLog:
         self.meta_changed = False
         self.on_saved: Callable[[], None] | None = None
         self._needs_snapshot = False
+        # A user message's records not written yet (see user_evaluated's ``defer``).
+        self._pending: tuple[list[bytes], TurnStats] | None = None
 
     @property
     def turn_logits(self) -> tuple[int, Logits] | None:
@@ -178,7 +184,8 @@ class CellLog:
         if self._turn_logits and self._turn_logits[0] == eng.n_past:
             eng.set_logits(self._turn_logits[1])
 
-    def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats) -> None:
+    def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats, *, defer: bool = False) -> None:
+        self._flush()
         eng = self.eng
         logits = eng.logits()
         self._turn_logits = (eng.n_past, logits)
@@ -197,7 +204,20 @@ class CellLog:
         kv = eng.save_cells(p0, p0 + len(tokens))
         recs = [sf.encode_record(sf.CELLS, p0, p0 + len(tokens), sf.cells_payload(tokens, kv))]
         recs.append(sf.encode_record(sf.LOGITS, eng.n_past, eng.n_past, logits.astype("<f4").tobytes()))
+        if defer:
+            # Written with the reply's cells: one append and one fsync a turn, and none of it before the
+            # first token. A process killed mid-reply re-evaluates this message on resume (the transcript
+            # has it): the state file only caches.
+            self._pending = (recs, stats)
+            return
         stats.state_bytes += self._append(recs, stats)
+
+    def _flush(self) -> None:
+        """Write a deferred user message's records (before anything else touches the state file)."""
+        if self._pending is not None:
+            recs, stats = self._pending
+            self._pending = None
+            stats.state_bytes += self._append(recs, stats)
 
     def before_reply(self) -> int:
         eng = self.eng
@@ -208,10 +228,12 @@ class CellLog:
     def reply_done(self, p0: int, tokens: list[int], stats: TurnStats) -> None:
         kv = self.eng.save_cells(p0, self.eng.n_past)
         rec = sf.encode_record(sf.CELLS, p0, self.eng.n_past, sf.cells_payload(tokens, kv))
-        stats.state_bytes += self._append([rec], stats)
+        pending, self._pending = self._pending, None
+        stats.state_bytes += self._append([*(pending[0] if pending else []), rec], stats)
         self.settle()
 
     def truncated(self, to: int, *, persist: bool = True) -> None:
+        self._flush()
         if persist:
             self._append([sf.encode_record(sf.TRUNCATE, to, to, b"")], None)
         if self._turn_logits and self._turn_logits[0] == to:
@@ -226,6 +248,7 @@ class CellLog:
         or redoing it reads those cells instead of evaluating. Returns how many tokens came from the file;
         the rest is evaluated. Either way a record that is live again is appended.
         """
+        self._flush()
         eng = self.eng
         p0 = eng.n_past
         loaded = 0
@@ -251,10 +274,12 @@ class CellLog:
         return loaded
 
     def shifted(self) -> None:
+        self._flush()
         self._turn_logits = None
         self._needs_snapshot = True
 
     def settle(self) -> None:
+        self._flush()
         total = self.state.valid_bytes
         live = self.state.live_bytes()
         if total - live > live:
@@ -301,6 +326,7 @@ class CellLog:
 
     def _rewrite_state(self) -> bytes | None:
         """Write the whole live state as one snapshot (compaction, shifts, recovery); returns its cells."""
+        self._pending = None  # the snapshot holds those cells (and the logits, below)
         eng = self.eng
         n = eng.n_past
         recs = [self._header()]
@@ -415,7 +441,7 @@ class CheckpointLog:
             report.reevaluated = len(tail)
         self.settle()
 
-    def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats) -> None:
+    def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats, *, defer: bool = False) -> None:
         pass
 
     def before_reply(self) -> int:
