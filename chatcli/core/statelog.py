@@ -255,7 +255,9 @@ class CellLog:
         self._needs_snapshot = True
 
     def settle(self) -> None:
-        total = self.state.valid_bytes
+        # A fork's base counts as its own here: a fork that rolled far back into it compacts like any file
+        # (the rewrite stops sharing; the parent keeps its bytes).
+        total = self.state.valid_bytes + self.state.base_bytes
         live = self.state.live_bytes()
         if total - live > live:
             self._rewrite_state()
