@@ -168,9 +168,13 @@ class ScanResult:
                 logits = rec if rec.p0 <= n else None
         return chunks, logits, n
 
-    def live_bytes(self) -> int:
+    def live_bytes(self, *, own: bool = False) -> int:
+        """Bytes of the records still in use; ``own``: only those in the file itself (not its bases)."""
         chunks, logits, _ = self.live()
-        total = sum(c.record.size for c in chunks) + (logits.size if logits else 0)
+        recs = [c.record for c in chunks] + ([logits] if logits else [])
+        total = sum(r.size for r in recs if not own or r.file is None)
+        if own:  # the BASE record is what keeps the base's cells live
+            total += sum(r.size for r in self.records if r.kind == BASE and r.file is None)
         if self.records and self.records[0].kind == HEADER:
             total += self.records[0].size
         return total
