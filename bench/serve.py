@@ -723,7 +723,8 @@ def markdown(res: dict[str, Any], chart: str | None) -> str:
       + " |")
     if "chatcli" in kinds and rg["chatcli"].get("conversation") and \
             rg["chatcli"]["conversation"] != rs["chatcli"]["second"].get("conversation"):
-        w("| (chatcli's regenerate forked the conversation: a fork sharing its state bytes with the original, hard-linked; bytes count each inode once) | "
+        w("| (chatcli's regenerate forked the conversation, sharing its state bytes with the original: a hard link, "
+          "each inode counted once) | "
           + " | ".join("yes" if k == "chatcli" else "" for k in kinds) + " |")
     w("| bytes on disk at the end | " + " | ".join(f_mb(res["disk_end"][k]) for k in kinds) + " |")
     w("")
