@@ -197,3 +197,27 @@ def test_the_budget_counts_shared_bytes_once_and_frees_them_with_their_last_link
     c2 = _store().resolve(child2).state_path.stat().st_size
     freed = enforce(paths.conversations_dir, None, p2, keep_ids=[parent2["id"]])
     assert [i.conv_id for i in freed.evicted] == [child2] and freed.freed_bytes == c2 and freed.after == p2
+
+
+def test_where_a_link_cannot_be_made_the_fork_copies(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Another filesystem (EXDEV), no permission (EPERM), too many links: the live records are copied byte for
+    byte into a self-contained file (format 1), which continues exactly like the parent."""
+    import errno
+
+    parent = drive("--new", *says(M[:2]), logits=tmp_path / "parent.npy")
+
+    def no_link(*_args: object, **_kw: object) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(os, "link", no_link)
+        child_id, copied = _fork(parent["id"], 1)
+    state = _store().resolve(child_id).state_path
+    assert _bases(child_id) == [] and state.stat().st_nlink == 1
+    res = sf.scan(state)
+    assert res.problem == "" and res.bases == [] and res.live()[2] == copied
+    assert b'"format": 1' in state.read_bytes()[:400]
+    assert _store().resolve(parent["id"]).state_path.stat().st_nlink == 1
+    child = drive("--resume", child_id, *says(M[1:2]), logits=tmp_path / "child.npy")
+    assert child["report"]["reevaluated"] == 0 and child["replies"] == parent["replies"][1:]
+    assert np.array_equal(np.load(tmp_path / "child.npy"), np.load(tmp_path / "parent.npy")[1:])

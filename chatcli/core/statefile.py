@@ -218,6 +218,7 @@ class MappedState:
         self._stop = False
         self._final: ScanResult | None = None
         self._index: dict[tuple[Path | None, int], int] = {}
+        self._populate = check or background  # an index alone reads only the record headers' pages
         view, problem = self._map(path, None, None)
         if view is None:
             self.records = self._final = ScanResult(header=None, problem=problem)
@@ -251,7 +252,7 @@ class MappedState:
             if size:
                 # MAP_POPULATE (Linux) maps every page in one call instead of one fault per few pages: the
                 # whole file is about to be read anyway.
-                populate = getattr(mmap, "MAP_POPULATE", 0)
+                populate = getattr(mmap, "MAP_POPULATE", 0) if self._populate else 0
                 if populate:
                     mm = mmap.mmap(fh.fileno(), size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
                 else:
