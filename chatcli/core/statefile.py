@@ -227,7 +227,7 @@ class MappedState:
         res, self._crcs = _scan_buffer(view, check_crc=now, resolve=lambda info, ident: self._base(info, ident, now, 1))
         self.records = res
         self._index = {(r.file, r.offset): i for i, r in enumerate(res.records)}
-        if not background:
+        if not background or not res.records:  # nothing to check in a thread (an empty or unreadable file)
             self._final = res
             self._n_ok = len(res.records)
             return
