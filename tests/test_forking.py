@@ -86,6 +86,15 @@ def test_fork_shares_the_inode_and_continues_bit_identically_after_the_parent_gr
 
 def test_a_fork_of_a_fork_links_both_bases_and_a_rewrite_makes_the_fork_whole(tmp_path: Path) -> None:
     parent = drive("--new", *says(M[:3]), logits=tmp_path / "parent.npy")
+    # A fork of the whole conversation holds only a header and a BASE record; a fork of that fork checks the
+    # first fork's own last record (its BASE record), not its base's.
+    whole, n_whole = _fork(parent["id"], 3)
+    assert [r.kind for r in sf.scan(_store().resolve(whole).state_path).records if r.file is None] == [sf.HEADER, sf.BASE]
+    twice, n_twice = _fork(whole, 3)
+    res = sf.scan(_store().resolve(twice).state_path)
+    assert res.problem == "" and res.depth == 2 and res.live()[2] == n_twice == n_whole
+    opened = drive("--resume", twice)
+    assert opened["report"]["reevaluated"] == 0 and opened["report"]["reason"] == ""
     mid, _ = _fork(parent["id"], 2)
     drive("--resume", mid, *says(["Tell me a joke."]))
     leaf, copied = _fork(mid, 1)

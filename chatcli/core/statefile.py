@@ -280,9 +280,12 @@ class MappedState:
                                  resolve=lambda i, ident: self._base(i, ident, check_crc, depth + 1), file=path)
         if res.header is None or res.valid_bytes != length:
             return [], [], None, f"shared base {name} unusable ({res.problem or 'shorter than recorded'})"
-        last = res.records[-1]
+        # The base's own last record (its records list ends with its own base's when it holds only a
+        # header and a BASE record itself).
+        i_last = max(i for i, r in enumerate(res.records) if r.file == path)
+        last = res.records[i_last]
         if (res.header.get("identity") != identity or crcs[0] != info.get("header_crc")
-                or last.offset != info.get("last_offset") or crcs[-1] != info.get("last_crc")):
+                or last.offset != info.get("last_offset") or crcs[i_last] != info.get("last_crc")):
             return [], [], None, f"shared base {name} does not match"
         res.bases.insert(0, name)
         res.depth += 1
