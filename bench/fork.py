@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -77,6 +78,7 @@ def main() -> None:
             assert res.problem == "" and res.live()[2] == cut
             store.remove(child)
     session.close()
+    shutil.rmtree(home, ignore_errors=True)
     load = os.getloadavg()
     out: dict[str, Any] = {"tokens": n_tokens, "cut": cut, "parent_state_bytes": state_bytes, "reps": a.reps,
                            "build_s": round(build_s, 1), "loadavg": [round(x, 2) for x in load],
