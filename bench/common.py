@@ -162,14 +162,17 @@ def first_token(conv: Any, gen: Iterator[Any]) -> tuple[float, Any]:
 
 
 def dir_bytes(path: str | Path) -> int:
-    total = 0
+    """Bytes of the files under ``path``, each inode once (as ``du``: chatcli's forks hard-link their
+    parent's state file instead of copying it)."""
+    seen: dict[tuple[int, int], int] = {}
     for root, _dirs, files in os.walk(path):
         for f in files:
             try:
-                total += os.path.getsize(os.path.join(root, f))
+                st = os.stat(os.path.join(root, f))
             except OSError:
-                pass
-    return total
+                continue
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
 
 
 def llama_kwargs(n_ctx: int, threads: int) -> dict[str, Any]:

@@ -918,7 +918,8 @@ def markdown(res: dict[str, Any], chart: str | None) -> str:
         w(f"| … after all {n} conversations | " + " | ".join(f_mb(res["disk_after_reps"][k][-1]) for k in kinds) + " |")
     if "chatcli" in kinds and rg["chatcli"].get("conversation") and \
             rg["chatcli"]["conversation"] != rs["chatcli"]["second"].get("conversation"):
-        w("| (chatcli's regenerate forked the conversation: a copy of its state, kept with the original) | "
+        w("| (chatcli's regenerate forked the conversation, sharing its state bytes with the original: a hard link, "
+          "each inode counted once) | "
           + " | ".join("yes" if k == "chatcli" else "" for k in kinds) + " |")
     w("| bytes on disk at the end | " + " | ".join(f_mb(res["disk_end"][k]) for k in kinds) + " |")
     w("")

@@ -110,10 +110,11 @@ def test_newer_torn_tail_is_not_cut(conv: ConversationDir) -> None:
 @pytest.mark.parametrize("how", ["header", "framing"])
 def test_newer_state_file_is_refused_before_loading_and_never_rebuilt_over(conv: ConversationDir, how: str) -> None:
     header = sf.scan(conv.state_path).header
-    assert header is not None and header["format"] == 1
+    assert header is not None and header["format"] == sf.FORMAT_VERSION  # upgraded in memory
     if how == "header":
-        rewrite_state_header(conv.state_path, {**header, "format": 2})
-        needle = "state file format 2"
+        newer = sf.FORMAT_VERSION + 1
+        rewrite_state_header(conv.state_path, {**header, "format": newer})
+        needle = f"state file format {newer}"
     else:
         rewrite_state_header(conv.state_path, header, magic=b"CKV2")
         needle = "state file record framing format 2"
@@ -169,6 +170,7 @@ def test_version_check_and_v1_migrations_are_identities() -> None:
     meta = {"format": 1, "title": "t"}
     assert migrations.upgrade_meta(dict(meta)) == meta
     assert migrations.upgrade_event({"v": 1, "type": "x"}) == {"v": 1, "type": "x"}
-    assert migrations.upgrade_state_header({"format": 1, "identity": {}}) == {"format": 1, "identity": {}}
+    # State format 2 added the BASE record (forks sharing bytes): a version-1 header reads unchanged.
+    assert migrations.upgrade_state_header({"format": 1, "identity": {}}) == {"format": 2, "identity": {}}
     # The record header layout the crafted files above rely on.
     assert struct.calcsize("<4sBBHiiQI") == sf.HEADER_SIZE

@@ -274,13 +274,26 @@ def test_sigkill_restart_evaluates_only_the_new_message(server: Server, referenc
 def test_regenerate_evaluates_nothing_and_keeps_the_original(server: Server) -> None:
     msgs, replies = converse(server, "You are terse. (regenerate)", QUESTIONS[:2])
     cid = replies[-1].conv  # type: ignore[union-attr]
+    from chatcli.core.budget import total_bytes
+
     before = file_hash(server.conv(cid).transcript_path)
+    convs_dir = server.conv(cid).path.parent
+    disk_before = total_bytes(convs_dir, None)
     regen = chat(server, msgs[:-1])
     assert regen.ext["evaluated_tokens"] == 0
     assert regen.cached == regen.prompt == user_span(server, cid, 1)[1]
     assert regen.conv != cid and regen.ext["forked_from"] == cid
     assert regen.text == replies[-1].text  # greedy: the same logits, the same reply
     assert file_hash(server.conv(cid).transcript_path) == before
+    # The fork shares the parent's state bytes (a hard link): the disk grew by the fork's own small file,
+    # whose only sizeable records are the new reply's cells.
+    child_state = server.conv(regen.conv).state_path
+    [base] = sf.base_files(child_state)
+    assert os.path.samefile(base, server.conv(cid).state_path)
+    assert total_bytes(convs_dir, None) - disk_before == child_state.stat().st_size
+    own = [r for r in sf.scan(child_state).records if r.file is None]
+    assert [r.kind for r in own[:3]] == [sf.HEADER, sf.BASE, sf.TRUNCATE]
+    assert sum(r.size for r in own if r.kind != sf.CELLS) < 4096
     # Both branches stay reachable: the original history still continues the original conversation.
     nxt = chat(server, [*msgs, {"role": "user", "content": QUESTIONS[2]}])
     assert nxt.conv in (cid, regen.conv)  # identical histories: either may continue
@@ -329,9 +342,10 @@ def test_stop_strings_and_seed(server: Server) -> None:
     assert a.ext["evaluated_tokens"] == b.ext["evaluated_tokens"] == 0
 
 
-def test_fork_copy_equals_chatcli_fork(server: Server, tmp_path: Path) -> None:
-    """The server's byte-for-byte record copy gives the same state as `chatcli fork`'s re-encoding one."""
-    from chatcli.core.forking import _copy_state
+def test_shared_fork_equals_a_copied_one(server: Server, tmp_path: Path) -> None:
+    """A fork sharing the parent's bytes (hard link + BASE record) holds the same live cells and logits as a
+    byte-for-byte copy, at every message boundary; its own file is a few hundred bytes."""
+    from chatcli.core.forking import fork_state
     from chatcli.server.adapter import copy_state
 
     _, replies = converse(server, "You are terse. (fork copy)", QUESTIONS[:2])
@@ -339,9 +353,13 @@ def test_fork_copy_equals_chatcli_fork(server: Server, tmp_path: Path) -> None:
     r = server.replay(conv.id)
     for k in range(len(r.active) + 1):
         cut = r.active[k - 1].p1 if k else len(r.prefix_tokens)
-        a, b = tmp_path / f"a{k}.kv", tmp_path / f"b{k}.kv"
-        assert copy_state(conv.state_path, a, cut) == _copy_state(conv.state_path, b, cut) == cut
+        (tmp_path / f"a{k}").mkdir()
+        (tmp_path / f"b{k}").mkdir()
+        a, b = tmp_path / f"a{k}" / "state.kv", tmp_path / f"b{k}" / "state.kv"
+        assert copy_state(conv.state_path, a, cut) == fork_state(conv.state_path, b, cut, share=False) == cut
+        assert a.stat().st_size < 1024 and len(sf.base_files(a)) == 1 and sf.base_files(b) == []
         ra, rb = sf.scan(a), sf.scan(b)
+        assert ra.problem == rb.problem == "" and ra.bases and not rb.bases
         (ca, la, na), (cb, lb, nb) = ra.live(), rb.live()
         assert na == nb == cut and [(c.record.p0, c.end) for c in ca] == [(c.record.p0, c.end) for c in cb]
         assert [sf.read_payload(a, c.record) for c in ca] == [sf.read_payload(b, c.record) for c in cb]

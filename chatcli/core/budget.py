@@ -12,6 +12,11 @@ later (a resume that rebuilt the state). Access times are not used: most systems
 ``noatime``, and a backup or a ``grep`` would count as use. Prefix files are touched when a new conversation
 loads them, so their mtime is their last use.
 
+Shared bytes count once. A fork's state refers to its parent's file through a hard link (``state.base-*.kv``
+in the fork's folder, see statefile.py): one inode, several names. Every total here adds each inode
+(``st_dev``, ``st_ino``) once, and evicting a conversation frees only the inodes no other remaining item
+still links: dropping a parent whose bytes a fork shares frees nothing of them (the fork keeps them).
+
 This module only deals with files: no UI, no engine, no numpy.
 """
 
@@ -64,18 +69,30 @@ def format_size(n: float) -> str:
     return f"{x:.1f} GB"  # pragma: no cover
 
 
+_Inode = tuple[int, int]  # (st_dev, st_ino)
+
+
 @dataclass(frozen=True)
 class StateItem:
-    """One evictable file."""
+    """One evictable file: a persona prefix file, or a conversation's state file with its base links."""
 
     path: Path
-    size: int
+    size: int  # bytes of its distinct inodes (some may be shared with other items)
     last_used: float
     conv_id: str | None  # None for a persona prefix file
+    inodes: tuple[tuple[_Inode, int], ...] = ()  # each distinct inode it links, with its size
 
     @property
     def kind(self) -> str:
         return "prefix" if self.conv_id is None else "conversation"
+
+
+def _distinct(items: Iterable[StateItem]) -> int:
+    """Bytes of the items' inodes, each inode once."""
+    seen: dict[_Inode, int] = {}
+    for item in items:
+        seen.update(item.inodes)
+    return sum(seen.values())
 
 
 @dataclass
@@ -84,15 +101,15 @@ class Usage:
 
     @property
     def total(self) -> int:
-        return sum(i.size for i in self.items)
+        return _distinct(self.items)
 
     @property
     def conversations(self) -> int:
-        return sum(i.size for i in self.items if i.conv_id is not None)
+        return _distinct(i for i in self.items if i.conv_id is not None)
 
     @property
     def prefixes(self) -> int:
-        return sum(i.size for i in self.items if i.conv_id is None)
+        return _distinct(i for i in self.items if i.conv_id is None)
 
     def warm_ids(self) -> set[str]:
         return {i.conv_id for i in self.items if i.conv_id is not None and i.size > 0}
@@ -107,10 +124,11 @@ class Freed:
     after: int
     evicted: list[StateItem] = field(default_factory=list)
     spared_open: list[str] = field(default_factory=list)  # over budget, but open: left alone
+    freed: int = 0  # bytes actually released (a shared inode only when its last link went)
 
     @property
     def freed_bytes(self) -> int:
-        return sum(i.size for i in self.evicted)
+        return self.freed
 
     @property
     def over_budget(self) -> bool:
@@ -144,6 +162,22 @@ class Freed:
 # -- usage ---------------------------------------------------------------------------------------
 
 
+def _conv_files(path: Path) -> list[Path]:
+    """A conversation's state files: ``state.kv`` and the base files it links (a fork's shared bytes)."""
+    return [path / "state.kv", *sorted(path.glob("state.base-*.kv"))]
+
+
+def _inodes(files: Iterable[Path]) -> tuple[tuple[_Inode, int], ...]:
+    out: dict[_Inode, int] = {}
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError:
+            continue
+        out[(st.st_dev, st.st_ino)] = st.st_size
+    return tuple(out.items())
+
+
 def _conv_item(path: Path) -> StateItem | None:
     state = path / "state.kv"
     try:
@@ -157,7 +191,8 @@ def _conv_item(path: Path) -> StateItem | None:
             last = max(last, float(meta["updated"]))
     except (OSError, ValueError, UnicodeDecodeError):
         pass  # unreadable metadata: the state file's mtime is the best guess
-    return StateItem(state, st.st_size, last, path.name)
+    inodes = _inodes(_conv_files(path))
+    return StateItem(state, sum(n for _, n in inodes), last, path.name, inodes)
 
 
 def scan_usage(conversations_dir: Path, prefix_dir: Path | None) -> Usage:
@@ -176,25 +211,31 @@ def scan_usage(conversations_dir: Path, prefix_dir: Path | None) -> Usage:
                     st = entry.stat()
                 except FileNotFoundError:
                     continue
-                usage.items.append(StateItem(Path(entry.path), st.st_size, st.st_mtime, None))
+                usage.items.append(StateItem(Path(entry.path), st.st_size, st.st_mtime, None,
+                                             (((st.st_dev, st.st_ino), st.st_size),)))
     return usage
 
 
 def total_bytes(conversations_dir: Path, prefix_dir: Path | None) -> int:
-    """Only the sizes (no metadata reads): the check that runs after every save."""
-    total = 0
-    for root, name in ((conversations_dir, "state.kv"), (prefix_dir, None)):
+    """Only the sizes (no metadata reads), each inode once: the check that runs after every save."""
+    seen: dict[_Inode, int] = {}
+    for root, conv in ((conversations_dir, True), (prefix_dir, False)):
         if root is None or not root.is_dir():
             continue
         for entry in os.scandir(root):
             try:
-                if name is not None and entry.is_dir(follow_symlinks=False):
-                    total += os.stat(os.path.join(entry.path, name)).st_size
-                elif name is None and entry.name.endswith(".kv"):
-                    total += entry.stat().st_size
+                if conv and entry.is_dir(follow_symlinks=False):
+                    # A listing per conversation (not a stat of state.kv alone): its base links count too.
+                    for sub in os.scandir(entry.path):
+                        if sub.name == "state.kv" or (sub.name.startswith("state.base-") and sub.name.endswith(".kv")):
+                            st = sub.stat(follow_symlinks=False)
+                            seen[(st.st_dev, st.st_ino)] = st.st_size
+                elif not conv and entry.name.endswith(".kv"):
+                    st = entry.stat()
+                    seen[(st.st_dev, st.st_ino)] = st.st_size
             except FileNotFoundError:
                 continue
-    return total
+    return sum(seen.values())
 
 
 # -- eviction ------------------------------------------------------------------------------------
@@ -220,7 +261,21 @@ def enforce(
         return freed
     keep = set(keep_ids)
     keep_paths = {Path(p).resolve() for p in keep_prefixes}
+    # How many remaining items link each inode: its bytes are freed when the last of them goes.
+    links: dict[_Inode, int] = {}
+    for item in usage.items:
+        for ino, _ in item.inodes:
+            links[ino] = links.get(ino, 0) + 1
     total = before
+
+    def release(item: StateItem) -> int:
+        gone = 0
+        for ino, size in item.inodes:
+            links[ino] -= 1
+            if links[ino] == 0:
+                gone += size
+        return gone
+
     for item in sorted(usage.items, key=lambda i: (i.last_used, i.size)):
         if total <= budget:
             break
@@ -230,14 +285,18 @@ def enforce(
             if item.path.resolve() in keep_paths:
                 continue
             if _unlink(item.path):
-                total -= item.size
+                gone = release(item)
+                total -= gone
+                freed.freed += gone
                 freed.evicted.append(item)
             continue
         if item.conv_id in keep:
             freed.spared_open.append(item.conv_id)
             continue
         if _evict_conversation(item):
-            total -= item.size
+            gone = release(item)
+            total -= gone
+            freed.freed += gone
             freed.evicted.append(item)
         else:
             freed.spared_open.append(item.conv_id)
@@ -267,6 +326,8 @@ def _evict_conversation(item: StateItem) -> bool:
     try:
         if not _unlink(conv.state_path):
             return False
+        for base in _conv_files(conv.path)[1:]:  # its base links: useless without the file naming them
+            _unlink(base)
         try:
             meta = conv.read_meta()
             meta["evicted"] = {"at": round(time.time(), 3), "bytes": item.size}

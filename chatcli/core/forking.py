@@ -1,15 +1,23 @@
-"""``chatcli fork``: a new conversation sharing a prefix of another one's history.
+"""``chatcli fork`` and the server's forks: a new conversation sharing a prefix of another one's history.
 
-The child's transcript gets the parent's messages up to the fork point and its state file gets a copy of
-the parent's live KV records covering those positions: nothing is evaluated, not even the model is loaded.
+The child's transcript gets the parent's messages up to the fork point. Its state file *refers* to the
+parent's bytes instead of copying them (see statefile.py, BASE records): the parent's ``state.kv`` is
+hard-linked into the child's folder as its base, and the child's own file holds a header, the BASE record
+and a TRUNCATE to the fork point: a few hundred bytes however long the parent is, nothing evaluated, not
+even the model loaded. Where a link cannot be made (another filesystem, no permission, a chain of forks
+too deep) the live records are copied byte for byte instead, as before.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 from pathlib import Path
 
 from chatcli.core import statefile as sf
 from chatcli.core.events import ConversationError
+from chatcli.core.fsutil import atomic_write_bytes, fsync_dir
 from chatcli.core.store import ConversationStore
 from chatcli.core.transcript import replay_events
 
@@ -40,32 +48,146 @@ def fork_conversation(store: ConversationStore, ref: str, at: int | None) -> tup
                 "type": "message", "mid": new_mid, "role": m.role, "text": m.text, "tokens": m.tokens,
                 "span": [m.p0, m.p1], "turn": m.turn, "alt": 0, **({"stop": m.stop} if m.stop else {}),
             })
-        copied = _copy_state(parent.state_path, child.state_path, cut)
+        copied = fork_state(parent.state_path, child.state_path, cut)
     finally:
         child.unlock()
     return child.id, copied
 
 
+def fork_state(src: Path, dst: Path, cut: int, *, share: bool = True) -> int:
+    """Give the new state file ``dst`` the cells [0, cut) of ``src``: shared through a hard link when
+    possible (``share``), else copied. Returns how many positions the child holds (0: it rebuilds its KV
+    from the transcript on first resume). ``dst``'s folder must be the child's own (its lock held)."""
+    if share:
+        n = _link_state(src, dst, cut)
+        if n is not None:
+            return n
+    return _copy_state(src, dst, cut)
+
+
+def _link_state(src: Path, dst: Path, cut: int) -> int | None:
+    """The fork as a BASE record over a hard link of ``src``; None when it cannot be made (nothing left)."""
+    folder = dst.parent
+    name = sf.base_name(dst)
+    linked: list[Path] = []
+    try:
+        # Link first, then index the link: the inode indexed is the one kept, whatever the parent does
+        # meanwhile (a rewrite replaces its file; the link still holds the old inode, unchanged).
+        os.link(src, folder / name)
+        linked.append(folder / name)
+        for base in sf.base_files(src):  # the parent is a fork itself: its bases come along
+            os.link(base, folder / base.name)
+            linked.append(folder / base.name)
+    except OSError:  # EXDEV, EPERM, EMLINK, a file that vanished: copy instead
+        _unlink_all(linked)
+        return None
+    try:
+        with sf.map_state(folder / name, check=False) as ms:
+            res = ms.records
+            own = [r for r in res.records if r.file is None]
+            if res.header is None or not own or own[0].kind != sf.HEADER or res.depth >= sf.MAX_BASE_DEPTH:
+                _unlink_all(linked)
+                return None
+            header_crc, last = ms.stored_crc(own[0]), own[-1]
+            last_crc = ms.stored_crc(last)
+        _, _, n_all = res.live()
+        n = min(cut, n_all)
+        identity = res.header["identity"]
+        records = [sf.encode_record(sf.HEADER, 0, 0, sf.header_payload(identity, based=True)),
+                   sf.encode_record(sf.BASE, 0, 0, sf.base_payload(name, res.valid_bytes, header_crc,
+                                                                      last.offset, last_crc))]
+        if n < n_all:
+            # The parent's cells after the fork point stay in the base, dead for the child; the logits
+            # after the cut go with them, those at or before it stay live (live() keeps them).
+            records.append(sf.encode_record(sf.TRUNCATE, n, n, b""))
+        # Base links the parent had but its current file does not use (left-overs) are not needed here.
+        used = {name, *res.bases}
+        _unlink_all([p for p in linked if p.name not in used])
+        atomic_write_bytes(dst, b"".join(records))  # also makes the links durable (the folder is fsynced)
+        return n
+    except BaseException:
+        _unlink_all(linked)
+        raise
+
+
+def _unlink_all(paths: list[Path]) -> None:
+    for p in paths:
+        with contextlib.suppress(OSError):
+            p.unlink()
+
+
 def _copy_state(src: Path, dst: Path, cut: int) -> int:
+    """The parent's live KV records covering positions [0, cut), copied byte for byte into a new state file
+    (plus a TRUNCATE when the cut falls inside a record, and the logits when they sit at or before it).
+
+    The records were indexed by ``scan`` and are copied in the kernel (``os.copy_file_range``; a reflink on
+    filesystems that share extents), each from the file that holds it (a parent's base). Returns the
+    positions copied.
+    """
     res = sf.scan(src)
-    if res.header is None:
+    if res.header is None or not res.records or res.records[0].kind != sf.HEADER:
         return 0  # the child rebuilds its KV from the transcript on first resume
     chunks, logits, _ = res.live()
-    records = [sf.encode_record(sf.HEADER, 0, 0, sf.header_payload(res.header["identity"]))]
+    header = sf.encode_record(sf.HEADER, 0, 0, sf.header_payload(res.header["identity"]))
+    parts: list[sf.Record | bytes] = [header]
     n = 0
     for ch in chunks:
         if ch.record.p0 >= cut or ch.record.p0 != n:
             break
-        payload = sf.read_payload(src, ch.record)
-        records.append(sf.encode_record(ch.record.kind, ch.record.p0, ch.record.p1, payload))
+        parts.append(ch.record)
         n = min(ch.end, cut)
         if n < ch.record.p1:
-            records.append(sf.encode_record(sf.TRUNCATE, n, n, b""))
+            parts.append(sf.encode_record(sf.TRUNCATE, n, n, b""))
         if n >= cut:
             break
     if logits is not None and logits.p0 <= n:
         # Logits depend only on the tokens before p0, which the child shares: /regen right after a fork
         # samples from them instead of re-evaluating a token.
-        records.append(sf.encode_record(sf.LOGITS, logits.p0, logits.p0, sf.read_payload(src, logits)))
-    sf.StateWriter(dst).rewrite(records)
+        parts.append(logits)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    files: dict[Path, int] = {}
+    try:
+        os.fchmod(fd, 0o600)
+        for part in parts:
+            if isinstance(part, bytes):
+                _write_all(fd, part)
+                continue
+            path = part.file or src
+            if path not in files:
+                files[path] = os.open(path, os.O_RDONLY)
+            _copy_range(files[path], fd, part.offset, part.size)
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, dst)
+        fsync_dir(dst.parent)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    finally:
+        for f in files.values():
+            os.close(f)
     return n
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _copy_range(fin: int, fout: int, offset: int, size: int) -> None:
+    done = 0
+    while done < size:
+        try:
+            k = os.copy_file_range(fin, fout, size - done, offset + done)
+        except OSError:
+            k = 0
+        if k <= 0:  # not supported here (or a short copy): finish through user space
+            os.lseek(fout, 0, os.SEEK_END)
+            _write_all(fout, os.pread(fin, size - done, offset + done))
+            return
+        done += k

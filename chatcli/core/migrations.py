@@ -18,7 +18,13 @@ The rule:
    kind must not be skipped, the framing changes). A reader that meets a version *newer* than it knows
    refuses the whole conversation with one line naming the version, before writing anything.
 3. **Older versions are upgraded on read**, in memory, by the functions below (one step per version);
-   the next write uses the current version. Version 1 is the first: there is nothing to upgrade yet.
+   the next write uses the current version. Version 1 is the first.
+
+State file versions: 2 added the BASE record (a fork's state refers to its parent's bytes instead of
+copying them; an older reader skipping it would restore the wrong cells). Only a file that holds a BASE
+record says format 2; every other state file is still written as format 1, which chatcli versions before
+2 read too (a state header's format is the lowest version that reads that file correctly). Upgrading a
+version-1 header changes nothing.
 
 This module imports nothing of chatcli's: the store and the state file use it, the front ends may.
 """
@@ -30,7 +36,7 @@ from typing import Any
 
 META_VERSION = 1
 TRANSCRIPT_VERSION = 1
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 class FormatError(ValueError):
@@ -55,7 +61,7 @@ def check(what: str, found: object, supported: int, *, where: str = "") -> int:
 # One upgrade step per version: _META_STEPS[v] turns a version-v dict into a version-(v+1) one.
 _META_STEPS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
 _EVENT_STEPS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
-_STATE_HEADER_STEPS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+_STATE_HEADER_STEPS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: lambda h: h}
 
 
 def _upgrade(doc: dict[str, Any], key: str, current: int,

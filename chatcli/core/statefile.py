@@ -10,6 +10,18 @@ A state file is a sequence of checksummed records::
 - ``TRUNCATE`` the context was rolled back to p0 tokens.
 - ``SNAPSHOT`` like CELLS from position 0: replaces everything before it (compaction, context shift).
 - ``LOGITS``   float32 logits after position p0-1: lets /regen sample again without re-evaluating.
+- ``BASE``     JSON ``{file, length, header_crc, last_offset, last_crc}``: the records of another state file
+               (``<this file's stem>.base-<hex>.kv`` in the same folder, a hard link to a fork parent's
+               ``state.kv``), bytes [0, length), count as if they stood here. Only right after the header.
+
+Forks share bytes instead of copying them. A state file's bytes [0, L) never change once written and
+valid: records are appended, a torn tail past the last valid record is cut, and a rewrite is a new file
+(temp file + rename, a new inode). So a fork hard-links the parent's file as its base (no byte copied) and
+its own file holds the header, the BASE record and what differs (a TRUNCATE to the fork point). The BASE
+record names the base's length and the stored crcs of its header and its last record: a base that is
+missing, shorter, or another file is detected before any cell is used, and the state is then treated as
+unusable (rebuilt from the transcript). A rewrite of the fork writes a self-contained file and removes its
+base links; the parent's rewrites and deletion do not touch the fork's link.
 
 The crc covers the header fields and the payload, so a torn or bit-flipped record is detected; reading
 stops at the first bad record and the rest is treated as missing (re-evaluated from the transcript).
@@ -18,6 +30,9 @@ The file is a cache: the transcript is the truth, and deleting this file only co
 Versions (the rule is in migrations.py): the header's ``format`` is the file's major version; a newer one
 is refused, never rebuilt over. A record of a kind this version does not know, but whose framing and crc
 are sound, was added by a newer chatcli under the same major version: it is skipped, not taken for damage.
+A BASE record must not be skipped (the cells after it continue the base's), so a file holding one says
+format 2 (``BASE_FORMAT``), which chatcli versions before it refuse; every other file still says format 1,
+readable by every version.
 """
 
 from __future__ import annotations
@@ -25,24 +40,31 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
+import secrets
 import struct
 import threading
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Callable, Self
 
 from chatcli.core import migrations
 from chatcli.core.fsutil import append_durably, atomic_write_bytes
 
 MAGIC = b"CKV1"
 FORMAT_VERSION = migrations.STATE_VERSION
+PLAIN_FORMAT = 1  # a file without a BASE record: every chatcli reads it
+BASE_FORMAT = 2  # the first format whose readers follow a BASE record
 _HDR = struct.Struct("<4sBBHiiQI")  # magic kind flags reserved p0 p1 length crc
 HEADER_SIZE = _HDR.size
 
-HEADER, CELLS, TRUNCATE, SNAPSHOT, LOGITS = 1, 2, 3, 4, 5
-KIND_NAMES = {HEADER: "header", CELLS: "cells", TRUNCATE: "truncate", SNAPSHOT: "snapshot", LOGITS: "logits"}
+HEADER, CELLS, TRUNCATE, SNAPSHOT, LOGITS, BASE = 1, 2, 3, 4, 5, 6
+KIND_NAMES = {HEADER: "header", CELLS: "cells", TRUNCATE: "truncate", SNAPSHOT: "snapshot", LOGITS: "logits",
+              BASE: "base"}
 _MAX_PAYLOAD = 1 << 36
+MAX_BASE_DEPTH = 8  # a fork of a fork of ... : deeper chains are copied instead (forking.py)
+_BASE_NAME = re.compile(r"^[A-Za-z0-9_-]+\.base-[0-9a-f]{8,32}\.kv$")
 
 
 class StateFileError(ValueError):
@@ -56,6 +78,7 @@ class Record:
     p1: int
     offset: int  # of the record header in the file
     length: int  # payload bytes
+    file: Path | None = None  # the base file holding it (None: the state file itself)
 
     @property
     def size(self) -> int:
@@ -107,6 +130,9 @@ class ScanResult:
     dropped_bytes: int = 0
     problem: str = ""
     newer_format: bool = False  # written by a newer chatcli: unusable here, and not to be overwritten
+    bases: list[str] = field(default_factory=list)  # base file names, outermost first (nested bases after)
+    base_bytes: int = 0  # bytes of the bases counted as this state's (their lengths)
+    depth: int = 0  # how many bases deep the chain goes
 
     def live(self) -> tuple[list[LiveChunk], Record | None, int]:
         """Replay the records: the live chunks, the live logits record, and the state's length."""
@@ -142,9 +168,13 @@ class ScanResult:
                 logits = rec if rec.p0 <= n else None
         return chunks, logits, n
 
-    def live_bytes(self) -> int:
+    def live_bytes(self, *, own: bool = False) -> int:
+        """Bytes of the records still in use; ``own``: only those in the file itself (not its bases)."""
         chunks, logits, _ = self.live()
-        total = sum(c.record.size for c in chunks) + (logits.size if logits else 0)
+        recs = [c.record for c in chunks] + ([logits] if logits else [])
+        total = sum(r.size for r in recs if not own or r.file is None)
+        if own:  # the BASE record is what keeps the base's cells live
+            total += sum(r.size for r in self.records if r.kind == BASE and r.file is None)
         if self.records and self.records[0].kind == HEADER:
             total += self.records[0].size
         return total
@@ -168,55 +198,114 @@ class MappedState:
     to llama.cpp. Close it (or use it as a context manager) before anything writes to the file: a view read
     after the file shrank would fault.
 
+    A file with a BASE record maps its base too (only the base's first ``length`` bytes): the base's
+    records come first in ``records`` (each with ``file`` set), then the file's own.
+
     ``background=True`` checks the crcs in a second thread, record after record, while the caller already
     works on the records checked so far (``wait_ok``): a restore then costs about max(crc, load) instead of
     their sum. ``records`` is the index from the record headers alone; ``result`` (which waits for the
     checks) is the scan's answer, the same as ``scan()``'s.
     """
 
-    def __init__(self, path: Path, *, background: bool = False) -> None:
+    def __init__(self, path: Path, *, background: bool = False, check: bool = True) -> None:
         self.path = path
-        self._mm: mmap.mmap | None = None
-        self._view: memoryview | None = None
+        self._maps: list[mmap.mmap] = []
+        self._views: dict[Path | None, memoryview] = {}
         self._thread: threading.Thread | None = None
         self._cond = threading.Condition()
         self._n_ok = 0  # records[:_n_ok] are checked and good
         self._bad: int | None = None  # index of the first record whose crc is wrong
         self._stop = False
         self._final: ScanResult | None = None
-        try:
-            fh = path.open("rb")
-        except FileNotFoundError:
-            self.records = self._final = ScanResult(header=None, problem="missing")
+        self._index: dict[tuple[Path | None, int], int] = {}
+        self._populate = check or background  # an index alone reads only the record headers' pages
+        view, problem = self._map(path, None, None)
+        if view is None:
+            self.records = self._final = ScanResult(header=None, problem=problem)
             return
-        with fh:
-            size = os.fstat(fh.fileno()).st_size
-            if size:
-                # MAP_POPULATE (Linux) maps every page in one call instead of one fault per few pages: the
-                # whole file is about to be read anyway.
-                populate = getattr(mmap, "MAP_POPULATE", 0)
-                if populate:
-                    self._mm = mmap.mmap(fh.fileno(), size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
-                else:
-                    self._mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)
-                self._view = memoryview(self._mm)
-        buf = self._view if self._view is not None else memoryview(b"")
-        if not background or self._view is None:  # an empty file has nothing to check in a thread
-            self.records = self._final = _scan_buffer(buf, check_crc=True)[0]
-            self._n_ok = len(self._final.records)
+        now = check and not background  # check the crcs during the scan itself
+        res, self._crcs = _scan_buffer(view, check_crc=now, resolve=lambda info, ident: self._base(info, ident, now, 1))
+        self.records = res
+        self._index = {(r.file, r.offset): i for i, r in enumerate(res.records)}
+        if not background or not res.records:  # nothing to check in a thread (an empty or unreadable file)
+            self._final = res
+            self._n_ok = len(res.records)
             return
-        self.records, self._crcs = _scan_buffer(buf, check_crc=False)
-        self._index = {r.offset: i for i, r in enumerate(self.records.records)}
         self._thread = threading.Thread(target=self._check_all, name="statefile-crc", daemon=True)
         self._thread.start()
 
+    def _map(self, path: Path, key: Path | None, length: int | None) -> tuple[memoryview | None, str]:
+        """Map ``path`` (its first ``length`` bytes if given) and remember the view under ``key``."""
+        try:
+            fh = path.open("rb")
+        except FileNotFoundError:
+            return None, "missing"
+        except OSError as exc:
+            return None, f"unreadable ({exc.strerror or exc})"
+        with fh:
+            size = os.fstat(fh.fileno()).st_size
+            if length is not None:
+                if size < length:
+                    return None, "shorter than recorded"
+                size = length
+            view = memoryview(b"")
+            if size:
+                # MAP_POPULATE (Linux) maps every page in one call instead of one fault per few pages: the
+                # whole file is about to be read anyway.
+                populate = getattr(mmap, "MAP_POPULATE", 0) if self._populate else 0
+                if populate:
+                    mm = mmap.mmap(fh.fileno(), size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
+                else:
+                    mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)
+                self._maps.append(mm)
+                view = memoryview(mm)
+        self._views[key] = view
+        return view, ""
+
+    def _base(self, info: dict[str, Any], identity: object, check_crc: bool,
+              depth: int) -> tuple[list[Record], list[int], ScanResult | None, str]:
+        """Map and index a BASE record's file: its records (header excluded), their stored crcs, its scan."""
+        name, length = info.get("file"), info.get("length")
+        if not (isinstance(name, str) and _BASE_NAME.match(name) and isinstance(length, int) and length > 0):
+            return [], [], None, "unreadable base record"
+        if depth > MAX_BASE_DEPTH:
+            return [], [], None, "bases nested too deep"
+        path = self.path.parent / name
+        if path in self._views:
+            return [], [], None, f"base {name} named twice"
+        view, problem = self._map(path, path, length)
+        if view is None:
+            return [], [], None, f"shared base {name} {problem}"
+        res, crcs = _scan_buffer(view, check_crc=check_crc,
+                                 resolve=lambda i, ident: self._base(i, ident, check_crc, depth + 1), file=path)
+        if res.header is None or res.valid_bytes != length:
+            return [], [], None, f"shared base {name} unusable ({res.problem or 'shorter than recorded'})"
+        # The base's own last record (its records list ends with its own base's when it holds only a
+        # header and a BASE record itself).
+        i_last = max(i for i, r in enumerate(res.records) if r.file == path)
+        last = res.records[i_last]
+        if (res.header.get("identity") != identity or crcs[0] != info.get("header_crc")
+                or last.offset != info.get("last_offset") or crcs[i_last] != info.get("last_crc")):
+            return [], [], None, f"shared base {name} does not match"
+        res.bases.insert(0, name)
+        res.depth += 1
+        return res.records[1:], crcs[1:], res, ""
+
+    def stored_crc(self, rec: Record) -> int:
+        """The crc a record's header stores (with ``check=False``, not yet compared to its payload)."""
+        return self._crcs[self._index[(rec.file, rec.offset)]]
+
+    def _view_of(self, rec: Record) -> memoryview:
+        view = self._views.get(rec.file)
+        if view is None:
+            raise StateFileError("state file is closed or empty")
+        return view
+
     def _check_all(self) -> None:
-        view = self._view
-        assert view is not None
         for i, rec in enumerate(self.records.records):
             if self._stop:
                 return
-            ok = _record_crc(view, rec) == self._crcs[i]
+            ok = _record_crc(self._view_of(rec), rec) == self._crcs[i]
             with self._cond:
                 if ok:
                     self._n_ok = i + 1
@@ -228,9 +317,11 @@ class MappedState:
 
     def wait_ok(self, rec: Record) -> bool:
         """Whether ``rec`` and every record before it have a good crc (waits for the check)."""
+        i = self._index.get((rec.file, rec.offset))
+        if i is None:
+            return False
         if self._thread is None:
-            return rec.offset < self.records.valid_bytes
-        i = self._index[rec.offset]
+            return True
         with self._cond:
             self._cond.wait_for(lambda: self._n_ok > i or self._bad is not None)
             return self._n_ok > i
@@ -245,25 +336,28 @@ class MappedState:
             if self._bad is None:
                 self._final = res
             else:
-                cut = res.records[self._bad].offset
+                bad = res.records[self._bad]
                 size = res.valid_bytes + res.dropped_bytes
-                self._final = ScanResult(header=res.header, records=res.records[:self._bad], valid_bytes=cut,
-                                         dropped_bytes=size - cut, problem="checksum mismatch")
+                if bad.file is not None:
+                    # A damaged base: the file's own records continue it, so none of them can be used.
+                    self._final = ScanResult(header=None, records=res.records[:self._bad], valid_bytes=0,
+                                             dropped_bytes=size, problem=f"checksum mismatch in shared base {bad.file.name}")
+                else:
+                    cut = bad.offset
+                    self._final = ScanResult(header=res.header, records=res.records[:self._bad], valid_bytes=cut,
+                                             dropped_bytes=size - cut, problem="checksum mismatch",
+                                             bases=res.bases, base_bytes=res.base_bytes, depth=res.depth)
         return self._final
 
     def payload(self, rec: Record) -> memoryview:
         """The payload of a record (check it with ``wait_ok`` first when checking in the background): a
         view into the mapping, not a copy."""
-        if self._view is None:
-            raise StateFileError("state file is closed or empty")
         start = rec.offset + HEADER_SIZE
-        return self._view[start:start + rec.length]
+        return self._view_of(rec)[start:start + rec.length]
 
     def record_bytes(self, rec: Record) -> memoryview:
         """The whole encoded record (header and payload), as in the file: a view into the mapping."""
-        if self._view is None:
-            raise StateFileError("state file is closed or empty")
-        return self._view[rec.offset:rec.offset + rec.size]
+        return self._view_of(rec)[rec.offset:rec.offset + rec.size]
 
     def cells(self, rec: Record) -> tuple[list[int], memoryview]:
         """A CELLS/SNAPSHOT record's token ids and a view of its llama.cpp cell bytes."""
@@ -273,11 +367,11 @@ class MappedState:
         if self._thread is not None:
             self._stop = True
             self._thread.join()
-        view, mm = self._view, self._mm
-        self._view = self._mm = None
-        if view is not None:
+        views, maps = list(self._views.values()), self._maps
+        self._views, self._maps = {}, []
+        for view in views:
             view.release()
-        if mm is not None:
+        for mm in maps:
             try:
                 mm.close()
             except BufferError:
@@ -291,23 +385,31 @@ class MappedState:
         self.close()
 
 
-def map_state(path: Path, *, background: bool = False) -> MappedState:
-    return MappedState(path, background=background)
+def map_state(path: Path, *, background: bool = False, check: bool = True) -> MappedState:
+    """``check=False``: index the records without checking their payloads' crcs (a fork that only refers
+    to them: whoever reads the cells checks them)."""
+    return MappedState(path, background=background, check=check)
 
 
-def _scan_buffer(buf: memoryview, *, check_crc: bool) -> tuple[ScanResult, list[int]]:
+_Resolve = Callable[[dict[str, Any], object], tuple[list[Record], list[int], "ScanResult | None", str]]
+
+
+def _scan_buffer(buf: memoryview, *, check_crc: bool, resolve: _Resolve | None = None,
+                 file: Path | None = None) -> tuple[ScanResult, list[int]]:
     """Index the records; with ``check_crc`` stop at the first bad crc, else return every record's stored
-    crc for a later check (the header record's is always checked: its JSON is parsed here)."""
+    crc for a later check (the header's and a BASE record's are always checked: their JSON is parsed here).
+    A BASE record is resolved through ``resolve``; ``file`` tags the records of a base file."""
     size = len(buf)
     res = ScanResult(header=None)
     crcs: list[int] = []
     offset = 0
     n = 0  # the state's length so far, to check that every CELLS record continues it
     while offset < size:
-        rec, crc, problem = _check_record(buf, offset, size, check_crc or offset == 0)
+        rec, crc, problem = _check_record(buf, offset, size, check_crc)
         if rec is None:
             res.problem = problem
             break
+        rec.file = file
         if offset == 0:
             if rec.kind != HEADER:
                 res.problem = "not a chatcli state file"
@@ -331,6 +433,31 @@ def _scan_buffer(buf: memoryview, *, check_crc: bool) -> tuple[ScanResult, list[
         elif rec.kind == HEADER:
             res.problem = "second header"
             break
+        elif rec.kind == BASE:
+            if len(res.records) != 1 or resolve is None:
+                res.problem = f"misplaced base record at {offset}"
+                break
+            try:
+                info = json.loads(bytes(buf[offset + HEADER_SIZE:offset + rec.size]))
+            except ValueError:
+                info = None
+            identity = res.header.get("identity") if res.header is not None else None
+            brecs, bcrcs, base, why = resolve(info, identity) if isinstance(info, dict) \
+                else ([], [], None, "unreadable base record")
+            if base is None:
+                # The cells after this record continue the base's: without it nothing here is usable.
+                res.header, res.problem = None, why
+                break
+            res.records.append(rec)
+            crcs.append(crc)
+            res.records.extend(brecs)
+            crcs.extend(bcrcs)
+            res.bases = base.bases
+            res.base_bytes = int(info["length"]) + base.base_bytes
+            res.depth = base.depth
+            n = base.live()[2]
+            offset += rec.size
+            continue
         elif rec.kind == CELLS and rec.p0 != n:
             # Well-formed but not continuing the state (a writer bug, or records spliced from elsewhere):
             # it and everything after it count as damaged, so the writer cuts them instead of appending
@@ -369,7 +496,8 @@ def _check_record(buf: memoryview, offset: int, size: int, check_crc: bool) -> t
     if offset + HEADER_SIZE + length > size:
         return None, 0, "truncated record"
     rec = Record(kind, p0, p1, offset, length)
-    if check_crc and _record_crc(buf, rec) != crc:
+    # The header's and a BASE record's JSON is read right away: their crc is checked first, always.
+    if (check_crc or kind in (HEADER, BASE)) and _record_crc(buf, rec) != crc:
         return None, 0, "checksum mismatch"
     return rec, crc, ""
 
@@ -403,7 +531,8 @@ def check_format(path: Path) -> None:
 
 
 def read_payload(path: Path, rec: Record) -> bytes:
-    with path.open("rb") as fh:
+    """A record's payload, its crc checked (from its base file when it came from one)."""
+    with (rec.file or path).open("rb") as fh:
         fh.seek(rec.offset)
         data = fh.read(rec.size)
     if len(data) != rec.size:
@@ -424,8 +553,36 @@ def split_cells(payload: bytes | memoryview, n_tokens: int) -> tuple[list[int], 
     return tok, payload[4 * n_tokens:]
 
 
-def header_payload(identity: dict[str, Any]) -> bytes:
-    return json.dumps({"format": FORMAT_VERSION, "identity": identity}, sort_keys=True).encode()
+def header_payload(identity: dict[str, Any], *, based: bool = False) -> bytes:
+    """The header's JSON: format 2 only for a file with a BASE record (older chatclis must refuse it),
+    format 1 otherwise, so that every chatcli version keeps reading plain files."""
+    fmt = BASE_FORMAT if based else PLAIN_FORMAT
+    return json.dumps({"format": fmt, "identity": identity}, sort_keys=True).encode()
+
+
+def base_name(path: Path) -> str:
+    """A fresh name for a base file of the state file ``path`` (random: nested bases never collide)."""
+    return f"{path.stem}.base-{secrets.token_hex(8)}.kv"
+
+
+def base_files(path: Path) -> list[Path]:
+    """The base files present next to the state file ``path`` (referenced or left over)."""
+    return sorted(path.parent.glob(f"{path.stem}.base-*.kv"))
+
+
+def base_payload(name: str, length: int, header_crc: int, last_offset: int, last_crc: int) -> bytes:
+    return json.dumps({"file": name, "length": length, "header_crc": header_crc, "last_offset": last_offset,
+                       "last_crc": last_crc}, sort_keys=True).encode()
+
+
+def stored_crc(path: Path, rec: Record) -> int:
+    """The crc a record's header stores (read, not computed: the record's crc was checked by the scan)."""
+    with path.open("rb") as fh:
+        fh.seek(rec.offset + HEADER_SIZE - 4)
+        data = fh.read(4)
+    if len(data) != 4:
+        raise StateFileError("state file changed while reading")
+    return int(struct.unpack("<I", data)[0])
 
 
 class StateWriter:
@@ -447,12 +604,25 @@ class StateWriter:
             os.fsync(fh.fileno())
 
     def rewrite(self, records: list[bytes]) -> int:
+        """Replace the file by ``records`` (self-contained: no BASE record); its base links go."""
         data = b"".join(records)
         atomic_write_bytes(self.path, data)
+        drop_bases(self.path)
         return len(data)
 
 
+def drop_bases(path: Path) -> None:
+    """Remove the base links of ``path`` once it no longer refers to them (a rewrite made it whole). A
+    parent or sibling sharing the inode keeps its own link; a left-over one is only wasted space."""
+    for base in base_files(path):
+        try:
+            base.unlink()
+        except OSError:
+            pass
+
+
 __all__ = [
+    "BASE",
     "CELLS",
     "HEADER",
     "LOGITS",
@@ -464,8 +634,12 @@ __all__ = [
     "ScanResult",
     "StateFileError",
     "StateWriter",
+    "base_files",
+    "base_name",
+    "base_payload",
     "cells_payload",
     "check_format",
+    "drop_bases",
     "encode_record",
     "header_payload",
     "map_state",
@@ -474,4 +648,5 @@ __all__ = [
     "records_at",
     "scan",
     "split_cells",
+    "stored_crc",
 ]

@@ -280,10 +280,24 @@ class CellLog:
 
     def settle(self) -> None:
         self._flush()
-        total = self.state.valid_bytes
-        live = self.state.live_bytes()
+        st = self.state
+        if st.bases and self._bases_shared():
+            # A fork whose base another conversation still links: the base's dead bytes cost nothing extra
+            # (the parent keeps them anyway) and a rewrite would copy what is shared, so only the fork's own
+            # records are weighed.
+            total, live = st.valid_bytes, st.live_bytes(own=True)
+        else:
+            # Plain file, or a base nobody else links any more (the parent is gone or rewrote its file):
+            # the base's bytes are this conversation's alone and compact like its own.
+            total, live = st.valid_bytes + st.base_bytes, st.live_bytes()
         if total - live > live:
             self._rewrite_state()
+
+    def _bases_shared(self) -> bool:
+        try:
+            return any((self.path.parent / name).stat().st_nlink > 1 for name in self.state.bases)
+        except OSError:
+            return False
 
     def size_bytes(self) -> int:
         try:

@@ -8,9 +8,6 @@ message boundary lives here (``chatcli fork`` cuts at whole exchanges).
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +25,7 @@ from chatcli.core.conversation import (
     ResumeReport,
     replay_events,
 )
-from chatcli.core.fsutil import fsync_dir
+from chatcli.core.forking import fork_state
 from chatcli.core.loading import create_conversation, open_conversation
 from chatcli.core.statelog import CellLog
 from chatcli.core.store import ConversationDir, ConversationStore
@@ -149,8 +146,9 @@ def append(conv: Conversation, message: Message) -> Iterator[Progress]:
 
 
 def fork_at(store: ConversationStore, parent: ConversationDir, k: int, meta_update: dict[str, Any]) -> tuple[str, int]:
-    """A new conversation holding the parent's persona and first ``k`` active messages, with a copy of the
-    KV records covering them (and the logits after them when the parent kept those): nothing evaluated.
+    """A new conversation holding the parent's persona and first ``k`` active messages, with the KV records
+    covering them shared (or copied, see ``copy_state``; the logits after them when the parent kept those):
+    nothing evaluated.
 
     The parent is only read: its later turns stay where they are for whoever is on them.
     """
@@ -183,69 +181,12 @@ def fork_at(store: ConversationStore, parent: ConversationDir, k: int, meta_upda
 
 
 def copy_state(src: Path, dst: Path, cut: int) -> int:
-    """The parent's live KV records covering positions [0, cut), copied byte for byte into a new state file
-    (plus a TRUNCATE when the cut falls inside a record, and the logits when they sit at or before it).
-
-    Like ``forking._copy_state`` but without decoding and re-encoding the payloads: the records were
-    checked by ``scan`` and are copied in the kernel (``os.copy_file_range``; a reflink on filesystems
-    that share extents), which is what makes a regenerate fork cheap. Returns the positions copied.
-    """
-    res = sf.scan(src)
-    if res.header is None or not res.records or res.records[0].kind != sf.HEADER:
-        return 0  # the child rebuilds its KV from the transcript on first resume
-    chunks, logits, _ = res.live()
-    ranges = [res.records[0]]
-    tail: list[bytes] = []
-    n = 0
-    for ch in chunks:
-        if ch.record.p0 >= cut or ch.record.p0 != n:
-            break
-        ranges.append(ch.record)
-        n = min(ch.end, cut)
-        if n < ch.record.p1:
-            tail.append(sf.encode_record(sf.TRUNCATE, n, n, b""))
-        if n >= cut:
-            break
-    if logits is not None and logits.p0 <= n:
-        ranges_after = [logits]  # logits depend only on the tokens before p0, which the child shares
-    else:
-        ranges_after = []
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    try:
-        os.fchmod(fd, 0o600)
-        with open(src, "rb") as fin:
-            for rec in ranges:
-                _copy_range(fin.fileno(), fd, rec.offset, rec.size)
-            for data in tail:
-                os.write(fd, data)
-            for rec in ranges_after:
-                _copy_range(fin.fileno(), fd, rec.offset, rec.size)
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, dst)
-        fsync_dir(dst.parent)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    return n
-
-
-def _copy_range(fin: int, fout: int, offset: int, size: int) -> None:
-    done = 0
-    while done < size:
-        try:
-            k = os.copy_file_range(fin, fout, size - done, offset + done)
-        except OSError:
-            k = 0
-        if k <= 0:  # not supported here (or a short copy): finish through user space
-            os.lseek(fout, 0, os.SEEK_END)
-            os.write(fout, os.pread(fin, size - done, offset + done))
-            return
-        done += k
+    """The parent's KV cells covering positions [0, cut) for the child's new state file: shared with the
+    parent through a hard link and a BASE record (a few hundred bytes written, nothing copied or fsynced
+    but the child's small file), or, where a link cannot be made, its live records copied byte for byte
+    (plus a TRUNCATE when the cut falls inside a record; the logits when they sit at or before it). This
+    is what makes a client's regenerate cheap. Returns the positions the child holds."""
+    return fork_state(src, dst, cut)
 
 
 def stamp(conv_dir: ConversationDir) -> tuple[int, ...]:
