@@ -195,7 +195,7 @@ class Conversation(ConversationViews):
             raise
         stats.prompt_seconds = time.perf_counter() - t0
         stats.n_prompt = len(tokens)
-        self.log.user_evaluated(p0, tokens, stats, defer=True)  # written with the reply
+        self.log.user_evaluated(p0, tokens, stats, defer=True)  # written after the first token
         yield from self._notices()
         if not self.title:
             self.meta["title"] = make_title(text)
@@ -214,9 +214,16 @@ class Conversation(ConversationViews):
         # still recorded like a Ctrl-C'd one: the context and the transcript must never disagree.
         abandoned = False
         failed: BackendError | None = None
+        stream = stream_reply(eng, self.sampling, draft, seed=use_seed, max_tokens=self.max_tokens,
+                              stop_strings=self._stop_strings, turn=turn, alt=alt)
         try:
-            yield from stream_reply(eng, self.sampling, draft, seed=use_seed, max_tokens=self.max_tokens,
-                                    stop_strings=self._stop_strings, turn=turn, alt=alt)
+            try:
+                for ev in stream:
+                    yield ev
+                    if isinstance(ev, ReplyText):
+                        self.log.flush()  # the user message's cells, kept back until the first token was out
+            finally:
+                stream.close()
         except GeneratorExit:
             abandoned = True
         except BackendError as exc:

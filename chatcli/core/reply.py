@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 from chatcli.core.backend import Backend, GenerationResult, Sampling
 from chatcli.core.events import Event, ReplyStart, ReplyText
@@ -33,7 +33,7 @@ class Draft:
 
 
 def stream_reply(backend: Backend, sampling: Sampling, draft: Draft, *, seed: int, max_tokens: int,
-                 stop_strings: Sequence[str], turn: int, alt: int) -> Iterator[Event]:
+                 stop_strings: Sequence[str], turn: int, alt: int) -> Generator[Event, None, None]:
     """Sample a reply into ``draft``, yielding its text as it comes; each token joins the backend's sequence."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     # Pieces that may begin a stop string are held back until it is clear: markup is never shown.

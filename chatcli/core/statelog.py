@@ -56,9 +56,13 @@ class StateLog(Protocol):
         ...
 
     def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats, *, defer: bool = False) -> None:
-        """A user message is in the backend. ``defer``: its reply follows at once, so its cells may be written
-        with the reply's (after the first token, off the time to first token); any other operation writes
-        them first."""
+        """A user message is in the backend. ``defer``: its reply follows at once, so its cells are written by
+        ``flush`` once the reply's first token is out (off the time to first token); any other operation
+        writes them first."""
+        ...
+
+    def flush(self) -> None:
+        """Write what ``user_evaluated(defer=True)`` kept back (nothing when nothing is)."""
         ...
     def before_reply(self) -> int:
         """Get the backend ready to sample at its current position; returns tokens re-evaluated."""
@@ -205,12 +209,15 @@ class CellLog:
         recs = [sf.encode_record(sf.CELLS, p0, p0 + len(tokens), sf.cells_payload(tokens, kv))]
         recs.append(sf.encode_record(sf.LOGITS, eng.n_past, eng.n_past, logits.astype("<f4").tobytes()))
         if defer:
-            # Written with the reply's cells: one append and one fsync a turn, and none of it before the
-            # first token. A process killed mid-reply re-evaluates this message on resume (the transcript
-            # has it): the state file only caches.
+            # Written right after the reply's first token is shown, not before it: the write and its fsync
+            # stay out of the time to first token, and a process killed mid-reply still finds the message's
+            # cells on disk (only one killed between the prompt and the first token re-evaluates it).
             self._pending = (recs, stats)
             return
         stats.state_bytes += self._append(recs, stats)
+
+    def flush(self) -> None:
+        self._flush()
 
     def _flush(self) -> None:
         """Write a deferred user message's records (before anything else touches the state file)."""
@@ -456,6 +463,9 @@ class CheckpointLog:
         self.settle()
 
     def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats, *, defer: bool = False) -> None:
+        pass
+
+    def flush(self) -> None:
         pass
 
     def before_reply(self) -> int:
