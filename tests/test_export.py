@@ -124,6 +124,36 @@ def test_ls_counts_every_exchange_and_those_in_context(chat: dict[str, Any], mon
     assert table[3:5] == [str(row["turns"]), str(row["in_context"])]
 
 
+def test_ls_reads_the_counts_from_the_metadata_summary_until_the_transcript_changes(
+        chat: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """meta.json caches what `ls` shows (issue #15 goal 3b); the transcript stays the truth."""
+    import shutil
+
+    from chatcli.core.export import exchange_counts
+    from chatcli.core.store import ConversationDir
+    from chatcli.core.transcript import replay_events
+
+    home = tmp_path / "home"
+    shutil.copytree(chat["home"], home)  # copy2: sizes and mtimes kept, so the summary still holds
+    conv = ConversationDir(home / "data" / "conversations" / chat["id"])
+    meta = json.loads(conv.meta_path.read_text("utf-8"))
+    truth = exchange_counts(replay_events(conv.read_transcript().events))
+    # Written by the real conversation (shifts, /undo, /regen, /edit on the way), and current.
+    assert conv.cached_counts(meta) == truth == (12, len(chat["in_context"]) // 2)
+    # ls takes the cached counts without reading the transcript: a summary saying otherwise is believed...
+    meta["summary"].update(exchanges=40, in_context=30)
+    conv.meta_path.write_text(json.dumps(meta), "utf-8")
+    moved = {**chat, "home": home}
+    (row,) = json.loads(cli(moved, monkeypatch, "ls", "--json"))
+    assert (row["turns"], row["in_context"]) == (40, 30)
+    # ...until the transcript grows (an event of a newer chatcli's unknown type: replay skips it).
+    with conv.transcript_path.open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"v": 1, "type": "future-note", "ts": 0}) + "\n")
+    assert conv.cached_counts(meta) is None
+    (row,) = json.loads(cli(moved, monkeypatch, "ls", "--json"))
+    assert (row["turns"], row["in_context"]) == truth
+
+
 def test_export_path_of_a_crafted_transcript(tmp_path: Path) -> None:
     """The order rule without a model: shifted-out messages first, then the context; undone ones absent."""
     from chatcli.core.export import conversation_path, exchange_counts

@@ -446,6 +446,9 @@ class Conversation(ConversationViews):
         self.meta["updated"] = time.time()
         self.meta["turns"] = self.n_turns
         self.meta["tokens"] = self.backend.n_past
+        # What `chatcli ls` shows, so that it reads one small file per conversation (the transcript is on
+        # disk already: every event is appended before its effect, so the stamp matches these counts).
+        self.meta["summary"] = self.dir.make_summary(self.n_exchanges, self.n_turns, self.dir.transcript_stamp())
         try:
             self.dir.write_meta(self.meta)
         except OSError as exc:
