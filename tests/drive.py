@@ -34,6 +34,30 @@ def build_session(*, temperature: float = 0.0, seed: int | None = 1234, n_ctx: i
     return Session.build(settings, get_paths(), model=resolve_model(model), explicit=explicit)
 
 
+def isolated_session(home: Path, **kw: Any) -> Session:
+    """A session built with no CHATCLI_* variable but CHATCLI_HOME=home (a module's shared model load)."""
+    import os
+
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        for var in [v for v in os.environ if v.startswith("CHATCLI_")]:
+            mp.delenv(var)
+        mp.setenv("CHATCLI_HOME", str(home))
+        return build_session(**kw)
+
+
+def rebind(session: Session) -> Session:
+    """``session`` (its engine) bound to the current CHATCLI_HOME: a test's own store on a shared model load."""
+    import dataclasses
+
+    from chatcli.core.store import ConversationStore
+
+    paths = get_paths()
+    paths.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return dataclasses.replace(session, paths=paths, store=ConversationStore(paths.conversations_dir))
+
+
 def drain(gen: Any) -> tuple[Conversation | None, ResumeReport | None, list[ReplyEnd]]:
     events, opened = split_opening(gen)
     ends = [ev for ev in events if isinstance(ev, ReplyEnd)]

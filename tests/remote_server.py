@@ -14,7 +14,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -141,3 +141,11 @@ class LlamaServer:
             proc.wait(timeout=10)
         if self.proc is proc:  # called from another thread, start() may already have run again
             self.proc = None
+
+
+def running_server(model_path: Path, base: Path, n_ctx: int) -> Iterator[LlamaServer]:
+    """A module's llama-server (slots saved under ``base``), stopped when the module is done."""
+    srv = LlamaServer(model_path, n_ctx=n_ctx, slot_save_path=base / "slots", log_path=base / "server.log")
+    srv.start()
+    yield srv
+    srv.stop()

@@ -12,13 +12,11 @@ from typing import Any, Iterator
 import pytest
 
 from chatcli.config.personas import get_persona
-from chatcli.config.settings import get_paths
 from chatcli.core.backend import ContextFullError
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import ConversationError, Notice, ReplyEnd, ResumeReport
 from chatcli.core.forking import fork_conversation
 from chatcli.core.statelog import CellLog
-from chatcli.core.store import ConversationStore
 from chatcli.core.template import ChatTemplate
 from chatcli.personacache import prefix_status, warm_prefix
 
@@ -27,14 +25,9 @@ N_CTX = 512
 
 @pytest.fixture(scope="module")
 def base_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tests.drive import build_session
+    from tests.drive import isolated_session
 
-    home = tmp_path_factory.mktemp("base") / "home"
-    with pytest.MonkeyPatch.context() as mp:
-        for var in [v for v in os.environ if v.startswith("CHATCLI_")]:
-            mp.delenv(var)
-        mp.setenv("CHATCLI_HOME", str(home))
-        session = build_session(threads=2, n_ctx=N_CTX, max_tokens=16, reserve=64)
+    session = isolated_session(tmp_path_factory.mktemp("base") / "home", threads=2, n_ctx=N_CTX, max_tokens=16, reserve=64)
     yield session
     session.close()
 
@@ -42,9 +35,9 @@ def base_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 @pytest.fixture
 def sess(base_session: Any, chatcli_home: Path) -> Any:
     """The module's session (its engine) bound to this test's CHATCLI_HOME."""
-    paths = get_paths()
-    paths.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return dataclasses.replace(base_session, paths=paths, store=ConversationStore(paths.conversations_dir))
+    from tests.drive import rebind
+
+    return rebind(base_session)
 
 
 def new_conv(session: Any, *msgs: str) -> Conversation:

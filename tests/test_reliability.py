@@ -123,14 +123,9 @@ def wait_for(predicate: Any, what: str, proc: subprocess.Popen[bytes] | None = N
 
 @pytest.fixture(scope="module")
 def base_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tests.drive import build_session
+    from tests.drive import isolated_session
 
-    home = tmp_path_factory.mktemp("base") / "home"
-    with pytest.MonkeyPatch.context() as mp:
-        for var in [v for v in os.environ if v.startswith("CHATCLI_")]:
-            mp.delenv(var)
-        mp.setenv("CHATCLI_HOME", str(home))
-        session = build_session(threads=1, n_ctx=N_CTX, max_tokens=12, reserve=64)
+    session = isolated_session(tmp_path_factory.mktemp("base") / "home", threads=1, n_ctx=N_CTX, max_tokens=12, reserve=64)
     yield session
     session.close()
 
@@ -138,9 +133,9 @@ def base_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 @pytest.fixture
 def sess(base_session: Any, chatcli_home: Path) -> Any:
     """The module's session (its engine) bound to this test's CHATCLI_HOME."""
-    paths = get_paths()
-    paths.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return dataclasses.replace(base_session, paths=paths, store=ConversationStore(paths.conversations_dir))
+    from tests.drive import rebind
+
+    return rebind(base_session)
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from chatcli.core.backend import (
     GenerationResult,
     Sampling,
 )
-from tests.remote_server import SKIP_REASON, LlamaServer, free_port, server_binary
+from tests.remote_server import SKIP_REASON, LlamaServer, free_port, running_server, server_binary
 
 pytestmark = pytest.mark.skipif(server_binary() is None, reason=SKIP_REASON)
 
@@ -38,11 +38,7 @@ N_CTX = 2048
 
 @pytest.fixture(scope="module")
 def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
-    base = tmp_path_factory.mktemp("llama-server")
-    srv = LlamaServer(model_path, n_ctx=N_CTX, slot_save_path=base / "slots", log_path=base / "server.log")
-    srv.start()
-    yield srv
-    srv.stop()
+    yield from running_server(model_path, tmp_path_factory.mktemp("llama-server"), N_CTX)
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from chatcli.core.conversation import Conversation
 from chatcli.core.events import ReplyEnd, ReplyText, ResumeReport
 from chatcli.core.opening import split_opening
 from chatcli.session import Session
-from tests.remote_server import SKIP_REASON, LlamaServer, server_binary
+from tests.remote_server import SKIP_REASON, LlamaServer, running_server, server_binary
 
 pytestmark = pytest.mark.skipif(server_binary() is None, reason=SKIP_REASON)
 
@@ -35,11 +35,7 @@ NEXT = "Thanks. Now tell me one short fact."
 
 @pytest.fixture(scope="module")
 def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
-    base = tmp_path_factory.mktemp("llama-server-e2e")
-    srv = LlamaServer(model_path, n_ctx=N_CTX, slot_save_path=base / "slots", log_path=base / "server.log")
-    srv.start()
-    yield srv
-    srv.stop()
+    yield from running_server(model_path, tmp_path_factory.mktemp("llama-server-e2e"), N_CTX)
 
 
 @pytest.fixture

@@ -201,7 +201,7 @@ class MappedState:
                     self._mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)
                 self._view = memoryview(self._mm)
         buf = self._view if self._view is not None else memoryview(b"")
-        if not background:
+        if not background or self._view is None:  # an empty file has nothing to check in a thread
             self.records = self._final = _scan_buffer(buf, check_crc=True)[0]
             self._n_ok = len(self._final.records)
             return
