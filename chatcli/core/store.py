@@ -273,7 +273,9 @@ class ConversationStore:
                 continue
             fsync_dir(self.root)
             conv = ConversationDir(path)
-            conv.write_meta({**meta, "id": cid, "created": now(), "updated": now()})
+            # A summary copied from another conversation (a fork's parent) describes another transcript.
+            fresh = {k: v for k, v in meta.items() if k != "summary"}
+            conv.write_meta({**fresh, "id": cid, "created": now(), "updated": now()})
             return conv
         raise StoreError("could not allocate a conversation id")
 
