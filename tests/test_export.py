@@ -154,6 +154,20 @@ def test_ls_reads_the_counts_from_the_metadata_summary_until_the_transcript_chan
     assert (row["turns"], row["in_context"]) == truth
 
 
+def test_a_new_conversation_never_inherits_a_summary(tmp_path: Path) -> None:
+    """A fork copies its parent's metadata: the parent's summary describes another transcript."""
+    from chatcli.core.store import ConversationStore
+
+    store = ConversationStore(tmp_path / "conversations")
+    parent = store.create({"title": "p"})
+    parent.append_event({"type": "prefix", "tokens": [1], "messages": []})
+    summary = parent.make_summary(3, 2, parent.transcript_stamp())
+    child = store.create({"title": "c", "summary": summary})
+    meta = child.read_meta()
+    assert "summary" not in meta and child.cached_counts({**meta, "summary": summary}) is None
+    assert parent.cached_counts({"summary": summary}) == (3, 2)
+
+
 def test_export_path_of_a_crafted_transcript(tmp_path: Path) -> None:
     """The order rule without a model: shifted-out messages first, then the context; undone ones absent."""
     from chatcli.core.export import conversation_path, exchange_counts
