@@ -473,7 +473,8 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
     """List conversations, most recent first.
 
     "turns" counts every exchange of the conversation; "in_context" those the model's context still holds
-    (fewer once old exchanges left it in a context shift).
+    (fewer once old exchanges left it in a context shift). A "from" column (api / cli) appears once some
+    conversation was made through `chatcli serve`.
     """
     # Only what listing needs: the transcript replay (and jinja2 behind it) only for a conversation whose
     # metadata summary is missing or stale, rich only for a terminal (the budget's format_size is
