@@ -168,6 +168,23 @@ def test_a_new_conversation_never_inherits_a_summary(tmp_path: Path) -> None:
     assert parent.cached_counts({"summary": summary}) == (3, 2)
 
 
+def test_ls_from_column_only_next_to_api_conversations(chatcli_home: Path) -> None:
+    from chatcli.config.settings import get_paths
+    from chatcli.core.store import ConversationStore
+
+    store = ConversationStore(get_paths().conversations_dir)
+    store.create({"title": "mine", "persona": "alice", "updated": 1})
+    out = runner.invoke(app, ["ls"])
+    assert out.exit_code == 0, out.stderr
+    (row,) = out.stdout.splitlines()
+    assert not row.endswith("\t") and len(row.split("\t")) == 9  # no empty trailing "from" cell
+    assert "1 conversation:" in out.stderr  # singular
+    store.create({"title": "served", "persona": "alice", "source": "api"})
+    out = runner.invoke(app, ["ls"])
+    assert sorted(r.split("\t")[-1] for r in out.stdout.splitlines()) == ["api", "cli"]
+    assert "2 conversations:" in out.stderr
+
+
 def test_export_path_of_a_crafted_transcript(tmp_path: Path) -> None:
     """The order rule without a model: shifted-out messages first, then the context; undone ones absent."""
     from chatcli.core.export import conversation_path, exchange_counts
