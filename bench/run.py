@@ -248,6 +248,12 @@ class Bench:
             res["machine"]["llama_cpp_python"] = llama_cpp.__version__
         except Exception:
             pass
+        try:
+            import typer  # both trees of section 7 run on this typer (< 0.29 imports no pydantic: #15 goal 3b)
+
+            res["machine"]["typer"] = typer.__version__
+        except Exception:
+            pass
 
         res["before"] = self.prepare_before()
         self.log(f"building conversations to {c['lengths']} tokens (work dir {self.work})")

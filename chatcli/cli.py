@@ -14,11 +14,12 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Callable, Iterator
 
 import typer
-from rich.console import Console
 
 from chatcli import __version__
 
 if TYPE_CHECKING:  # imported where used, so that `chatcli ls` never loads what only `talk` needs
+    from rich.console import Console
+
     from chatcli.config.settings import Paths, Settings
     from chatcli.core.conversation import Conversation
     from chatcli.repl.render import Renderer
@@ -60,6 +61,8 @@ class CliError(Exception):
 
 
 def _err_console() -> Console:
+    from rich.console import Console
+
     return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
@@ -81,34 +84,49 @@ def _color() -> bool:
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Core errors become one line and an exit code, never a traceback."""
-    from chatcli.config.personas import PersonaError
-    from chatcli.config.settings import SettingsError
-    from chatcli.core.backend import BackendError as EngineError
-    from chatcli.core.events import ConversationError
-    from chatcli.core.migrations import FormatError
-    from chatcli.core.store import LockedError, StoreError
-    from chatcli.core.template import TemplateError
-    from chatcli.models.gguf import GGUFError
-    from chatcli.models.resolve import ModelError
-
     try:
         yield
     except typer.Exit:
         raise
     except CliError as exc:
         fail(str(exc), exc.code)
-    except (ModelError, GGUFError, SettingsError, PersonaError, StoreError) as exc:
-        fail(_line(exc), 1 if isinstance(exc, LockedError) else EXIT_USAGE)
-    except (ConversationError, TemplateError, EngineError, FormatError) as exc:
-        fail(_line(exc), 1)
     except KeyboardInterrupt:
         fail("interrupted", 130)
-    except BrokenPipeError:
-        # The reader left (`chatcli ls | head -1`): nothing to report, and nothing more to write.
-        _drop_stdout()
-        raise typer.Exit(1) from None
-    except OSError as exc:
-        fail(f"{exc.strerror or exc}" + (f": {exc.filename}" if getattr(exc, "filename", None) else ""), 1)
+    except Exception as exc:
+        code = _user_error_code(exc)  # first: a core error may also be an OSError
+        if code is not None:
+            fail(_line(exc), code)
+        if isinstance(exc, BrokenPipeError):
+            # The reader left (`chatcli ls | head -1`): nothing to report, and nothing more to write.
+            _drop_stdout()
+            raise typer.Exit(1) from None
+        if isinstance(exc, OSError):
+            fail(f"{exc.strerror or exc}" + (f": {exc.filename}" if getattr(exc, "filename", None) else ""), 1)
+        raise
+
+
+# The core's errors that are the user's to fix (exit 2) or that say what went wrong (exit 1), by module.
+# They are looked up when one is raised, and only in modules already imported (an exception's class is
+# imported by whoever raised it): `chatcli ls` does not import the model and template modules for this.
+_USAGE_ERRORS = (("chatcli.models.resolve", "ModelError"), ("chatcli.models.gguf", "GGUFError"),
+                 ("chatcli.config.settings", "SettingsError"), ("chatcli.config.personas", "PersonaError"),
+                 ("chatcli.core.store", "StoreError"))
+_RUN_ERRORS = (("chatcli.core.events", "ConversationError"), ("chatcli.core.template", "TemplateError"),
+               ("chatcli.core.backend", "BackendError"), ("chatcli.core.migrations", "FormatError"))
+
+
+def _loaded(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ...]:
+    return tuple(getattr(sys.modules[m], c) for m, c in names if m in sys.modules)
+
+
+def _user_error_code(exc: Exception) -> int | None:
+    """The exit code for a core error (a locked conversation is not a usage error), None for anything else."""
+    if isinstance(exc, _loaded(_USAGE_ERRORS)):
+        locked = _loaded((("chatcli.core.store", "LockedError"),))
+        return 1 if locked and isinstance(exc, locked) else EXIT_USAGE
+    if isinstance(exc, _loaded(_RUN_ERRORS)):
+        return 1
+    return None
 
 
 def _drop_stdout() -> None:
@@ -204,6 +222,8 @@ def _build_session(settings: Settings, paths: Paths, explicit: set[str], *, mode
 
 
 def _renderer(settings: Settings, interactive: bool) -> Renderer:
+    from rich.console import Console
+
     from chatcli.repl.render import Renderer
 
     plain = bool(settings.plain) or not interactive or bool(os.environ.get("NO_COLOR"))
@@ -453,32 +473,41 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
     """List conversations, most recent first.
 
     "turns" counts every exchange of the conversation; "in_context" those the model's context still holds
-    (fewer once old exchanges left it in a context shift).
+    (fewer once old exchanges left it in a context shift). A "from" column (api / cli) appears once some
+    conversation was made through `chatcli serve`.
     """
+    # Only what listing needs: the transcript replay (and jinja2 behind it) only for a conversation whose
+    # metadata summary is missing or stale, rich only for a terminal (the budget's format_size is
+    # render.human_bytes without importing the renderer).
     from chatcli.config.settings import get_paths
-    from chatcli.core.export import exchange_counts
+    from chatcli.core.budget import format_size
     from chatcli.core.migrations import FormatError
     from chatcli.core.store import ConversationStore
-    from chatcli.core.transcript import replay_events
-    from chatcli.repl.render import Renderer, human_bytes
 
     with user_errors():
         store = ConversationStore(get_paths().conversations_dir)
         rows = []
         problems: list[str] = []
         for conv, meta in store.list(problems):
-            try:
-                # The transcript is the truth (meta.json's counts are a cache written after it).
-                turns, in_context = exchange_counts(replay_events(conv.read_transcript().events))
-            except FormatError as exc:
-                problems.append(str(exc))
-                continue
+            counts = conv.cached_counts(meta)
+            if counts is None:
+                from chatcli.core.export import exchange_counts
+                from chatcli.core.transcript import replay_events
+
+                try:
+                    # The transcript is the truth (meta.json's summary is a cache of it, written after it).
+                    counts = exchange_counts(replay_events(conv.read_transcript().events))
+                except FormatError as exc:
+                    problems.append(str(exc))
+                    continue
+            turns, in_context = counts
+            state_bytes = conv.state_size()
             rows.append({
                 "id": conv.id, "title": meta.get("title", ""), "persona": meta.get("persona", ""),
                 "turns": turns, "in_context": in_context, "tokens": meta.get("tokens", 0),
-                "state_bytes": conv.state_size(), "updated": meta.get("updated", 0),
+                "state_bytes": state_bytes, "updated": meta.get("updated", 0),
                 # warm: its KV state is on disk (resume loads it); cold: evicted or never saved (resume rebuilds)
-                "warm": conv.state_size() > 0, "kv_type": str((meta.get("params") or {}).get("type_k", "f16")),
+                "warm": state_bytes > 0, "kv_type": str((meta.get("params") or {}).get("type_k", "f16")),
                 "from": "api" if meta.get("source") == "api" else "",
             })
             server = (meta.get("model") or {}).get("server")
@@ -496,15 +525,27 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
             print("no conversations yet: start one with `chatcli talk`")
             return
         for r in rows:
-            r["state"] = human_bytes(r["state_bytes"])
+            r["state"] = format_size(r["state_bytes"])
             r["kv"] = f"warm {r['kv_type']}" if r["warm"] else "cold"
             r["updated"] = datetime.fromtimestamp(float(r["updated"])).strftime("%Y-%m-%d %H:%M")
             r["server"] = str(r["server"]).split("://", 1)[-1] if r.get("server") else "local"
         plain = not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR"))
-        # The server column only once some conversation runs on a llama-server (its state lives there).
+        # The server column only once some conversation runs on a llama-server (its state lives there);
+        # the "from" column only once some conversation came from the API (an empty column is noise).
         where = ["server"] if any(r["server"] != "local" for r in rows) else []
-        Renderer(Console(highlight=False), plain=plain).table(
-            rows, ["id", "title", "persona", "turns", "in_context", "tokens", "state", *where, "updated", "kv", "from"])
+        source = ["from"] if any(r["from"] for r in rows) else []
+        for r in rows:
+            r["from"] = r["from"] or "cli"  # shown only next to "api": made by `chatcli talk` (or forked)
+        columns = ["id", "title", "persona", "turns", "in_context", "tokens", "state", *where, "updated", "kv", *source]
+        if plain:  # what Renderer.table prints when plain, without importing rich
+            for r in rows:
+                print("\t".join(str(r.get(c, "")) for c in columns))
+        else:
+            from rich.console import Console
+
+            from chatcli.repl.render import Renderer
+
+            Renderer(Console(highlight=False), plain=False).table(rows, columns)
         # The total goes to stderr when stdout is a pipe: scripts read one row per conversation.
         print(_usage_line(len(rows), sum(1 for r in rows if r["warm"])), file=sys.stdout if sys.stdout.isatty() else sys.stderr)
 
@@ -521,7 +562,7 @@ def _usage_line(n: int, n_warm: int) -> str:
         budget = f"budget {format_size(limit)}" if limit is not None else "no budget"
     except SettingsError:
         budget = "budget unreadable (see `chatcli config show`)"
-    return (f"{n} conversations: {n_warm} warm, {n - n_warm} cold · KV state {format_size(usage.total)} "
+    return (f"{n} conversation{'' if n == 1 else 's'}: {n_warm} warm, {n - n_warm} cold · KV state {format_size(usage.total)} "
             f"(conversations {format_size(usage.conversations)}, persona prefixes {format_size(usage.prefixes)}) "
             f"· {budget}")
 
@@ -574,6 +615,8 @@ def show(
             return
         # Messages are printed as written: no hard wrap at 80 columns in a pipe, no ":smile:" → emoji,
         # and every user-supplied string escaped (a title such as "what is [/]?" is not markup).
+        from rich.console import Console
+
         out = Console(highlight=False, emoji=False, soft_wrap=True,
                       no_color=not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR")))
         out.print(f"[bold]{_esc(str(meta.get('title') or conv.id))}[/] · {conv.id} · "
@@ -679,6 +722,8 @@ def personas(
             status = prefix_status(settings, paths, p, session)
             rows.append({"name": p.name, "description": p.description, "prefix cache": status})
         plain = not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR"))
+        from rich.console import Console
+
         Renderer(Console(highlight=False), plain=plain).table(rows, ["name", "description", "prefix cache"])
         for problem in persona_problems(paths.personas_dir):
             print(f"warning: {problem}", file=sys.stderr)

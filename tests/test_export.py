@@ -124,6 +124,67 @@ def test_ls_counts_every_exchange_and_those_in_context(chat: dict[str, Any], mon
     assert table[3:5] == [str(row["turns"]), str(row["in_context"])]
 
 
+def test_ls_reads_the_counts_from_the_metadata_summary_until_the_transcript_changes(
+        chat: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """meta.json caches what `ls` shows (issue #15 goal 3b); the transcript stays the truth."""
+    import shutil
+
+    from chatcli.core.export import exchange_counts
+    from chatcli.core.store import ConversationDir
+    from chatcli.core.transcript import replay_events
+
+    home = tmp_path / "home"
+    shutil.copytree(chat["home"], home)  # copy2: sizes and mtimes kept, so the summary still holds
+    conv = ConversationDir(home / "data" / "conversations" / chat["id"])
+    meta = json.loads(conv.meta_path.read_text("utf-8"))
+    truth = exchange_counts(replay_events(conv.read_transcript().events))
+    # Written by the real conversation (shifts, /undo, /regen, /edit on the way), and current.
+    assert conv.cached_counts(meta) == truth == (12, len(chat["in_context"]) // 2)
+    # ls takes the cached counts without reading the transcript: a summary saying otherwise is believed...
+    meta["summary"].update(exchanges=40, in_context=30)
+    conv.meta_path.write_text(json.dumps(meta), "utf-8")
+    moved = {**chat, "home": home}
+    (row,) = json.loads(cli(moved, monkeypatch, "ls", "--json"))
+    assert (row["turns"], row["in_context"]) == (40, 30)
+    # ...until the transcript grows (an event of a newer chatcli's unknown type: replay skips it).
+    with conv.transcript_path.open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"v": 1, "type": "future-note", "ts": 0}) + "\n")
+    assert conv.cached_counts(meta) is None
+    (row,) = json.loads(cli(moved, monkeypatch, "ls", "--json"))
+    assert (row["turns"], row["in_context"]) == truth
+
+
+def test_a_new_conversation_never_inherits_a_summary(tmp_path: Path) -> None:
+    """A fork copies its parent's metadata: the parent's summary describes another transcript."""
+    from chatcli.core.store import ConversationStore
+
+    store = ConversationStore(tmp_path / "conversations")
+    parent = store.create({"title": "p"})
+    parent.append_event({"type": "prefix", "tokens": [1], "messages": []})
+    summary = parent.make_summary(3, 2, parent.transcript_stamp())
+    child = store.create({"title": "c", "summary": summary})
+    meta = child.read_meta()
+    assert "summary" not in meta and child.cached_counts({**meta, "summary": summary}) is None
+    assert parent.cached_counts({"summary": summary}) == (3, 2)
+
+
+def test_ls_from_column_only_next_to_api_conversations(chatcli_home: Path) -> None:
+    from chatcli.config.settings import get_paths
+    from chatcli.core.store import ConversationStore
+
+    store = ConversationStore(get_paths().conversations_dir)
+    store.create({"title": "mine", "persona": "alice", "updated": 1})
+    out = runner.invoke(app, ["ls"])
+    assert out.exit_code == 0, out.stderr
+    (row,) = out.stdout.splitlines()
+    assert not row.endswith("\t") and len(row.split("\t")) == 9  # no empty trailing "from" cell
+    assert "1 conversation:" in out.stderr  # singular
+    store.create({"title": "served", "persona": "alice", "source": "api"})
+    out = runner.invoke(app, ["ls"])
+    assert sorted(r.split("\t")[-1] for r in out.stdout.splitlines()) == ["api", "cli"]
+    assert "2 conversations:" in out.stderr
+
+
 def test_export_path_of_a_crafted_transcript(tmp_path: Path) -> None:
     """The order rule without a model: shifted-out messages first, then the context; undone ones absent."""
     from chatcli.core.export import conversation_path, exchange_counts

@@ -29,7 +29,8 @@ try:
 except SystemExit as exc:
     code = exc.code or 0
 print()
-print(json.dumps({{"code": code, "heavy": [m for m in {HEAVY!r} if m in sys.modules]}}))
+print(json.dumps({{"code": code, "heavy": [m for m in {HEAVY!r} if m in sys.modules],
+                  "modules": sorted({{m.split(".")[0] for m in sys.modules}})}}))
 """
 
 
@@ -62,6 +63,21 @@ def run_cli(*args: str) -> dict[str, object]:
 def test_commands_that_do_not_run_the_model_import_neither_llama_cpp_nor_numpy(conv_id: str, args: list[str]) -> None:
     result = run_cli(*(a.format(id=conv_id) for a in args))
     assert result["heavy"] == [], f"`chatcli {' '.join(args)}` imported {result['heavy']}"
+
+
+def test_ls_loads_no_renderer_template_engine_or_pydantic(conv_id: str) -> None:
+    """`chatcli ls` into a pipe (issue #15 goal 3b): the metadata summary spares the transcript replay and
+    its chat-template module (jinja2), plain output needs no rich, and typer < 0.29 needs no pydantic."""
+    conv = ConversationStore(get_paths().conversations_dir).resolve(conv_id)
+    meta = conv.read_meta()
+    conv.write_meta({**meta, "summary": conv.make_summary(1, 1, conv.transcript_stamp())})
+    for args in (["ls"], ["ls", "--json"]):
+        modules = run_cli(*args)["modules"]
+        assert isinstance(modules, list)
+        assert not {"rich", "jinja2", "pydantic"} & set(modules), f"`chatcli {' '.join(args)}` imported {modules}"
+    # Without the summary (a conversation written before it existed) ls replays the transcript: still correct.
+    conv.write_meta(meta)
+    assert "jinja2" in run_cli("ls")["modules"]
 
 
 def test_the_wrapper_sees_heavy_imports() -> None:

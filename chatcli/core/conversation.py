@@ -103,8 +103,9 @@ class Conversation(ConversationViews):
         if len(want) + 1 > eng.n_ctx:
             raise ConversationError(f"conversation holds {len(want)} tokens but the context is {eng.n_ctx}: "
                                     f"resume with --n-ctx {len(want) + self.reserve}")
-        plan = rebuild.segments(len(self.r.prefix_tokens), self.r.active, self._closing_len)
-        yield from self.log.restore(want, report, plan)
+        # Lazily: the plan only matters for what the state file does not hold (usually nothing).
+        n_prefix, active = len(self.r.prefix_tokens), list(self.r.active)
+        yield from self.log.restore(want, report, lambda: rebuild.segments(n_prefix, active, self._closing_len))
         if report.reason == "no saved state" and budget.was_evicted(self.meta):
             report.reason = "its KV state was dropped to keep within the state budget"
         if self.log.meta_changed:
@@ -533,6 +534,9 @@ class Conversation(ConversationViews):
         self.meta["updated"] = time.time()
         self.meta["turns"] = self.n_turns
         self.meta["tokens"] = self.backend.n_past
+        # What `chatcli ls` shows, so that it reads one small file per conversation (the transcript is on
+        # disk already: every event is appended before its effect, so the stamp matches these counts).
+        self.meta["summary"] = self.dir.make_summary(self.n_exchanges, self.n_turns, self.dir.transcript_stamp())
         try:
             self.dir.write_meta(self.meta)
         except OSError as exc:

@@ -34,6 +34,9 @@ from chatcli.core.events import Event, Progress, ResumeReport, TurnStats
 if TYPE_CHECKING:
     from chatcli.core.backend import Logits
 
+# How a rebuild batches the tokens (rebuild.segments), or a function that works it out when needed.
+Plan = list[tuple[int, int]] | Callable[[], list[tuple[int, int]]]
+
 
 class StateLog(Protocol):
     """The hooks a conversation calls; each keeps the saved state equal to the backend's sequence."""
@@ -50,7 +53,7 @@ class StateLog(Protocol):
         """Put the persona prefix in the (empty) backend and start the saved state from it."""
         ...
 
-    def restore(self, want: list[int], report: ResumeReport, plan: list[tuple[int, int]] | None = None) -> Iterator[Event]:
+    def restore(self, want: list[int], report: ResumeReport, plan: Plan | None = None) -> Iterator[Event]:
         """Make the (empty) backend hold ``want``, loading what was saved and evaluating the rest (batched as
         ``plan`` says, see rebuild.py)."""
         ...
@@ -123,7 +126,7 @@ class CellLog:
         self.writer.rewrite(records)
         self.state = sf.scan(self.path)
 
-    def restore(self, want: list[int], report: ResumeReport, plan: list[tuple[int, int]] | None = None) -> Iterator[Event]:
+    def restore(self, want: list[int], report: ResumeReport, plan: Plan | None = None) -> Iterator[Event]:
         eng = self.eng
         t0 = time.perf_counter()
         loaded_bytes = 0
@@ -177,7 +180,9 @@ class CellLog:
         if tail:
             t1 = time.perf_counter()
             # Batched as the tokens were when first evaluated, so the rebuilt KV is bit-identical (rebuild.py).
-            for done, total in rebuild.evaluate(eng, want, n_ok, plan or [(0, len(want))]):
+            # The plan renders the chat template once per reply: worked out only when something is rebuilt.
+            segs = plan() if callable(plan) else plan
+            for done, total in rebuild.evaluate(eng, want, n_ok, segs or [(0, len(want))]):
                 yield Progress("rebuilding context from the transcript", done, total, time.perf_counter() - t1)
             report.reevaluated = len(tail)
         # Bring the state file in line with the context (one rewrite; the common case writes nothing).
@@ -426,7 +431,7 @@ class CheckpointLog:
                     pass  # only a cache: the conversation's own checkpoint follows
         self.settle()
 
-    def restore(self, want: list[int], report: ResumeReport, plan: list[tuple[int, int]] | None = None) -> Iterator[Event]:
+    def restore(self, want: list[int], report: ResumeReport, plan: Plan | None = None) -> Iterator[Event]:
         eng = self.eng
         t0 = time.perf_counter()
         info = self.meta.get("checkpoint")

@@ -1,6 +1,6 @@
 """The data directory: one folder per conversation.
 
-    <data>/conversations/<id>/meta.json         id, title, persona, model identity, params (atomic writes)
+    <data>/conversations/<id>/meta.json         id, title, persona, model identity, params, summary (atomic writes)
     <data>/conversations/<id>/transcript.jsonl  append-only events, fsynced: the source of truth
     <data>/conversations/<id>/state.kv          append-only KV records (see statefile.py): a cache
     <data>/conversations/<id>/lock              flock held by the process that has it open
@@ -108,6 +108,33 @@ class ConversationDir:
     def write_meta(self, meta: dict[str, Any]) -> None:
         meta = {**meta, "format": META_VERSION}
         atomic_write_text(self.meta_path, json.dumps(meta, indent=2, sort_keys=True, ensure_ascii=False))
+
+    # -- summary: what `chatcli ls` shows without replaying the transcript ----------------------------
+
+    def transcript_stamp(self) -> list[int]:
+        """The transcript's size and mtime (ns): it only ever grows by appends, so an unchanged stamp means
+        unchanged content. [0, 0] when there is none."""
+        try:
+            st = self.transcript_path.stat()
+        except FileNotFoundError:
+            return [0, 0]
+        return [st.st_size, st.st_mtime_ns]
+
+    @staticmethod
+    def make_summary(exchanges: int, in_context: int, stamp: list[int]) -> dict[str, Any]:
+        """The counts the writer derived from the transcript, tied to the transcript it derived them from."""
+        return {"exchanges": exchanges, "in_context": in_context, "transcript": stamp}
+
+    def cached_counts(self, meta: dict[str, Any]) -> tuple[int, int] | None:
+        """(exchanges, in context) from the metadata's summary if the transcript is still the one it was
+        computed from; None otherwise (the caller replays the transcript, which is the truth)."""
+        s = meta.get("summary")
+        if not isinstance(s, dict) or s.get("transcript") != self.transcript_stamp():
+            return None
+        ex, ic = s.get("exchanges"), s.get("in_context")
+        if type(ex) is not int or type(ic) is not int or not 0 <= ic <= ex:  # bool is not a count
+            return None
+        return ex, ic
 
     # -- transcript ------------------------------------------------------------------------------
 
@@ -246,7 +273,9 @@ class ConversationStore:
                 continue
             fsync_dir(self.root)
             conv = ConversationDir(path)
-            conv.write_meta({**meta, "id": cid, "created": now(), "updated": now()})
+            # A summary copied from another conversation (a fork's parent) describes another transcript.
+            fresh = {k: v for k, v in meta.items() if k != "summary"}
+            conv.write_meta({**fresh, "id": cid, "created": now(), "updated": now()})
             return conv
         raise StoreError("could not allocate a conversation id")
 
