@@ -369,19 +369,19 @@ class ChatService:
                 self._abandon(conv, rq, remove=True)
                 raise ServiceError("conflict", f"conversation {e.conv} changed while it was being forked: retry")
             return conv, True, e.conv, sh.turns[i:]
-        # Nothing stored shares more than the persona: a new conversation from the (cached) prefix.
+        # Nothing stored shares more than the persona: a new conversation from the (cached) prefix. It is
+        # not a fork of whichever conversation shares that persona (nothing of theirs is copied).
         info = self.index.persona_for_root(root) if i == 0 else None
-        forked_from = cands[0].conv if i == 0 and cands else None
         if info is not None and info.hash:
             name, phash = info.name, info.hash  # a REPL persona: its prefix cache entry is reused
         else:
             name, phash = API_PERSONA, history.persona_hash(sh.persona)
         slot = self._take(self._free_slot(), rq)
         rq.how = "new"
-        meta = {"source": "api", **({"forked_from": forked_from} if forked_from else {})}
         opened = adapter.create(self.session, slot.engine, persona=sh.persona, persona_name=name, persona_hash=phash,
-                                seed=secrets.randbits(31), sampling=sampling, max_tokens=max_tokens, meta=meta)
-        return opened.conv, True, forked_from, sh.turns
+                                seed=secrets.randbits(31), sampling=sampling, max_tokens=max_tokens,
+                                meta={"source": "api"})
+        return opened.conv, True, None, sh.turns
 
     def _open(self, cid: str, sampling: Sampling, max_tokens: int, rq: _Req) -> Conversation:
         """Restore ``cid`` into a context this request takes (its own context when it is resident there)."""
