@@ -293,9 +293,10 @@ def test_edit_forks_and_the_original_stays_intact(server: Server) -> None:
     cid = replies[-1].conv  # type: ignore[union-attr]
     conv = server.conv(cid)
     before = (file_hash(conv.transcript_path), file_hash(conv.state_path))
-    # Edit of message 1: only the persona is shared.
+    # Edit of message 1: only the persona is shared, so a new conversation (nothing copied: not a fork).
     e1 = chat(server, [msgs[0], {"role": "user", "content": "Name a vegetable."}])
-    assert e1.conv != cid and e1.ext["forked_from"] == cid
+    assert e1.conv != cid and e1.ext["forked_from"] is None and e1.ext["state_from"] == "new"
+    assert "forked_from" not in server.conv(e1.conv).read_meta()
     assert e1.cached == len(server.replay(cid).prefix_tokens)
     # Edit of message 2: the first exchange's cells are copied, only the new message is evaluated.
     e2 = chat(server, [*msgs[:3], {"role": "user", "content": "Name a planet."}])
