@@ -666,6 +666,21 @@ def test_authentication_and_limits(server: Server) -> None:
     assert resp.status_code == 404 and resp.json()["error"]["param"] == "conversation"
 
 
+def test_models_id_is_the_file_stem_and_requests_naming_it_or_another_are_accepted(server: Server) -> None:
+    from chatcli.models.resolve import bundled_model_path
+
+    path = bundled_model_path()
+    assert path is not None
+    models = request(server.port, "GET", "/v1/models", headers=server.auth()).json()
+    [entry] = models["data"]
+    assert entry["id"] == path.stem and not any(c.isspace() for c in entry["id"])
+    assert " " in entry["name"]  # the GGUF's general.name stays available, for people
+    msgs = [{"role": "system", "content": "You are terse. (model id)"}, {"role": "user", "content": "Name a fruit."}]
+    for name in (entry["id"], "gpt-4o"):
+        comp = server.client().chat.completions.create(model=name, messages=msgs, temperature=0, max_tokens=4)
+        assert comp.model == entry["id"] and comp.choices[0].message.content
+
+
 def test_content_errors_say_what_is_accepted() -> None:
     from chatcli.server.errors import APIError
     from chatcli.server.schemas import parse_chat_request

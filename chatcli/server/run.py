@@ -70,7 +70,7 @@ def serve(settings: Settings, paths: Paths, session: Session) -> int:
     if warning:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     eng = session.engine
-    print(f"chatcli serve: http://{settings.host}:{settings.port}/v1 · model {service.model_name} · "
+    print(f"chatcli serve: http://{settings.host}:{settings.port}/v1 · model {service.model_id} ({service.model_name}) · "
           f"n_ctx {eng.n_ctx} · {settings.parallel} resident · {len(service.index)} conversations indexed"
           + (" · API key required" if settings.api_key else ""), file=sys.stderr, flush=True)
     try:

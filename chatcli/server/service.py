@@ -165,7 +165,10 @@ class ChatService:
         # them restores nothing. The least recently used is released (its state is already on disk).
         engine, model = session.local_engine, session.local_model
         self._slots = [_Slot(engine)] + [_Slot(engine.sibling()) for _ in range(parallel - 1)]
-        self.model_name = model.info.name or Path(str(model.path)).stem
+        self.model_name = model.info.name or Path(str(model.path)).stem  # for people: the GGUF's general.name
+        # For clients (``GET /v1/models``, the responses' ``model``): the file's stem, as llama-server names a
+        # model by its file, so an id can be typed (general.name often has spaces). Any name is accepted.
+        self.model_id = Path(str(model.path)).stem
 
     # -- the one operation ------------------------------------------------------------------------------
 
