@@ -681,6 +681,23 @@ def test_models_id_is_the_file_stem_and_requests_naming_it_or_another_are_accept
         assert comp.model == entry["id"] and comp.choices[0].message.content
 
 
+def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATCLI_")}
+    env.update(CHATCLI_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        # A model that does not exist: had the model been resolved and loaded first, that would be the error.
+        for model in ([], ["--model", str(tmp_path / "missing.gguf")]):
+            proc = subprocess.run([sys.executable, "-m", "chatcli", "serve", "--port", str(port), *model],
+                                  env=env, capture_output=True, text=True, timeout=120)
+            assert proc.returncode != 0 and proc.stdout == ""
+            lines = proc.stderr.strip().splitlines()
+            assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], proc.stderr
+            assert "in use" in lines[0] and "Traceback" not in proc.stderr
+
+
 def test_content_errors_say_what_is_accepted() -> None:
     from chatcli.server.errors import APIError
     from chatcli.server.schemas import parse_chat_request

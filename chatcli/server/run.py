@@ -45,6 +45,20 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
             "and the stored conversations; set --api-key (and put TLS in front on an untrusted network)")
 
 
+def listen_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on (in use, not allowed, no such address), or None: checked
+    before the model loads, so a port in use is said at once instead of after the loading. The test
+    socket is bound as the server's will be, then closed."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
+
+
 def serve(settings: Settings, paths: Paths, session: Session) -> int:
     import uvicorn
 
