@@ -439,9 +439,13 @@ def serve(
         except ImportError as exc:
             raise CliError(f"chatcli serve needs the 'serve' extra ({exc.name} is missing): "
                            "pip install 'chatcli[serve]'") from None
+        from chatcli.server.run import listen_problem
         from chatcli.server.run import serve as run_server
 
         settings, paths, explicit = _settings(flags)
+        problem = listen_problem(settings.host, settings.port)  # before the model loads, not after
+        if problem:
+            raise CliError(problem)
         session = _build_session(settings, paths, explicit, quiet=True)
         for n in session.notices:
             print(f"warning: {n}", file=sys.stderr)

@@ -128,6 +128,51 @@ def test_alternatives_survive_resume(tmp_path: Path) -> None:
     session.close()
 
 
+def test_alt_switch_after_resume_undo_redo_regen_reads_the_cells_back() -> None:
+    """Each alternative reply of a turn has its own CELLS record at the same position: switching back reads
+    the older one (it used to take only the newest record there, the other alternative's, and evaluate)."""
+    from chatcli.config.settings import get_paths
+    from chatcli.core.forking import fork_conversation
+    from chatcli.core.store import ConversationStore
+
+    session = build_session(temperature=0.9, seed=5, max_tokens=8)
+    conv, _, _ = drain(session.new_conversation("alice"))
+    assert conv is not None
+    say(conv, M[0])
+    say(conv, M[1])
+    conv.close()
+    ref_id, _ = fork_conversation(ConversationStore(get_paths().conversations_dir), conv.id, 2)  # the reference
+    eng = session.engine
+    conv, report, _ = drain(session.open_conversation(conv.id))
+    assert conv is not None and report is not None and report.reevaluated == 0
+    before = eng.n_evaluated_total
+    conv.undo(1)
+    assert conv.redo().n_eval == 0 and eng.n_evaluated_total == before
+    original = conv.messages[-1]
+    want = list(eng.tokens)
+    _, _, ends = drain(conv.regen(seed=11))
+    new = ends[-1].message.tokens
+    # The case that failed: the new alternative's record is no longer than the original's.
+    assert new != original.tokens and len(new) <= len(original.tokens)
+    before = eng.n_evaluated_total
+    stats = conv.switch_alt(0)
+    assert stats.n_eval == 0 and eng.n_evaluated_total == before
+    assert eng.tokens == want and conv.messages[-1].text == original.text
+    stats = conv.switch_alt(1)  # and forth: the newer alternative's cells too
+    assert stats.n_eval == 0 and eng.n_evaluated_total == before
+    conv.switch_alt(0)
+    toks, logits = say(conv, M[2])
+    tokens_after = list(eng.tokens)
+    conv.close()
+    ref, _, _ = drain(session.open_conversation(ref_id))
+    assert ref is not None
+    ref_toks, ref_logits = say(ref, M[2])
+    assert eng.tokens == tokens_after and ref_toks == toks
+    assert np.array_equal(ref_logits, logits)  # the KV read back is bit-identical to the uninterrupted one
+    ref.close()
+    session.close()
+
+
 def test_fork_continues_like_the_parent(tmp_path: Path) -> None:
     from chatcli.config.settings import get_paths
     from chatcli.core.forking import fork_conversation

@@ -306,9 +306,10 @@ def test_edit_forks_and_the_original_stays_intact(server: Server) -> None:
     cid = replies[-1].conv  # type: ignore[union-attr]
     conv = server.conv(cid)
     before = (file_hash(conv.transcript_path), file_hash(conv.state_path))
-    # Edit of message 1: only the persona is shared.
+    # Edit of message 1: only the persona is shared, so a new conversation (nothing copied: not a fork).
     e1 = chat(server, [msgs[0], {"role": "user", "content": "Name a vegetable."}])
-    assert e1.conv != cid and e1.ext["forked_from"] == cid
+    assert e1.conv != cid and e1.ext["forked_from"] is None and e1.ext["state_from"] == "new"
+    assert "forked_from" not in server.conv(e1.conv).read_meta()
     assert e1.cached == len(server.replay(cid).prefix_tokens)
     # Edit of message 2: the first exchange's cells are copied, only the new message is evaluated.
     e2 = chat(server, [*msgs[:3], {"role": "user", "content": "Name a planet."}])
@@ -681,6 +682,38 @@ def test_authentication_and_limits(server: Server) -> None:
     assert resp.status_code == 404 and resp.json()["error"]["message"]
     resp = post(server, _msgs("hi"), {"X-Chatcli-Conversation": "zzzzzz"})
     assert resp.status_code == 404 and resp.json()["error"]["param"] == "conversation"
+
+
+def test_models_id_is_the_file_stem_and_requests_naming_it_or_another_are_accepted(server: Server) -> None:
+    from chatcli.models.resolve import bundled_model_path
+
+    path = bundled_model_path()
+    assert path is not None
+    models = request(server.port, "GET", "/v1/models", headers=server.auth()).json()
+    [entry] = models["data"]
+    assert entry["id"] == path.stem and not any(c.isspace() for c in entry["id"])
+    assert " " in entry["name"]  # the GGUF's general.name stays available, for people
+    msgs = [{"role": "system", "content": "You are terse. (model id)"}, {"role": "user", "content": "Name a fruit."}]
+    for name in (entry["id"], "gpt-4o"):
+        comp = server.client().chat.completions.create(model=name, messages=msgs, temperature=0, max_tokens=4)
+        assert comp.model == entry["id"] and comp.choices[0].message.content
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATCLI_")}
+    env.update(CHATCLI_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        # A model that does not exist: had the model been resolved and loaded first, that would be the error.
+        for model in ([], ["--model", str(tmp_path / "missing.gguf")]):
+            proc = subprocess.run([sys.executable, "-m", "chatcli", "serve", "--port", str(port), *model],
+                                  env=env, capture_output=True, text=True, timeout=120)
+            assert proc.returncode != 0 and proc.stdout == ""
+            lines = proc.stderr.strip().splitlines()
+            assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], proc.stderr
+            assert "in use" in lines[0] and "Traceback" not in proc.stderr
 
 
 def test_content_errors_say_what_is_accepted() -> None:

@@ -259,6 +259,9 @@ class CellLog:
         A rolled-back reply's CELLS record stays in the file (dead, until compaction): switching back to it
         or redoing it reads those cells instead of evaluating. Returns how many tokens came from the file;
         the rest is evaluated. Either way a record that is live again is appended.
+
+        Several records may start at the same position (each alternative reply of a turn has one): the
+        newest whose tokens are the ones wanted is used, not merely the newest there.
         """
         self._flush()
         eng = self.eng
@@ -266,18 +269,22 @@ class CellLog:
         loaded = 0
         while loaded < len(tokens):
             pos = p0 + loaded
-            rec = next((r for r in reversed(self.state.records)
-                        if r.kind == sf.CELLS and r.p0 == pos and r.p1 <= p0 + len(tokens)), None)
-            if rec is None:
+            found = False
+            for rec in reversed(self.state.records):
+                if not (rec.kind == sf.CELLS and rec.p0 == pos and rec.p1 <= p0 + len(tokens)):
+                    continue
+                try:
+                    toks, kv = sf.split_cells(sf.read_payload(self.path, rec), rec.p1 - rec.p0)
+                    if toks != tokens[loaded:loaded + len(toks)]:
+                        continue  # another alternative at this position
+                    eng.load_cells(rec.p0, rec.p1, kv, toks)
+                except Exception:
+                    continue  # unreadable or rejected: an older record may still do, else it is evaluated
+                loaded += len(toks)
+                found = True
                 break
-            try:
-                toks, kv = sf.split_cells(sf.read_payload(self.path, rec), rec.p1 - rec.p0)
-                if toks != tokens[loaded:loaded + len(toks)]:
-                    break
-                eng.load_cells(rec.p0, rec.p1, kv, toks)
-            except Exception:
+            if not found:
                 break
-            loaded += len(toks)
         if loaded < len(tokens):
             for _ in eng.eval_steps(tokens[loaded:]):
                 pass

@@ -103,12 +103,14 @@ def create_app(service: ChatService, *, api_key: str | None = None, limits: Serv
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": service.model_name, "conversations_indexed": len(service.index)}
+        return {"status": "ok", "model": service.model_id, "model_name": service.model_name,
+                "conversations_indexed": len(service.index)}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [
-            {"id": service.model_name, "object": "model", "created": 0, "owned_by": "chatcli"}]}
+            {"id": service.model_id, "object": "model", "created": 0, "owned_by": "chatcli",
+             "name": service.model_name}]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -144,7 +146,7 @@ def create_app(service: ChatService, *, api_key: str | None = None, limits: Serv
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventSourceResponse(_sse(run, rid, created, service.model_name, include_usage, t0),
+            return EventSourceResponse(_sse(run, rid, created, service.model_id, include_usage, t0),
                                        headers=headers, ping=15)
         text: list[str] = []
         ttft = 0.0
@@ -157,7 +159,7 @@ def create_app(service: ChatService, *, api_key: str | None = None, limits: Serv
             elif isinstance(ev, Finished):
                 _log_done(rid, ev, ttft or time.perf_counter() - t0)
                 return JSONResponse({
-                    "id": rid, "object": "chat.completion", "created": created, "model": service.model_name,
+                    "id": rid, "object": "chat.completion", "created": created, "model": service.model_id,
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": ev.text},
                                  "finish_reason": ev.finish_reason, "logprobs": None}],
                     "usage": _usage(ev), "chatcli": _extension(ev),

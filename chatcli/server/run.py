@@ -45,6 +45,20 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
             "and the stored conversations; set --api-key (and put TLS in front on an untrusted network)")
 
 
+def listen_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on (in use, not allowed, no such address), or None: checked
+    before the model loads, so a port in use is said at once instead of after the loading. The test
+    socket is bound as the server's will be, then closed."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
+
+
 def serve(settings: Settings, paths: Paths, session: Session) -> int:
     import uvicorn
 
@@ -70,7 +84,7 @@ def serve(settings: Settings, paths: Paths, session: Session) -> int:
     if warning:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     eng = session.engine
-    print(f"chatcli serve: http://{settings.host}:{settings.port}/v1 · model {service.model_name} · "
+    print(f"chatcli serve: http://{settings.host}:{settings.port}/v1 · model {service.model_id} ({service.model_name}) · "
           f"n_ctx {eng.n_ctx} · {settings.parallel} resident · {len(service.index)} conversations indexed"
           + (" · API key required" if settings.api_key else ""), file=sys.stderr, flush=True)
     try:

@@ -165,7 +165,10 @@ class ChatService:
         # them restores nothing. The least recently used is released (its state is already on disk).
         engine, model = session.local_engine, session.local_model
         self._slots = [_Slot(engine)] + [_Slot(engine.sibling()) for _ in range(parallel - 1)]
-        self.model_name = model.info.name or Path(str(model.path)).stem
+        self.model_name = model.info.name or Path(str(model.path)).stem  # for people: the GGUF's general.name
+        # For clients (``GET /v1/models``, the responses' ``model``): the file's stem, as llama-server names a
+        # model by its file, so an id can be typed (general.name often has spaces). Any name is accepted.
+        self.model_id = Path(str(model.path)).stem
 
     # -- the one operation ------------------------------------------------------------------------------
 
@@ -209,9 +212,11 @@ class ChatService:
         root = self.index.root(sh.persona)
         keys = history.chain(root, sh.turns)
         i, entries = self.index.lookup(root, keys, only=explicit)
-        self._check_fits(sh, max(i, 0))
         if explicit is not None and i < 0:
             raise ServiceError("conflict", f"conversation {explicit} was made with another model or context size")
+        if explicit is None:
+            i, entries = self._choose(root, keys, i, entries)
+        self._check_fits(sh, max(i, 0))
         sampling = self._sampling(req)
         max_tokens = req.max_tokens or self.session.settings.max_tokens
         conv, created, forked_from, tail = self._acquire(sh, root, keys, i, entries, sampling, max_tokens,
@@ -325,6 +330,39 @@ class ChatService:
             repeat_penalty=s.repeat_penalty if req.repeat_penalty is None else req.repeat_penalty,
         )
 
+    def _warm(self, cid: str) -> bool:
+        """The conversation's KV can be had without evaluating it: it has a state file. A cold one (its
+        state file evicted by ``chatcli gc`` or the state budget) rebuilds its whole context from the
+        transcript, even when it is resident (its stamp changed: ``_open`` restores it)."""
+        try:
+            return ConversationDir(self.store.root / cid).state_path.stat().st_size > 0
+        except OSError:
+            return False
+
+    def _choose(self, root: str, keys: list[str], i: int, entries: list[Entry]) -> tuple[int, list[Entry]]:
+        """The boundary to continue from and the conversations holding it, by the tokens the request will
+        evaluate: a warm conversation saves its matched prefix, a cold one saves nothing (it is rebuilt
+        whole). So the longest match loses to a shorter one only when it is cold and the shorter is warm.
+
+        When no warm conversation matches beyond the persona: a cold one whose end is the match is still
+        continued (it becomes warm again; a new conversation would save only the persona prefix and
+        duplicate the history), but a cold one is never forked: a new conversation from the cached persona
+        prefix evaluates less than a fork that rebuilds everything.
+        """
+        if i <= 0:
+            return i, entries
+        options: list[tuple[int, int, Entry]] = []  # (tokens saved, boundary, entry)
+        j, ents = i, entries
+        while j >= 1:
+            options += [(e.pos if self._warm(e.conv) else 0, j, e) for e in ents]
+            j, ents = self.index.lookup(root, keys[:j - 1])
+        saved, j = max((o[0], o[1]) for o in options)  # ties: the longer match
+        if saved > 0:
+            return j, [o[2] for o in options if o[1] == j]  # _acquire tries the warm ones first
+        if any(e.end for e in entries):
+            return i, entries
+        return 0, self.index.lookup(root, [])[1]
+
     def _acquire(
         self, sh: SplitHistory, root: str, keys: list[str], i: int, entries: list[Entry], sampling: Sampling,
         max_tokens: int, explicit: str | None, rq: _Req,
@@ -332,9 +370,10 @@ class ChatService:
         """The conversation to continue, positioned at the matched boundary, in a context this request
         now holds; whether it is new; the conversation it was forked from; the messages still to append."""
         resident = {s.conv.id for s in self._slots if s.conv is not None}
-        # Its end first (no fork); else the conversation that goes least beyond the boundary (a regenerate
-        # of its last reply finds the logits saved there); a resident one saves a restore.
-        cands = sorted(entries, key=lambda e: (e.rest, e.conv not in resident, -e.updated))
+        # A warm one first (a cold one rebuilds its whole context); then its end (no fork); else the
+        # conversation that goes least beyond the boundary (a regenerate of its last reply finds the logits
+        # saved there); a resident one saves a restore.
+        cands = sorted(entries, key=lambda e: (not self._warm(e.conv), e.rest, e.conv not in resident, -e.updated))
         want = keys[i - 1] if i > 0 else root
         for e in cands:
             if not e.end:
@@ -369,19 +408,19 @@ class ChatService:
                 self._abandon(conv, rq, remove=True)
                 raise ServiceError("conflict", f"conversation {e.conv} changed while it was being forked: retry")
             return conv, True, e.conv, sh.turns[i:]
-        # Nothing stored shares more than the persona: a new conversation from the (cached) prefix.
+        # Nothing stored shares more than the persona: a new conversation from the (cached) prefix. It is
+        # not a fork of whichever conversation shares that persona (nothing of theirs is copied).
         info = self.index.persona_for_root(root) if i == 0 else None
-        forked_from = cands[0].conv if i == 0 and cands else None
         if info is not None and info.hash:
             name, phash = info.name, info.hash  # a REPL persona: its prefix cache entry is reused
         else:
             name, phash = API_PERSONA, history.persona_hash(sh.persona)
         slot = self._take(self._free_slot(), rq)
         rq.how = "new"
-        meta = {"source": "api", **({"forked_from": forked_from} if forked_from else {})}
         opened = adapter.create(self.session, slot.engine, persona=sh.persona, persona_name=name, persona_hash=phash,
-                                seed=secrets.randbits(31), sampling=sampling, max_tokens=max_tokens, meta=meta)
-        return opened.conv, True, forked_from, sh.turns
+                                seed=secrets.randbits(31), sampling=sampling, max_tokens=max_tokens,
+                                meta={"source": "api"})
+        return opened.conv, True, None, sh.turns
 
     def _open(self, cid: str, sampling: Sampling, max_tokens: int, rq: _Req) -> Conversation:
         """Restore ``cid`` into a context this request takes (its own context when it is resident there)."""

@@ -1,0 +1,119 @@
+"""Which stored conversation a request continues (the server's service, in-process, real model, greedy).
+
+One model load for the module; each test gets its own store (rebind) and its own ChatService over the
+module's engine, so the tests' conversations never meet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from chatcli.core import budget
+from chatcli.core.conversation import replay_events
+from chatcli.core.template import Message
+from chatcli.server.service import ChatRequest, ChatService, Finished, Started
+from chatcli.session import Session
+from tests.drive import isolated_session, rebind
+
+SYSTEM = "You are terse."
+
+
+@pytest.fixture(scope="module")
+def module_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
+    s = isolated_session(tmp_path_factory.mktemp("choice-home"), max_tokens=12)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def service(module_session: Session, tmp_path: Path) -> Iterator[ChatService]:
+    s = rebind(module_session)
+    s.engine.clear()
+    svc = ChatService(s, parallel=1, index_path=tmp_path / "index.json")
+    yield svc
+    svc.close()
+
+
+def ask(svc: ChatService, msgs: list[tuple[str, str]]) -> tuple[Started, Finished]:
+    started: Started | None = None
+    finished: Finished | None = None
+    for ev in svc.complete(ChatRequest([Message(r, c) for r, c in msgs], temperature=0.0, max_tokens=12, seed=1)):
+        if isinstance(ev, Started):
+            started = ev
+        elif isinstance(ev, Finished):
+            finished = ev
+    assert started is not None and finished is not None
+    assert finished.cached_tokens + finished.evaluated == finished.prompt_tokens
+    return started, finished
+
+
+def meta(svc: ChatService, cid: str) -> dict[str, Any]:
+    return svc.store.resolve(cid).read_meta()
+
+
+def test_a_new_conversation_sharing_only_the_persona_is_not_a_fork(service: ChatService) -> None:
+    _, a = ask(service, [("system", SYSTEM), ("user", "Name a fruit.")])
+    st, b = ask(service, [("system", SYSTEM), ("user", "What is a ship?")])
+    assert b.conversation != a.conversation
+    assert (st.forked_from, b.forked_from, b.state) == (None, None, "new")
+    assert "forked_from" not in meta(service, b.conversation)
+    # No system message at all: also new, also no parent.
+    _, c = ask(service, [("user", "Name a colour.")])
+    _, d = ask(service, [("user", "Name a city.")])
+    assert (c.forked_from, d.forked_from, d.state) == (None, None, "new")
+    assert "forked_from" not in meta(service, d.conversation)
+
+
+def test_a_cold_longest_match_loses_to_a_warm_shorter_one(service: ChatService) -> None:
+    """After `chatcli gc` dropped A's state: a request extending A forks the warm C at the boundary they
+    share (evaluating only what comes after it) instead of rebuilding all of A."""
+    s = [("system", SYSTEM)]
+    _, a1 = ask(service, [*s, ("user", "Name a fruit.")])
+    h1 = [*s, ("user", "Name a fruit."), ("assistant", a1.text)]
+    _, a2 = ask(service, [*h1, ("user", "Name a colour.")])
+    assert a2.conversation == a1.conversation
+    _, c = ask(service, [*h1, ("user", "Name an animal.")])  # an edit: C forks A after its first reply
+    assert c.forked_from == a1.conversation
+    store = service.store
+    freed = budget.enforce(store.root, None, 0, keep_ids=[c.conversation])
+    assert [i.conv_id for i in freed.evicted] == [a1.conversation]
+    cold = store.resolve(a1.conversation)
+    assert not cold.state_path.exists()
+
+    h2 = [*h1, ("user", "Name a colour."), ("assistant", a2.text)]
+    st, f = ask(service, [*h2, ("user", "Name a city.")])
+    assert (f.state, f.forked_from) == ("fork", c.conversation)
+    # cached = the tokens up to the shared boundary (C's first reply), all of them not evaluated.
+    cr = replay_events(store.resolve(c.conversation).read_transcript().events)
+    shared = cr.active[1].p1
+    assert (st.cached_tokens, f.cached_tokens) == (shared, shared)
+    fr = replay_events(store.resolve(f.conversation).read_transcript().events)
+    assert [m.text for m in fr.active] == [m[1] for m in h2[1:]] + ["Name a city.", f.text]
+    assert f.prompt_tokens == fr.active[-2].p1 and f.evaluated == f.prompt_tokens - shared
+    # The cold conversation is untouched (still cold, still its own turns).
+    assert not cold.state_path.exists()
+    assert len(replay_events(cold.read_transcript().events).active) == 4
+
+
+def test_a_cold_conversation_is_not_forked_when_nothing_warm_matches(service: ChatService) -> None:
+    """Nothing warm beyond the persona: an edit of a cold conversation starts a new one from the persona
+    prefix (a fork would rebuild everything), and a cold conversation's own end is still continued."""
+    s = [("system", SYSTEM + " (cold)")]
+    _, a1 = ask(service, [*s, ("user", "Name a fruit.")])
+    h1 = [*s, ("user", "Name a fruit."), ("assistant", a1.text)]
+    _, a2 = ask(service, [*h1, ("user", "Name a colour.")])
+    budget.enforce(service.store.root, None, 0)  # the resident one too: it is restored from disk then
+    _, e = ask(service, [*h1, ("user", "Name an animal.")])
+    assert (e.state, e.forked_from) == ("new", None)
+    prefix = len(replay_events(service.store.resolve(e.conversation).read_transcript().events).prefix_tokens)
+    assert e.cached_tokens == prefix  # from the prefix cache: the persona only
+    h2 = [*h1, ("user", "Name a colour."), ("assistant", a2.text)]
+    budget.enforce(service.store.root, None, 0)
+    _, g = ask(service, [*h2, ("user", "Name a city.")])
+    assert (g.conversation, g.state, g.cached_tokens) == (a1.conversation, "disk", 0)  # rebuilt whole, honestly
