@@ -137,3 +137,31 @@ def test_per_request_options(session: Session) -> None:
     conv.set_options()  # the extra stop strings last until set again
     assert conv.stop_strings == template_stops and conv.max_tokens == 5
     conv.close()
+
+
+def test_a_turn_saves_the_user_cells_right_after_the_first_token(session: Session) -> None:
+    """The user message's cells and logits are not written before the reply's first token (off the time to
+    first token) but right after it, before the reply goes on: a process killed mid-reply still has them."""
+    from chatcli.core.events import ReplyStart, ReplyText
+
+    conv, _, _ = drain(session.new_conversation("alice"))
+    assert conv is not None
+    path = conv.dir.state_path
+    before = path.stat().st_size
+    gen = conv.send(Q)
+    seen_text = False
+    for ev in gen:
+        if isinstance(ev, ReplyStart):
+            assert path.stat().st_size == before  # prompt evaluated, nothing of it written yet
+        elif isinstance(ev, ReplyText) and not seen_text:
+            seen_text = True
+            assert path.stat().st_size == before  # the first token is out before the write
+        elif seen_text:
+            break  # the generator ran past the first token: the write happened there
+    gen.close()
+    assert seen_text
+    user = conv.r.active[-2] if conv.r.active[-1].role == "assistant" else conv.r.active[-1]
+    recs = sf.scan(path).records
+    assert any(r.kind == sf.CELLS and (r.p0, r.p1) == (user.p0, user.p1) for r in recs)
+    assert any(r.kind == sf.LOGITS and r.p0 == user.p1 for r in recs)
+    conv.close()

@@ -114,7 +114,7 @@ class CellLog:
         self.on_saved: Callable[[], None] | None = None
         self._needs_snapshot = False
         # A user message's records not written yet (see user_evaluated's ``defer``).
-        self._pending: tuple[list[bytes], TurnStats] | None = None
+        self._pending: tuple[int, list[int], TurnStats] | None = None
 
     @property
     def turn_logits(self) -> tuple[int, Logits] | None:
@@ -210,16 +210,23 @@ class CellLog:
                 eng.set_logits(logits)
             self._needs_snapshot = False
             return
-        kv = eng.save_cells(p0, p0 + len(tokens))
-        recs = [sf.encode_record(sf.CELLS, p0, p0 + len(tokens), sf.cells_payload(tokens, kv))]
-        recs.append(sf.encode_record(sf.LOGITS, eng.n_past, eng.n_past, logits.astype("<f4").tobytes()))
         if defer:
-            # Written right after the reply's first token is shown, not before it: the write and its fsync
-            # stay out of the time to first token, and a process killed mid-reply still finds the message's
-            # cells on disk (only one killed between the prompt and the first token re-evaluates it).
-            self._pending = (recs, stats)
+            # Saved right after the reply's first token is shown, not before it: reading the cells out of
+            # llama.cpp, encoding and the fsync stay out of the time to first token, and a process killed
+            # mid-reply still finds the message's cells on disk (only one killed between the prompt and the
+            # first token re-evaluates it). Nothing may touch cells [p0, p0+len) until then: every other
+            # operation of this log flushes first.
+            self._pending = (p0, list(tokens), stats)
             return
-        stats.state_bytes += self._append(recs, stats)
+        stats.state_bytes += self._append(self._user_records(p0, tokens), stats)
+
+    def _user_records(self, p0: int, tokens: list[int]) -> list[bytes]:
+        p1 = p0 + len(tokens)
+        kv = self.eng.save_cells(p0, p1)
+        recs = [sf.encode_record(sf.CELLS, p0, p1, sf.cells_payload(tokens, kv))]
+        if self._turn_logits is not None and self._turn_logits[0] == p1:
+            recs.append(sf.encode_record(sf.LOGITS, p1, p1, self._turn_logits[1].astype("<f4").tobytes()))
+        return recs
 
     def flush(self) -> None:
         self._flush()
@@ -227,9 +234,9 @@ class CellLog:
     def _flush(self) -> None:
         """Write a deferred user message's records (before anything else touches the state file)."""
         if self._pending is not None:
-            recs, stats = self._pending
+            p0, tokens, stats = self._pending
             self._pending = None
-            stats.state_bytes += self._append(recs, stats)
+            stats.state_bytes += self._append(self._user_records(p0, tokens), stats)
 
     def before_reply(self) -> int:
         eng = self.eng
@@ -241,7 +248,8 @@ class CellLog:
         kv = self.eng.save_cells(p0, self.eng.n_past)
         rec = sf.encode_record(sf.CELLS, p0, self.eng.n_past, sf.cells_payload(tokens, kv))
         pending, self._pending = self._pending, None
-        stats.state_bytes += self._append([*(pending[0] if pending else []), rec], stats)
+        first = self._user_records(pending[0], pending[1]) if pending else []
+        stats.state_bytes += self._append([*first, rec], stats)
         self.settle()
 
     def truncated(self, to: int, *, persist: bool = True) -> None:
