@@ -13,7 +13,7 @@ from __future__ import annotations
 import secrets
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Generator, Iterator, Mapping, Sequence
 
 from chatcli.core import budget, prefixcache, rebuild
 from chatcli.core.backend import Backend, BackendError, ContextFullError, Sampling
@@ -179,22 +179,10 @@ class Conversation(ConversationViews):
         yield from self._make_room(len(tokens), stats)
         turn = self.r.max_turn + 1
         p0 = eng.n_past
-        # Transcript first: whatever happens next, the user's words are on disk.
-        self.transcript.message("user", text, tokens, p0, turn)
-        t0 = time.perf_counter()
-        try:
-            for done, total in eng.eval_steps(tokens):
-                if total > eng.n_batch:  # a bar only for messages that take more than one batch
-                    yield Progress("reading your message", done, total, time.perf_counter() - t0, stoppable=True)
-        except BaseException:
-            # Not in the context means not in the conversation: take the message back out of the active path
-            # (it stays in the transcript, and a front end gives the text back to the user).
-            if eng.n_past > p0:
-                eng.truncate(p0)
-            self.transcript.append({"type": "truncate", "to": p0, "reason": "failed"})
-            self.log.truncated(p0, persist=False)
-            raise
-        stats.prompt_seconds = time.perf_counter() - t0
+        # Transcript first: whatever happens next, the user's words are on disk. A bar only for messages
+        # that take more than one batch.
+        stats.prompt_seconds = yield from self._append_evaluated("user", text, tokens, turn,
+                                                                 label="reading your message", bar_above=eng.n_batch)
         stats.n_prompt = len(tokens)
         self.log.user_evaluated(p0, tokens, stats, defer=True)  # written after the first token
         yield from self._notices()
@@ -341,22 +329,27 @@ class Conversation(ConversationViews):
                                    f"n_ctx {eng.n_ctx})")
 
     def _append_evaluated(self, role: str, text: str, tokens: list[int], turn: int, *, alt: int = 0,
-                          stop: str = "") -> Iterator[Progress]:
+                          stop: str = "", label: str = "reading the history",
+                          bar_above: int = 0) -> Generator[Progress, None, float]:
+        """Record a message (transcript first) and evaluate it, a ``Progress`` per batch when it has more than
+        ``bar_above`` tokens; returns the seconds the evaluation took."""
         eng = self.backend
         p0 = eng.n_past
-        self.transcript.message(role, text, tokens, p0, turn, alt=alt, stop=stop)  # transcript first
+        self.transcript.message(role, text, tokens, p0, turn, alt=alt, stop=stop)
         t0 = time.perf_counter()
         try:
             for done, total in eng.eval_steps(tokens):
-                yield Progress("reading the history", done, total, time.perf_counter() - t0, stoppable=True)
+                if total > bar_above:
+                    yield Progress(label, done, total, time.perf_counter() - t0, stoppable=True)
         except BaseException:
             # Closed early or failed: not in the context means not in the conversation (kept in the
-            # transcript, out of the active path), exactly as in ``_send``.
+            # transcript, out of the active path; a front end gives the text back to the user).
             if eng.n_past > p0:
                 eng.truncate(p0)
             self.transcript.append({"type": "truncate", "to": p0, "reason": "failed"})
             self.log.truncated(p0, persist=False)
             raise
+        return time.perf_counter() - t0
 
     # -- rollback ---------------------------------------------------------------------------------
 
