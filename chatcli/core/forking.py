@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from pathlib import Path
 
 from chatcli.core import statefile as sf
 from chatcli.core.events import ConversationError
-from chatcli.core.fsutil import atomic_write_bytes, fsync_dir
+from chatcli.core.fsutil import atomic_write_bytes, atomic_write_with, write_all
 from chatcli.core.store import ConversationStore
 from chatcli.core.transcript import replay_events
 
@@ -144,39 +143,24 @@ def _copy_state(src: Path, dst: Path, cut: int) -> int:
         # Logits depend only on the tokens before p0, which the child shares: /regen right after a fork
         # samples from them instead of re-evaluating a token.
         parts.append(logits)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
     files: dict[Path, int] = {}
-    try:
-        os.fchmod(fd, 0o600)
+
+    def write(fd: int) -> None:
         for part in parts:
             if isinstance(part, bytes):
-                _write_all(fd, part)
+                write_all(fd, part)
                 continue
             path = part.file or src
             if path not in files:
                 files[path] = os.open(path, os.O_RDONLY)
             _copy_range(files[path], fd, part.offset, part.size)
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, dst)
-        fsync_dir(dst.parent)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+
+    try:
+        atomic_write_with(dst, write)
     finally:
         for f in files.values():
             os.close(f)
     return n
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
 
 
 def _copy_range(fin: int, fout: int, offset: int, size: int) -> None:
@@ -188,6 +172,6 @@ def _copy_range(fin: int, fout: int, offset: int, size: int) -> None:
             k = 0
         if k <= 0:  # not supported here (or a short copy): finish through user space
             os.lseek(fout, 0, os.SEEK_END)
-            _write_all(fout, os.pread(fin, size - done, offset + done))
+            write_all(fout, os.pread(fin, size - done, offset + done))
             return
         done += k

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -42,16 +43,14 @@ def ensure_private_dir(path: Path) -> Path:
     return path
 
 
-def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Write ``data`` to ``path`` via temp file + fsync + rename + directory fsync."""
+def atomic_write_with(path: Path, write: Callable[[int], None], mode: int = 0o600) -> None:
+    """Create ``path`` atomically: ``write(fd)`` fills a temp file in the same directory, then fsync + rename +
+    directory fsync. On any failure the temp file is removed and ``path`` is untouched."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, mode)
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
+        write(fd)
         os.fsync(fd)
         os.close(fd)
         fd = -1
@@ -65,6 +64,18 @@ def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write ``data`` to ``path`` via temp file + fsync + rename + directory fsync."""
+    atomic_write_with(path, lambda fd: write_all(fd, data), mode)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
