@@ -277,11 +277,15 @@ def test_server_killed_mid_reply(server: LlamaServer, backend: LlamaServerBacken
     evaluate(backend, prompt)
     res = GenerationResult()
     seen = []
+    killer = threading.Thread(target=server.kill)
     with pytest.raises(ServerConnectionError) as err:
         for ev in backend.generate(GREEDY, seed=1, max_tokens=400, result=res):
             seen.append(ev.token)
             if len(seen) == 3:
-                threading.Thread(target=server.kill).start()
+                killer.start()
+    # Until the killer has reaped the process, Popen.poll() answers None (another thread holds its waitpid
+    # lock), and the next test's fixture would take the dead server for a live one.
+    killer.join()
     msg = str(err.value)
     assert "\n" not in msg and server.url.split("//")[1] in msg
     assert res.tokens == seen and backend.tokens == prompt + seen  # what was delivered is kept
