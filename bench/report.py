@@ -199,7 +199,8 @@ def markdown(res: dict[str, Any], s: dict[str, Any], charts: list[str]) -> str:
       f"{'Quick variant. ' if c['quick'] else ''}Run {time.strftime('%Y-%m-%d %H:%M')} in {res['seconds'] / 60:.1f} min "
       f"on {mach['cpus']} CPUs ({mach['platform']}, Python {mach['python']}, llama-cpp-python "
       f"{mach.get('llama_cpp_python', '?')}, typer {mach.get('typer', '?')}); load average {mach['load_start'][0]:.1f} at start, "
-      f"{mach['load_end'][0]:.1f} at end; OMP_WAIT_POLICY={c['omp_wait_policy']}.\n")
+      f"{mach['load_end'][0]:.1f} at end; OMP_WAIT_POLICY={c['omp_wait_policy']}"
+      f"{'; bytecode ' + mach['bytecode'] if mach.get('bytecode') else ''}.\n")
     w(f"Command: `{res.get('command', 'python -m bench.run')}`. Every number compares methods measured side by side "
       "in this run; absolute times depend on the machine and its load, the ratios are the point. "
       "See `bench/README.md` for the methodology.\n")

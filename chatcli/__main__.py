@@ -1,3 +1,3 @@
-from chatcli.cli import main
+from chatcli.entry import main
 
 main()

@@ -9,16 +9,14 @@ import json
 import os
 import sys
 from collections.abc import Mapping
-from contextlib import contextmanager
-from datetime import datetime
-from typing import TYPE_CHECKING, Annotated, Callable, Iterator
+from typing import TYPE_CHECKING, Annotated, Callable
 
 import typer
 
 from chatcli import __version__
+from chatcli.clierrors import EXIT_USAGE, CliError, err_console, first_line, user_errors
 
 if TYPE_CHECKING:  # imported where used, so that `chatcli ls` never loads what only `talk` needs
-    from rich.console import Console
 
     from chatcli.config.settings import Paths, Settings
     from chatcli.core.conversation import Conversation
@@ -50,101 +48,6 @@ config_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(config_app, name="config")
-
-EXIT_USAGE = 2
-
-
-class CliError(Exception):
-    def __init__(self, message: str, code: int = 1) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _err_console() -> Console:
-    from rich.console import Console
-
-    return Console(stderr=True, highlight=False, soft_wrap=True)
-
-
-def fail(message: str, code: int = 1) -> None:
-    if _color():
-        from rich.markup import escape
-
-        # The message quotes user input (ids, paths): it is text, never markup.
-        _err_console().print(f"[bold red]error:[/] {escape(message)}", markup=True)
-    else:
-        print(f"error: {message}", file=sys.stderr)
-    raise typer.Exit(code)
-
-
-def _color() -> bool:
-    return sys.stderr.isatty() and not os.environ.get("NO_COLOR")
-
-
-@contextmanager
-def user_errors() -> Iterator[None]:
-    """Core errors become one line and an exit code, never a traceback."""
-    try:
-        yield
-    except typer.Exit:
-        raise
-    except CliError as exc:
-        fail(str(exc), exc.code)
-    except KeyboardInterrupt:
-        fail("interrupted", 130)
-    except Exception as exc:
-        code = _user_error_code(exc)  # first: a core error may also be an OSError
-        if code is not None:
-            fail(_line(exc), code)
-        if isinstance(exc, BrokenPipeError):
-            # The reader left (`chatcli ls | head -1`): nothing to report, and nothing more to write.
-            _drop_stdout()
-            raise typer.Exit(1) from None
-        if isinstance(exc, OSError):
-            fail(f"{exc.strerror or exc}" + (f": {exc.filename}" if getattr(exc, "filename", None) else ""), 1)
-        raise
-
-
-# The core's errors that are the user's to fix (exit 2) or that say what went wrong (exit 1), by module.
-# They are looked up when one is raised, and only in modules already imported (an exception's class is
-# imported by whoever raised it): `chatcli ls` does not import the model and template modules for this.
-_USAGE_ERRORS = (("chatcli.models.resolve", "ModelError"), ("chatcli.models.gguf", "GGUFError"),
-                 ("chatcli.config.settings", "SettingsError"), ("chatcli.config.personas", "PersonaError"),
-                 ("chatcli.core.store", "StoreError"))
-_RUN_ERRORS = (("chatcli.core.events", "ConversationError"), ("chatcli.core.template", "TemplateError"),
-               ("chatcli.core.backend", "BackendError"), ("chatcli.core.migrations", "FormatError"))
-
-
-def _loaded(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ...]:
-    return tuple(getattr(sys.modules[m], c) for m, c in names if m in sys.modules)
-
-
-def _user_error_code(exc: Exception) -> int | None:
-    """The exit code for a core error (a locked conversation is not a usage error), None for anything else."""
-    if isinstance(exc, _loaded(_USAGE_ERRORS)):
-        locked = _loaded((("chatcli.core.store", "LockedError"),))
-        return 1 if locked and isinstance(exc, locked) else EXIT_USAGE
-    if isinstance(exc, _loaded(_RUN_ERRORS)):
-        return 1
-    return None
-
-
-def _drop_stdout() -> None:
-    """Point stdout at /dev/null so the interpreter's final flush does not raise a second BrokenPipeError."""
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):
-        return  # not a real file (tests capture stdout in memory)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, fd)
-    finally:
-        os.close(devnull)
-
-
-def _line(exc: BaseException) -> str:
-    return (str(exc) or type(exc).__name__).splitlines()[0]
-
 
 def _version(value: bool) -> None:
     if value:
@@ -206,7 +109,7 @@ def _build_session(settings: Settings, paths: Paths, explicit: set[str], *, mode
     from chatcli.models.resolve import resolve_model
     from chatcli.session import Session
 
-    console = _err_console()
+    console = err_console()
     if settings.server:
         if quiet or not sys.stderr.isatty():
             return Session.build_remote(settings, paths, explicit=explicit)
@@ -480,95 +383,10 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
     (fewer once old exchanges left it in a context shift). A "from" column (api / cli) appears once some
     conversation was made through `chatcli serve`.
     """
-    # Only what listing needs: the transcript replay (and jinja2 behind it) only for a conversation whose
-    # metadata summary is missing or stale, rich only for a terminal (the budget's format_size is
-    # render.human_bytes without importing the renderer).
-    from chatcli.config.settings import get_paths
-    from chatcli.core.budget import format_size
-    from chatcli.core.migrations import FormatError
-    from chatcli.core.store import ConversationStore
+    from chatcli.listing import list_conversations
 
     with user_errors():
-        store = ConversationStore(get_paths().conversations_dir)
-        rows = []
-        problems: list[str] = []
-        for conv, meta in store.list(problems):
-            counts = conv.cached_counts(meta)
-            if counts is None:
-                from chatcli.core.export import exchange_counts
-                from chatcli.core.transcript import replay_events
-
-                try:
-                    # The transcript is the truth (meta.json's summary is a cache of it, written after it).
-                    counts = exchange_counts(replay_events(conv.read_transcript().events))
-                except FormatError as exc:
-                    problems.append(str(exc))
-                    continue
-            turns, in_context = counts
-            state_bytes = conv.state_size()
-            rows.append({
-                "id": conv.id, "title": meta.get("title", ""), "persona": meta.get("persona", ""),
-                "turns": turns, "in_context": in_context, "tokens": meta.get("tokens", 0),
-                "state_bytes": state_bytes, "updated": meta.get("updated", 0),
-                # warm: its KV state is on disk (resume loads it); cold: evicted or never saved (resume rebuilds)
-                "warm": state_bytes > 0, "kv_type": str((meta.get("params") or {}).get("type_k", "f16")),
-                "from": "api" if meta.get("source") == "api" else "",
-            })
-            server = (meta.get("model") or {}).get("server")
-            if server:  # a llama-server conversation: its state is the slot file on the server
-                ck = meta.get("checkpoint")
-                rows[-1]["server"] = server
-                rows[-1]["state_bytes"] = int(ck.get("bytes", 0)) if isinstance(ck, dict) else 0
-                rows[-1]["warm"] = bool(rows[-1]["state_bytes"])
-        for problem in problems:
-            print(f"warning: {problem}", file=sys.stderr)
-        if as_json:
-            print(json.dumps(rows, indent=2, ensure_ascii=False))
-            return
-        if not rows:
-            print("no conversations yet: start one with `chatcli talk`")
-            return
-        for r in rows:
-            r["state"] = format_size(r["state_bytes"])
-            r["kv"] = f"warm {r['kv_type']}" if r["warm"] else "cold"
-            r["updated"] = datetime.fromtimestamp(float(r["updated"])).strftime("%Y-%m-%d %H:%M")
-            r["server"] = str(r["server"]).split("://", 1)[-1] if r.get("server") else "local"
-        plain = not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR"))
-        # The server column only once some conversation runs on a llama-server (its state lives there);
-        # the "from" column only once some conversation came from the API (an empty column is noise).
-        where = ["server"] if any(r["server"] != "local" for r in rows) else []
-        source = ["from"] if any(r["from"] for r in rows) else []
-        for r in rows:
-            r["from"] = r["from"] or "cli"  # shown only next to "api": made by `chatcli talk` (or forked)
-        columns = ["id", "title", "persona", "turns", "in_context", "tokens", "state", *where, "updated", "kv", *source]
-        if plain:  # what Renderer.table prints when plain, without importing rich
-            for r in rows:
-                print("\t".join(str(r.get(c, "")) for c in columns))
-        else:
-            from rich.console import Console
-
-            from chatcli.repl.render import Renderer
-
-            Renderer(Console(highlight=False), plain=False).table(rows, columns)
-        # The total goes to stderr when stdout is a pipe: scripts read one row per conversation.
-        print(_usage_line(len(rows), sum(1 for r in rows if r["warm"])), file=sys.stdout if sys.stdout.isatty() else sys.stderr)
-
-
-def _usage_line(n: int, n_warm: int) -> str:
-    """The total under `ls`: warm/cold counts, the bytes of all state, and the budget they are held to."""
-    from chatcli.config.settings import SettingsError, get_paths, load_settings
-    from chatcli.core.budget import format_size, parse_size, scan_usage
-
-    paths = get_paths()
-    usage = scan_usage(paths.conversations_dir, paths.prefix_cache_dir)
-    try:
-        limit = parse_size(load_settings(paths=paths).state_budget)
-        budget = f"budget {format_size(limit)}" if limit is not None else "no budget"
-    except SettingsError:
-        budget = "budget unreadable (see `chatcli config show`)"
-    return (f"{n} conversation{'' if n == 1 else 's'}: {n_warm} warm, {n - n_warm} cold · KV state {format_size(usage.total)} "
-            f"(conversations {format_size(usage.conversations)}, persona prefixes {format_size(usage.prefixes)}) "
-            f"· {budget}")
+        list_conversations(as_json=as_json)
 
 
 @app.command()
@@ -791,7 +609,7 @@ def config_edit() -> None:
         try:
             describe_settings()  # a mistake is reported now, not at the next chat
         except SettingsError as exc:
-            raise CliError(f"the config file has a problem: {_line(exc)} (fix it with `chatcli config edit`)") from None
+            raise CliError(f"the config file has a problem: {first_line(exc)} (fix it with `chatcli config edit`)") from None
 
 
 def main() -> None:

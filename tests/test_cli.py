@@ -110,7 +110,7 @@ def test_console_script_entry_point() -> None:
     dist = importlib.metadata.distribution("chatcli")
     scripts = [ep for ep in dist.entry_points if ep.group == "console_scripts" and ep.name == "chatcli"]
     assert len(scripts) == 1
-    assert scripts[0].value == "chatcli.cli:main"
+    assert scripts[0].value == "chatcli.entry:main"
     assert dist.version == __version__
 
 

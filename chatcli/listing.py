@@ -1,0 +1,176 @@
+"""`chatcli ls`: the conversations, most recent first, as a table, tab-separated lines or JSON.
+
+Kept apart from the typer app so that chatcli.entry can run a bare `chatcli ls` without importing typer or
+building the app (issue #15 goal 3b: listing 100 conversations within 0.2 s, whole process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import unicodedata
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+
+def list_conversations(*, as_json: bool) -> None:
+    """Print the list. Core errors propagate: the caller maps them to one line (chatcli.clierrors)."""
+    # Only what listing needs: the transcript replay (and jinja2 behind it) only for a conversation whose
+    # metadata summary is missing or stale, rich only for a terminal (the budget's format_size is
+    # render.human_bytes without importing the renderer).
+    from chatcli.config.settings import get_paths
+    from chatcli.core.budget import format_size
+    from chatcli.core.migrations import FormatError
+    from chatcli.core.store import ConversationStore
+
+    store = ConversationStore(get_paths().conversations_dir)
+    rows = []
+    problems: list[str] = []
+    for conv, meta in store.list(problems):
+        counts = conv.cached_counts(meta)
+        if counts is None:
+            from chatcli.core.export import exchange_counts
+            from chatcli.core.transcript import replay_events
+
+            try:
+                # The transcript is the truth (meta.json's summary is a cache of it, written after it).
+                counts = exchange_counts(replay_events(conv.read_transcript().events))
+            except FormatError as exc:
+                problems.append(str(exc))
+                continue
+        turns, in_context = counts
+        state_bytes = conv.state_size()
+        rows.append({
+            "id": conv.id, "title": meta.get("title", ""), "persona": meta.get("persona", ""),
+            "turns": turns, "in_context": in_context, "tokens": meta.get("tokens", 0),
+            "state_bytes": state_bytes, "updated": meta.get("updated", 0),
+            # warm: its KV state is on disk (resume loads it); cold: evicted or never saved (resume rebuilds)
+            "warm": state_bytes > 0, "kv_type": str((meta.get("params") or {}).get("type_k", "f16")),
+            "from": "api" if meta.get("source") == "api" else "",
+        })
+        server = (meta.get("model") or {}).get("server")
+        if server:  # a llama-server conversation: its state is the slot file on the server
+            ck = meta.get("checkpoint")
+            rows[-1]["server"] = server
+            rows[-1]["state_bytes"] = int(ck.get("bytes", 0)) if isinstance(ck, dict) else 0
+            rows[-1]["warm"] = bool(rows[-1]["state_bytes"])
+    for problem in problems:
+        print(f"warning: {problem}", file=sys.stderr)
+    if as_json:
+        print(json.dumps(rows, indent=2, ensure_ascii=False))
+        return
+    if not rows:
+        print("no conversations yet: start one with `chatcli talk`")
+        return
+    for r in rows:
+        r["state"] = format_size(r["state_bytes"])
+        r["kv"] = f"warm {r['kv_type']}" if r["warm"] else "cold"
+        r["updated"] = datetime.fromtimestamp(float(r["updated"])).strftime("%Y-%m-%d %H:%M")
+        r["server"] = str(r["server"]).split("://", 1)[-1] if r.get("server") else "local"
+    # The server column only once some conversation runs on a llama-server (its state lives there);
+    # the "from" column only once some conversation came from the API (an empty column is noise).
+    where = ["server"] if any(r["server"] != "local" for r in rows) else []
+    source = ["from"] if any(r["from"] for r in rows) else []
+    for r in rows:
+        r["from"] = r["from"] or "cli"  # shown only next to "api": made by `chatcli talk` (or forked)
+    columns = ["id", "title", "persona", "turns", "in_context", "tokens", "state", *where, "updated", "kv", *source]
+    if not sys.stdout.isatty():  # one tab-separated line per conversation, for scripts: a stable set of columns
+        for r in rows:
+            print("\t".join(str(r.get(c, "")) for c in columns))
+    else:
+        for line in format_columns(*_screen_columns(rows, columns), shutil.get_terminal_size().columns,
+                                   bold_header=not os.environ.get("NO_COLOR")):
+            print(line)
+    # The total goes to stderr when stdout is a pipe: scripts read one row per conversation.
+    print(_usage_line(len(rows), sum(1 for r in rows if r["warm"])), file=sys.stdout if sys.stdout.isatty() else sys.stderr)
+
+
+def _usage_line(n: int, n_warm: int) -> str:
+    """The total under `ls`: warm/cold counts, the bytes of all state, and the budget they are held to."""
+    from chatcli.config.settings import SettingsError, get_paths, load_settings
+    from chatcli.core.budget import format_size, parse_size, scan_usage
+
+    paths = get_paths()
+    usage = scan_usage(paths.conversations_dir, paths.prefix_cache_dir)
+    try:
+        limit = parse_size(load_settings(paths=paths).state_budget)
+        budget = f"budget {format_size(limit)}" if limit is not None else "no budget"
+    except SettingsError:
+        budget = "budget unreadable (see `chatcli config show`)"
+    return (f"{n} conversation{'' if n == 1 else 's'}: {n_warm} warm, {n - n_warm} cold · KV state {format_size(usage.total)} "
+            f"(conversations {format_size(usage.conversations)}, persona prefixes {format_size(usage.prefixes)}) "
+            f"· {budget}")
+
+
+def _screen_columns(rows: list[dict[str, Any]], columns: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The terminal's narrower form, so that the title keeps some room at 80 columns: "in_context" only
+    when some conversation has shifted, the KV type folded into "state" (a size when warm, else "cold"),
+    "updated" without the year when it is this year's."""
+    this_year = datetime.now().year
+    shown = []
+    for r in rows:
+        when = datetime.strptime(r["updated"], "%Y-%m-%d %H:%M")
+        state = "cold" if not r["warm"] else r["state"] + ("" if r["kv_type"] == "f16" else f" {r['kv_type']}")
+        shown.append({**r, "state": state, "updated": when.strftime("%m-%d %H:%M" if when.year == this_year else "%Y-%m-%d")})
+    drop = {"kv"} | ({"in_context"} if all(r["in_context"] == r["turns"] for r in rows) else set())
+    return shown, [c for c in columns if c not in drop]
+
+
+# Columns whose values are numbers or sizes: right-aligned, so that magnitudes line up.
+_RIGHT = frozenset({"turns", "in_context", "tokens", "state"})
+# The column that gives up width when the line does not fit the terminal (the others are short).
+_ELASTIC = "title"
+_GAP = "  "
+
+
+def format_columns(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], width: int, *,
+                   bold_header: bool) -> list[str]:
+    """Rows as aligned text lines at most ``width`` cells wide, the header first.
+
+    Not rich's Table: importing rich and measuring a boxed table of 100 rows took ~200 ms, more than the
+    rest of `ls` together, and at 80 columns it wrapped cells over two lines. Here a long title is cut
+    with "…" instead; control characters in user text are shown as spaces, never sent to the terminal.
+    """
+    cells = [[_printable(str(r.get(c, ""))) for c in columns] for r in rows]
+    widths = [max([_width(c)] + [_width(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    if _ELASTIC in columns:
+        i = columns.index(_ELASTIC)
+        others = sum(w for j, w in enumerate(widths) if j != i) + len(_GAP) * (len(columns) - 1)
+        widths[i] = max(min(widths[i], width - others), len(_ELASTIC))
+    header = _GAP.join(_fit(c, w, c in _RIGHT) for c, w in zip(columns, widths, strict=True)).rstrip()
+    lines = [f"\x1b[1m{header}\x1b[0m" if bold_header else header]
+    for row in cells:
+        lines.append(_GAP.join(_fit(v, w, c in _RIGHT) for v, c, w in zip(row, columns, widths, strict=True)).rstrip())
+    return lines
+
+
+def _printable(text: str) -> str:
+    return "".join(" " if unicodedata.category(ch) == "Cc" else ch for ch in text)
+
+
+def _char_width(ch: str) -> int:
+    if unicodedata.combining(ch):
+        return 0
+    return 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1
+
+
+def _width(text: str) -> int:
+    return sum(_char_width(ch) for ch in text)
+
+
+def _fit(text: str, width: int, right: bool) -> str:
+    """``text`` padded to ``width`` terminal cells, or cut to ``width - 1`` cells and "…"."""
+    if _width(text) > width:
+        kept, used = [], 0
+        for ch in text:
+            w = _char_width(ch)
+            if used + w > width - 1:
+                break
+            kept.append(ch)
+            used += w
+        text = "".join(kept) + "…"
+    pad = " " * (width - _width(text))
+    return pad + text if right else text + pad
