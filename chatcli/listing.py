@@ -97,12 +97,13 @@ def _usage_line(n: int, n_warm: int) -> str:
     usage = scan_usage(paths.conversations_dir, paths.prefix_cache_dir)
     try:
         limit = parse_size(load_settings(paths=paths).state_budget)
-        budget = f"budget {format_size(limit)}" if limit is not None else "no budget"
+        budget = f" of a {format_size(limit)} budget" if limit is not None else ", no budget"
     except SettingsError:
-        budget = "budget unreadable (see `chatcli config show`)"
-    return (f"{n} conversation{'' if n == 1 else 's'}: {n_warm} warm, {n - n_warm} cold · KV state {format_size(usage.total)} "
-            f"(conversations {format_size(usage.conversations)}, persona prefixes {format_size(usage.prefixes)}) "
-            f"· {budget}")
+        budget = ", budget unreadable (see `chatcli config show`)"
+    # One line of an 80-column terminal. The total includes the persona prefix cache (the budget covers
+    # it too; `chatcli personas` lists it).
+    return (f"{n} conversation{'' if n == 1 else 's'}: {n_warm} warm, {n - n_warm} cold · KV state "
+            f"{format_size(usage.total)}{budget}")
 
 
 def _screen_columns(rows: list[dict[str, Any]], columns: list[str]) -> tuple[list[dict[str, Any]], list[str]]:

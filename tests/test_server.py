@@ -670,6 +670,10 @@ def test_authentication_and_limits(server: Server) -> None:
         assert resp.status_code == 401, resp.text
         assert resp.json()["error"]["code"] == "invalid_api_key"
     assert request(server.port, "GET", "/v1/models").status_code == 401
+    # /health answers without the key (probes), but says what the server holds only with it.
+    bare = request(server.port, "GET", "/health")
+    assert bare.status_code == 200 and bare.json() == {"status": "ok"}
+    assert "model" in request(server.port, "GET", "/health", headers=server.auth()).json()
     models = request(server.port, "GET", "/v1/models", headers=server.auth()).json()
     assert models["data"][0]["object"] == "model"
     big = json.dumps({"messages": [{"role": "user", "content": "x" * (9 * 1024 * 1024)}]})

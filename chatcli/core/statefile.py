@@ -45,6 +45,7 @@ import secrets
 import struct
 import threading
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Self
@@ -611,10 +612,13 @@ class StateWriter:
         return len(data)
 
 
-def drop_bases(path: Path) -> None:
-    """Remove the base links of ``path`` once it no longer refers to them (a rewrite made it whole). A
-    parent or sibling sharing the inode keeps its own link; a left-over one is only wasted space."""
+def drop_bases(path: Path, keep: Sequence[str] = ()) -> None:
+    """Remove the base links of ``path`` it no longer refers to (all of them after a rewrite made it whole;
+    those not named in ``keep`` when a restore finds links left by a crash between a rewrite and this).
+    A parent or sibling sharing the inode keeps its own link; a left-over one is only wasted space."""
     for base in base_files(path):
+        if base.name in keep:
+            continue
         try:
             base.unlink()
         except OSError:

@@ -190,8 +190,37 @@ class CellLog:
             self._rewrite_state()
         else:
             self.state = res
+            # Links nothing refers to any more: a crash came between a rewrite and its unlinking of them.
+            sf.drop_bases(self.path, keep=res.bases)
         if self._turn_logits and self._turn_logits[0] == eng.n_past:
             eng.set_logits(self._turn_logits[1])
+
+    def adopt_resident(self, want: list[int]) -> bool:
+        """The engine already holds ``want`` at its start (the server forked its resident conversation):
+        cut the engine back to ``want`` and take the file's index instead of loading its cells, as /regen
+        does in the REPL. Only record headers are read (the cells are not used here: whoever loads them
+        later checks their crcs) plus the logits record, checked. False, changing nothing, when the file
+        does not end exactly at ``want`` or was written for another model."""
+        eng = self.eng
+        if eng.tokens[:len(want)] != want:
+            return False
+        with sf.map_state(self.path, check=False) as ms:
+            state = ms.records
+        _chunks, logits_rec, n_live = state.live()
+        if (state.header is None or state.problem or state.dropped_bytes or n_live != len(want)
+                or state.header.get("identity") != self.identity):
+            return False
+        eng.truncate(len(want))
+        self.state = state
+        if logits_rec is not None and logits_rec.p0 == len(want):
+            try:
+                arr = np.frombuffer(sf.read_payload(self.path, logits_rec), dtype="<f4")
+            except (OSError, sf.StateFileError):
+                return True  # no saved logits: the first reply evaluates its last token again
+            if arr.shape == (eng.n_vocab,):
+                self._turn_logits = (len(want), arr.copy())
+                eng.set_logits(self._turn_logits[1])
+        return True
 
     def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats, *, defer: bool = False) -> None:
         self._flush()

@@ -13,10 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from chatcli.backends.llamacpp import Engine, Sampling
-from chatcli.core import statefile as sf
 from chatcli.core.conversation import (
     Conversation,
     Event,
@@ -93,23 +90,13 @@ def adopt(session: Session, eng: Engine, cid: str, *, sampling: Sampling, max_to
         meta = conv_dir.read_meta()
         r = replay_events(conv_dir.read_transcript().events)
         want = r.tokens()
-        state = sf.scan(conv_dir.state_path)
-        _chunks, logits_rec, n_live = state.live()
         conv = Conversation(eng, session.template, conv_dir, meta, r, sampling, identity=session.identity(),
                             max_tokens=max_tokens, reserve=session.settings.reserve)
         conv.after_save = lambda: session.budget_notice([conv])
         log = conv.log
-        if (not isinstance(log, CellLog) or not r.has_prefix or r.problems or eng.tokens[:len(want)] != want
-                or n_live != len(want) or state.dropped_bytes or (state.header or {}).get("identity") != log.identity):
+        if not isinstance(log, CellLog) or not r.has_prefix or r.problems or not log.adopt_resident(want):
             conv_dir.unlock()
             return None
-        log.state = state
-        eng.truncate(len(want))
-        if logits_rec is not None and logits_rec.p0 == len(want):
-            arr = np.frombuffer(sf.read_payload(conv_dir.state_path, logits_rec), dtype="<f4")
-            if arr.shape == (eng.n_vocab,):
-                log._turn_logits = (logits_rec.p0, arr.copy())
-                eng.set_logits(arr)
         return conv
     except BaseException:
         conv_dir.unlock()

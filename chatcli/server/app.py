@@ -2,7 +2,8 @@
 
 ``POST /v1/chat/completions`` (JSON or SSE), ``GET /v1/models``, ``GET /health``. Every error is an
 OpenAI error object with a 4xx/5xx status — never a traceback. With an API key every request needs
-``Authorization: Bearer KEY`` (compared in constant time). Each request logs one line: its id, the
+``Authorization: Bearer KEY`` (compared in constant time), except that ``GET /health`` without it still
+answers ``{"status": "ok"}`` for probes. Each request logs one line: its id, the
 conversation, prompt tokens, cached (not evaluated) tokens, generated tokens and time to first token.
 
 The service runs in a worker thread per request (it blocks on the model); events come back through an
@@ -82,6 +83,10 @@ def create_app(service: ChatService, *, api_key: str | None = None, limits: Serv
             scheme, _, token = given.partition(" ")
             # compare_digest on bytes: the time taken does not reveal how much of the key matched.
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key_bytes):
+                if request.method == "GET" and request.url.path == "/health":
+                    # Liveness stays open for probes and supervisors (llama-server's /health needs no
+                    # key either); what the server holds is only for those with the key.
+                    return JSONResponse({"status": "ok"})
                 log.info("- %s %s 401 missing or wrong API key", request.method, request.url.path)
                 return error_response(APIError("authentication", "missing or wrong API key: send "
                                                "'Authorization: Bearer KEY'"), {"WWW-Authenticate": "Bearer"})
