@@ -19,8 +19,8 @@ from typing import Any
 def list_conversations(*, as_json: bool) -> None:
     """Print the list. Core errors propagate: the caller maps them to one line (chatcli.clierrors)."""
     # Only what listing needs: the transcript replay (and jinja2 behind it) only for a conversation whose
-    # metadata summary is missing or stale, rich only for a terminal (the budget's format_size is
-    # render.human_bytes without importing the renderer).
+    # metadata summary is missing or stale; never rich (the budget's format_size is render.human_bytes
+    # without importing the renderer).
     from chatcli.config.settings import get_paths
     from chatcli.core.budget import format_size
     from chatcli.core.migrations import FormatError
@@ -68,7 +68,8 @@ def list_conversations(*, as_json: bool) -> None:
     for r in rows:
         r["state"] = format_size(r["state_bytes"])
         r["kv"] = f"warm {r['kv_type']}" if r["warm"] else "cold"
-        r["updated"] = datetime.fromtimestamp(float(r["updated"])).strftime("%Y-%m-%d %H:%M")
+        r["updated_at"] = datetime.fromtimestamp(float(r["updated"]))
+        r["updated"] = r["updated_at"].strftime("%Y-%m-%d %H:%M")
         r["server"] = str(r["server"]).split("://", 1)[-1] if r.get("server") else "local"
     # The server column only once some conversation runs on a llama-server (its state lives there);
     # the "from" column only once some conversation came from the API (an empty column is noise).
@@ -113,7 +114,7 @@ def _screen_columns(rows: list[dict[str, Any]], columns: list[str]) -> tuple[lis
     this_year = datetime.now().year
     shown = []
     for r in rows:
-        when = datetime.strptime(r["updated"], "%Y-%m-%d %H:%M")
+        when = r["updated_at"]
         state = "cold" if not r["warm"] else r["state"] + ("" if r["kv_type"] == "f16" else f" {r['kv_type']}")
         shown.append({**r, "state": state, "updated": when.strftime("%m-%d %H:%M" if when.year == this_year else "%Y-%m-%d")})
     drop = {"kv"} | ({"in_context"} if all(r["in_context"] == r["turns"] for r in rows) else set())

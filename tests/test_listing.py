@@ -116,3 +116,19 @@ def test_the_fast_path_fails_in_one_line(chatcli_home: Path, monkeypatch: pytest
         main()
     assert exit_.value.code == 2
     assert capsys.readouterr().err == "error: the store is unreadable\n"
+
+
+def test_the_screen_shows_in_context_only_after_a_shift_and_folds_the_kv_type() -> None:
+    from datetime import datetime
+
+    from chatcli.listing import _screen_columns
+
+    cols = ["id", "turns", "in_context", "state", "updated", "kv"]
+    now = datetime.now()
+    base = {"id": "a", "turns": 3, "in_context": 3, "state": "2.0 MB", "warm": True, "kv_type": "f16",
+            "updated_at": now, "updated": now.strftime("%Y-%m-%d %H:%M"), "kv": "warm f16"}
+    rows, shown = _screen_columns([base, {**base, "id": "b", "warm": False, "state": "0 B"}], cols)
+    assert shown == ["id", "turns", "state", "updated"]
+    assert [r["state"] for r in rows] == ["2.0 MB", "cold"] and rows[0]["updated"] == now.strftime("%m-%d %H:%M")
+    rows, shown = _screen_columns([{**base, "in_context": 1, "kv_type": "q8_0"}], cols)
+    assert shown == ["id", "turns", "in_context", "state", "updated"] and rows[0]["state"] == "2.0 MB q8_0"
