@@ -362,9 +362,11 @@ def serve(
 @app.command()
 def fork(
     conv_id: Annotated[str, typer.Argument(metavar="ID", help="Conversation to fork.")],
-    at: Annotated[int | None, typer.Option("--at", help="Keep exchanges 1..TURN (default: all).")] = None,
+    at: Annotated[int | None, typer.Option(
+        "--at", help="Keep exchanges 1..TURN, counted as `chatcli ls` counts turns (default: all).")] = None,
 ) -> None:
-    """Start a new conversation sharing the history up to a turn (its KV is copied, not re-evaluated)."""
+    """Start a new conversation sharing the history up to a turn (its KV state is shared or copied, never
+    re-evaluated). After a context shift the fork holds the exchanges still in context up to TURN."""
     from chatcli.config.settings import get_paths
     from chatcli.core.forking import fork_conversation
     from chatcli.core.store import ConversationStore
@@ -372,7 +374,7 @@ def fork(
     with user_errors():
         store = ConversationStore(get_paths().conversations_dir)
         new_id, n_tokens = fork_conversation(store, conv_id, at)
-        print(f"forked into {new_id} ({n_tokens} tokens of state copied) · resume with: chatcli resume {new_id}")
+        print(f"forked into {new_id} ({n_tokens} tokens of state kept) · resume with: chatcli resume {new_id}")
 
 
 @app.command("ls")

@@ -321,7 +321,7 @@ def test_a_conversation_open_elsewhere_is_refused_before_loading(conv: str, monk
 def test_fork_at_1_then_resume_without_id_picks_it(conv: str) -> None:
     parent = messages(conv)
     out = ok(["fork", conv, "--at", "1"]).stdout
-    m = re.fullmatch(r"forked into (\w+) \((\d+) tokens of state copied\) · resume with: chatcli resume \1\n", out)
+    m = re.fullmatch(r"forked into (\w+) \((\d+) tokens of state kept\) · resume with: chatcli resume \1\n", out)
     assert m, out
     child, copied = m.group(1), int(m.group(2))
     assert child != conv

@@ -206,3 +206,30 @@ def test_export_path_of_a_crafted_transcript(tmp_path: Path) -> None:
     assert [(m.text, m.in_context) for m in conversation_path(r)] == [
         ("m0", False), ("m1", False), ("m2", True), ("m3", True), ("m6", True), ("m7", True)]
     assert exchange_counts(r) == (3, 2)
+
+
+def test_fork_at_counts_exchanges_as_show_does_after_a_shift(chat: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: Path) -> None:
+    """`--at N` counts exchanges as `ls`'s turns and `show` do, also once old exchanges left the context; a
+    fork before the context's first exchange is refused in one line and creates nothing."""
+    import shutil
+
+    home = tmp_path / "home"
+    shutil.copytree(chat["home"], home)
+    moved = {**chat, "home": home}
+    turns = len(chat["path"]) // 2
+    gone = turns - len(chat["in_context"]) // 2
+    assert gone > 0
+    monkeypatch.setenv("CHATCLI_HOME", str(home))
+    refused = runner.invoke(app, ["fork", chat["id"], "--at", str(gone - 1)])
+    assert refused.exit_code == 1 and refused.stderr.count("\n") == 1
+    assert f"exchanges 1..{gone} left the context" in refused.stderr
+    assert len(json.loads(cli(moved, monkeypatch, "ls", "--json"))) == 1  # nothing was created
+    at = gone + 2
+    child = cli(moved, monkeypatch, "fork", chat["id"], "--at", str(at)).split()[2]
+    msgs = json.loads(cli(moved, monkeypatch, "export", child, "--format", "json"))
+    # The fork holds the context's exchanges up to exchange `at` of the whole conversation.
+    assert [(m["role"], m["content"]) for m in msgs[len(chat["persona"]):]] == chat["in_context"][:4]
+    assert chat["path"][2 * at - 2:2 * at] == chat["in_context"][2:4]
+    rows = {r["id"]: r for r in json.loads(cli(moved, monkeypatch, "ls", "--json"))}
+    assert rows[child]["turns"] == 2 and rows[child]["title"].endswith(f"(fork at {at})")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from chatcli.core import statefile as sf
 from chatcli.core.events import ConversationError
+from chatcli.core.export import exchange_counts
 from chatcli.core.fsutil import atomic_write_bytes, atomic_write_with, write_all
 from chatcli.core.store import ConversationStore
 from chatcli.core.transcript import replay_events
@@ -26,17 +27,24 @@ def fork_conversation(store: ConversationStore, ref: str, at: int | None) -> tup
     meta = parent.read_meta()
     r = replay_events(parent.read_transcript().events)
     users = [m for m in r.active if m.role == "user"]
-    turns = len(users)
+    # Exchanges are counted as `chatcli ls` counts turns (and `show` lists them): those a context shift
+    # took out of the context come first. Their cells are gone: a fork starts at the context's first one.
+    turns, in_context = exchange_counts(r)
+    gone = turns - in_context
     at = turns if at is None else at
     if not 0 <= at <= turns:
         raise ConversationError(f"--at must be between 0 and {turns} (the conversation has {turns} exchanges)")
-    cut = users[at].p0 if at < turns else (r.active[-1].p1 if r.active else len(r.prefix_tokens))
+    if at < gone:
+        raise ConversationError(f"exchanges 1..{gone} left the context in a shift (their KV state is gone): "
+                                f"fork at {gone}..{turns}, or export the conversation")
+    k = at - gone  # exchanges of the context kept
+    cut = users[k].p0 if k < len(users) else (r.active[-1].p1 if r.active else len(r.prefix_tokens))
     keep = [m for m in r.active if m.p1 <= cut]
 
     # A checkpoint (a llama-server slot file) belongs to the parent: the child saves its own under a new name.
     child_meta = {k: v for k, v in meta.items() if k not in ("id", "created", "updated", "checkpoint")}
     child_meta.update(title=f"{meta.get('title') or parent.id} (fork at {at})", forked_from=parent.id,
-                      turns=at, tokens=cut)
+                      turns=k, tokens=cut)
     child = store.create(child_meta)
     child.lock()
     try:
