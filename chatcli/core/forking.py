@@ -37,14 +37,14 @@ def fork_conversation(store: ConversationStore, ref: str, at: int | None) -> tup
     if at < gone:
         raise ConversationError(f"exchanges 1..{gone} left the context in a shift (their KV state is gone): "
                                 f"fork at {gone}..{turns}, or export the conversation")
-    k = at - gone  # exchanges of the context kept
-    cut = users[k].p0 if k < len(users) else (r.active[-1].p1 if r.active else len(r.prefix_tokens))
+    kept = at - gone  # exchanges of the context the fork keeps
+    cut = users[kept].p0 if kept < len(users) else (r.active[-1].p1 if r.active else len(r.prefix_tokens))
     keep = [m for m in r.active if m.p1 <= cut]
 
     # A checkpoint (a llama-server slot file) belongs to the parent: the child saves its own under a new name.
     child_meta = {k: v for k, v in meta.items() if k not in ("id", "created", "updated", "checkpoint")}
     child_meta.update(title=f"{meta.get('title') or parent.id} (fork at {at})", forked_from=parent.id,
-                      turns=k, tokens=cut)
+                      turns=kept, tokens=cut)
     child = store.create(child_meta)
     child.lock()
     try:
