@@ -537,6 +537,15 @@ class Harness:
         """Prompt length in tokens as a ChatML template renders it (5 framing tokens a message + the reply header)."""
         return sum(self.count(m["content"]) + 5 for m in messages) + 3
 
+    def say(self, s: Server, history: list[dict[str, str]], text: str) -> tuple[int, dict[str, Any]]:
+        """One client turn: ``text`` and then the server's reply join ``history`` (the client resends it
+        all). Returns the prompt's length in tokens and what ``send`` measured."""
+        history.append({"role": "user", "content": text})
+        n = self.history_tokens(history)
+        r = s.send(history, self.cfg["reply_tokens"])
+        history.append({"role": "assistant", "content": r["text"]})
+        return n, r
+
     def make(self, kinds: list[str], tag: str) -> list[Server]:
         out = [SERVERS[k](self, self.work / f"{k}-{tag}") for k in kinds]
         for s in out:
@@ -607,11 +616,7 @@ class Harness:
                 per_rep[s.kind].append([])
             for t, text in enumerate(msgs):
                 for s in rotate(servers, step):
-                    h = hist[s.kind]
-                    h.append({"role": "user", "content": text})
-                    n = self.history_tokens(h)
-                    r = s.send(h, c["reply_tokens"])
-                    h.append({"role": "assistant", "content": r["text"]})
+                    n, r = self.say(s, hist[s.kind], text)
                     per_rep[s.kind][-1].append({"turn": t + 1, "rep": rp + 1, "history_tokens": n, **r})
                 step += 1
                 if t == len(msgs) - 1:
@@ -636,11 +641,7 @@ class Harness:
             restart[s.kind] = {"start_seconds": secs}
         for i, text in enumerate([NEXT_MSG, SECOND_SHORT]):
             for s in rotate(servers, i):
-                h = hist[s.kind]
-                h.append({"role": "user", "content": text})
-                n = self.history_tokens(h)
-                r = s.send(h, c["reply_tokens"])
-                h.append({"role": "assistant", "content": r["text"]})
+                n, r = self.say(s, hist[s.kind], text)
                 restart[s.kind]["first" if i == 0 else "second"] = {"history_tokens": n, "msg_tokens": self.count(text),
                                                                      **r}
         self.log("  " + ", ".join(f"{k} {v['first']['ttft']:.2f}s" for k, v in restart.items()))
@@ -670,11 +671,7 @@ class Harness:
                 text = sized_text(self.count, c["client_msg_tokens"], 5 * cl + 2 * rnd + 1,
                                   header=f"Client {cl + 1}, message {rnd + 1}: about my plot number {cl + 1}.")
                 for s in rotate(servers, step):
-                    h = chist[s.kind][cl]
-                    h.append({"role": "user", "content": text})
-                    n = self.history_tokens(h)
-                    r = s.send(h, c["reply_tokens"])
-                    h.append({"role": "assistant", "content": r["text"]})
+                    n, r = self.say(s, chist[s.kind][cl], text)
                     multi[s.kind].append({"client": cl + 1, "round": rnd + 1, "history_tokens": n, **r})
                 step += 1
             self.log(f"  round {rnd + 1}: " + ", ".join(
