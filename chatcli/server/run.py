@@ -84,8 +84,9 @@ def serve(settings: Settings, paths: Paths, session: Session) -> int:
     if warning:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     eng = session.engine
+    n_indexed = len(service.index)
     print(f"chatcli serve: http://{settings.host}:{settings.port}/v1 · model {service.model_id} ({service.model_name}) · "
-          f"n_ctx {eng.n_ctx} · {settings.parallel} resident · {len(service.index)} conversations indexed"
+          f"n_ctx {eng.n_ctx} · {settings.parallel} resident · {n_indexed} conversation{'' if n_indexed == 1 else 's'} indexed"
           + (" · API key required" if settings.api_key else ""), file=sys.stderr, flush=True)
     try:
         server.run(sockets=[sock])
