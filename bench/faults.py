@@ -210,7 +210,7 @@ def child_main(argv: list[str]) -> None:
     spec = json.loads(os.environ.get("CHATCLI_FAULT") or "null")
     _install_hooks(spec, os.environ.get("CHATCLI_FAULT_TRACE"))
     sys.argv = ["chatcli", *argv]
-    from chatcli.cli import main
+    from chatcli.cli.app import main
 
     main()
 
@@ -319,7 +319,7 @@ _VOLATILE = ("ts", "v")
 
 def normalised_events(conv: Path) -> tuple[list[dict[str, Any]], list[str]]:
     """The transcript's events after the prefix, without timestamps; and the problems reading it."""
-    from chatcli.core.store import ConversationDir
+    from chatcli.core.files.store import ConversationDir
 
     tr = ConversationDir(conv).read_transcript()
     evs = [{k: v for k, v in e.items() if k not in _VOLATILE} for e in tr.events if e.get("type") != "prefix"]
@@ -457,9 +457,9 @@ def remaining_lines(ref: Reference, script: list[str], have: int) -> tuple[list[
 
 def check_disk(conv: Path) -> list[str]:
     """The folder after a clean end: state scans clean and holds exactly the transcript's tokens; no litter."""
-    from chatcli.core import statefile as sf
     from chatcli.core.conversation import replay_events
-    from chatcli.core.store import ConversationDir
+    from chatcli.core.files.store import ConversationDir
+    from chatcli.core.kv import records as sf
 
     problems = []
     d = ConversationDir(conv)

@@ -38,9 +38,9 @@ def main() -> None:
     os.environ["CHATCLI_HOME"] = str(home)
 
     from chatcli.config.settings import get_paths
-    from chatcli.core.budget import total_bytes
+    from chatcli.core.files.store import ConversationStore
     from chatcli.core.forking import fork_state
-    from chatcli.core.store import ConversationStore
+    from chatcli.core.kv.budget import total_bytes
     from tests.drive import build_session, drain
 
     session = build_session(n_ctx=max(4096, a.tokens + 512), max_tokens=8)
@@ -70,7 +70,7 @@ def main() -> None:
             rows[method]["bytes"].append(total_bytes(paths.conversations_dir, None) - before)
             assert n == cut
             # Reading the fork back (the index and every crc, as a restore does).
-            from chatcli.core import statefile as sf
+            from chatcli.core.kv import records as sf
 
             t = time.perf_counter()
             res = sf.scan(child.state_path)

@@ -8,7 +8,7 @@ model file, thread count and context size. For each type:
 
 - **size**: the conversation's whole state as chatcli saves it (one SNAPSHOT record in a state file:
   record header, token ids, llama.cpp's cell bytes) and the cells alone, per token;
-- **restore**: reading that state file and loading its cells into the cleared context (``statefile.scan``
+- **restore**: reading that state file and loading its cells into the cleared context (``records.scan``
   + ``read_payload`` + ``Engine.load_cells``: what ``resume`` does), file in the page cache, median of
   ``--reps``, the three types taking turns (order rotated each repetition);
 - **rates**: the text is evaluated in 500-token chunks and the greedy tokens decoded one at a time, the
@@ -81,7 +81,7 @@ def forced(eng: Any, tokens: list[int]) -> list[np.ndarray]:
 
 
 def _restore_once(eng: Any, path: Path, n: int) -> float:
-    from chatcli.core import statefile as sf
+    from chatcli.core.kv import records as sf
 
     eng.clear()
     t0 = time.perf_counter()
@@ -97,7 +97,7 @@ def measure_all(model: str, text_tokens: list[int], o: argparse.Namespace, work:
     """All three engines loaded at once, so the timed parts can take turns: on a busy machine a type
     measured later would otherwise see another load than the one measured first."""
     from chatcli.backends.llamacpp import Engine
-    from chatcli.core import statefile as sf
+    from chatcli.core.kv import records as sf
 
     engines = {t: Engine(model, n_ctx=o.n_ctx, n_threads=o.threads, kv_type=t) for t in TYPES}
     try:

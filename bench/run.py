@@ -195,7 +195,7 @@ class Bench:
         build_cache = self.work / "build-home" / "cache"
         sdir = self.work / "startup"
         # ls: 100 conversations (metadata and transcript copies of the smallest checkpoint; ls reads no state).
-        from chatcli.core.store import new_id
+        from chatcli.core.files.store import new_id
 
         ls_home = sdir / "ls-home"
         src = Path(cks[0]["home"]) / "data" / "conversations" / cks[0]["conv_id"]
@@ -350,7 +350,7 @@ class Bench:
         if code2 != 0:
             raise RuntimeError(f"llama_rss worker exited with {code2}; see {self.work / 'logs'}")
         code3, rss3 = self.peak_rss(
-            [sys.executable, "-c", "import chatcli.cli, chatcli.backends.llamacpp, chatcli.repl.loop"], b"",
+            [sys.executable, "-c", "import chatcli.cli.app, chatcli.backends.llamacpp, chatcli.repl.loop"], b"",
                                     self.work / "rss-home3")
         # And resuming the longest conversation: restoring its state file adds buffers of its own.
         last = cks[-1]

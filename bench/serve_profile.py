@@ -111,7 +111,10 @@ class Timer:
 def install(timer: Timer) -> None:
     from chatcli import session
     from chatcli.backends import llamacpp
-    from chatcli.core import conversation, statefile, statelog, store, transcript
+    from chatcli.core import conversation, transcript
+    from chatcli.core.files import store
+    from chatcli.core.kv import log as statelog
+    from chatcli.core.kv import records as statefile
     from chatcli.server import adapter, history, index, service
 
     mods: dict[str, Any] = {"index": index, "service": service, "history": history, "adapter": adapter,

@@ -56,8 +56,8 @@ def build(a: dict[str, Any]) -> dict[str, Any]:
     tokens are given to llama-cpp-python's ``Llama`` to produce its ``save_state()`` file and a
     ``LlamaDiskCache`` entry. Per turn, chatcli's append is compared with rewriting the whole state.
     """
-    from chatcli.core import statefile as sf
     from chatcli.core.conversation import replay_events
+    from chatcli.core.kv import records as sf
 
     home = Path(a["home"])
     session = build_session(home, model=a["model"], n_ctx=a["n_ctx"], threads=a["threads"], max_tokens=a["reply_tokens"])
@@ -351,7 +351,7 @@ def llama_diskcache(a: dict[str, Any]) -> dict[str, Any]:
 def rollback(a: dict[str, Any]) -> dict[str, Any]:
     """Per checkpoint and rep: chatcli's /regen, then /edit of the last message, each to its first new token."""
     from bench.common import make_paths
-    from chatcli.core.store import ConversationStore
+    from chatcli.core.files.store import ConversationStore
 
     out: dict[str, Any] = {}
     session = build_session(a["checkpoints"][0]["home"], model=a["model"], n_ctx=a["n_ctx"], threads=a["threads"],
@@ -599,7 +599,7 @@ def startup(a: dict[str, Any]) -> dict[str, Any]:
     header read), model load (llama.cpp), the conversation (new: persona prefix from the cache; resume: the
     state restore), then the first token of the reply to ``NEXT_MSG``."""
     t_top = _T_TOP
-    import chatcli.cli  # noqa: F401
+    import chatcli.cli.app  # noqa: F401
     from chatcli.models.resolve import resolve_model
     from chatcli.session import Session  # noqa: F401  (imports the engine and llama_cpp)
 

@@ -1,3 +1,3 @@
-from chatcli.entry import main
+from chatcli.cli.entry import main
 
 main()

@@ -14,17 +14,18 @@ from chatcli.backends.llama_server import LlamaServerBackend, ServerConfig
 from chatcli.backends.llamacpp import Engine
 from chatcli.config.personas import Persona, get_persona, load_personas
 from chatcli.config.settings import Paths, Settings
-from chatcli.core import prefixcache
 from chatcli.core.backend import Sampling
-from chatcli.core.budget import Freed, enforce, parse_size, total_bytes
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import Event, Notice, ResumeReport
-from chatcli.core.fsutil import ensure_private_dir
+from chatcli.core.files.fsutil import ensure_private_dir
+from chatcli.core.files.store import ConversationStore
+from chatcli.core.kv import prefix
+from chatcli.core.kv.budget import Freed, enforce, total_bytes
+from chatcli.core.kv.prefix import effective_n_ctx
 from chatcli.core.loading import create_conversation, open_conversation
-from chatcli.core.prefixcache import effective_n_ctx
-from chatcli.core.store import ConversationStore
 from chatcli.core.template import ChatTemplate
 from chatcli.models.resolve import ModelRef, resolve_model
+from chatcli.units import parse_size
 
 
 def sampling_from(settings: Settings, persona: Persona | None = None, explicit: set[str] | None = None) -> Sampling:
@@ -208,8 +209,8 @@ class Session:
         if total_bytes(self.paths.conversations_dir, self.paths.prefix_cache_dir) <= limit:
             return None
         convs = list(open_convs)
-        prefixes = [prefixcache.cache_path(self.paths.prefix_cache_dir, c.state_identity(),
-                                           str(c.meta.get("persona_hash", "")), self.template.source) for c in convs]
+        prefixes = [prefix.cache_path(self.paths.prefix_cache_dir, c.state_identity(),
+                                      str(c.meta.get("persona_hash", "")), self.template.source) for c in convs]
         return enforce(self.paths.conversations_dir, self.paths.prefix_cache_dir, limit,
                        keep_ids=[c.id for c in convs], keep_prefixes=prefixes)
 

@@ -51,7 +51,7 @@ def rebind(session: Session) -> Session:
     """``session`` (its engine) bound to the current CHATCLI_HOME: a test's own store on a shared model load."""
     import dataclasses
 
-    from chatcli.core.store import ConversationStore
+    from chatcli.core.files.store import ConversationStore
 
     paths = get_paths()
     paths.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -22,12 +22,12 @@ from typer.testing import CliRunner
 
 from chatcli import __version__
 from chatcli.backends.llamacpp import EngineError
-from chatcli.cli import app
+from chatcli.cli.app import app
 from chatcli.config.settings import get_paths
-from chatcli.core import statefile as sf
-from chatcli.core.store import ConversationDir
+from chatcli.core.files.store import ConversationDir
+from chatcli.core.kv import records as sf
 from chatcli.models.resolve import bundled_model_path
-from chatcli.repl.render import human_bytes
+from chatcli.units import format_size
 
 runner = CliRunner()
 
@@ -110,7 +110,7 @@ def test_console_script_entry_point() -> None:
     dist = importlib.metadata.distribution("chatcli")
     scripts = [ep for ep in dist.entry_points if ep.group == "console_scripts" and ep.name == "chatcli"]
     assert len(scripts) == 1
-    assert scripts[0].value == "chatcli.entry:main"
+    assert scripts[0].value == "chatcli.cli.entry:main"
     assert dist.version == __version__
 
 
@@ -169,7 +169,7 @@ def test_ls_table_and_json(conv: str) -> None:
     assert len(table) == 1
     cells = table[0].split("\t")
     assert cells[:6] == [conv, FIRST_TITLE, "alice", "2", "2", str(row["tokens"])]
-    assert cells[6] == human_bytes(row["state_bytes"])
+    assert cells[6] == format_size(row["state_bytes"])
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", cells[7])
     assert cells[8] == "warm f16" and row["warm"] is True and row["kv_type"] == "f16"
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from chatcli.core import statefile as sf
 from chatcli.core.backend import ContextFullError
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import ConversationError, ReplyEnd
+from chatcli.core.kv import records as sf
 from chatcli.session import Session
 from tests.drive import drain, isolated_session, rebind, say
 

@@ -14,8 +14,8 @@ from typing import Any, Sequence
 from chatcli.core.backend import Capabilities
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import ResumeReport
+from chatcli.core.kv.log import CheckpointLog
 from chatcli.core.loading import create_conversation, open_conversation
-from chatcli.core.statelog import CheckpointLog
 from chatcli.session import Session, sampling_from
 from tests.drive import build_session, drain
 

@@ -16,9 +16,9 @@ from chatcli.core.backend import ContextFullError
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import ConversationError, Notice, ReplyEnd, ResumeReport
 from chatcli.core.forking import fork_conversation
-from chatcli.core.statelog import CellLog
+from chatcli.core.kv.log import CellLog
 from chatcli.core.template import ChatTemplate
-from chatcli.personacache import prefix_status, warm_prefix
+from chatcli.persona_prefixes import prefix_status, warm_prefix
 
 N_CTX = 512
 

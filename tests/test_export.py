@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from chatcli.cli import app
+from chatcli.cli.app import app
 from chatcli.core.conversation import Conversation
 from chatcli.repl.commands import dispatch
 from chatcli.repl.context import CommandContext
@@ -130,7 +130,7 @@ def test_ls_reads_the_counts_from_the_metadata_summary_until_the_transcript_chan
     import shutil
 
     from chatcli.core.export import exchange_counts
-    from chatcli.core.store import ConversationDir
+    from chatcli.core.files.store import ConversationDir
     from chatcli.core.transcript import replay_events
 
     home = tmp_path / "home"
@@ -156,7 +156,7 @@ def test_ls_reads_the_counts_from_the_metadata_summary_until_the_transcript_chan
 
 def test_a_new_conversation_never_inherits_a_summary(tmp_path: Path) -> None:
     """A fork copies its parent's metadata: the parent's summary describes another transcript."""
-    from chatcli.core.store import ConversationStore
+    from chatcli.core.files.store import ConversationStore
 
     store = ConversationStore(tmp_path / "conversations")
     parent = store.create({"title": "p"})
@@ -170,7 +170,7 @@ def test_a_new_conversation_never_inherits_a_summary(tmp_path: Path) -> None:
 
 def test_ls_from_column_only_next_to_api_conversations(chatcli_home: Path) -> None:
     from chatcli.config.settings import get_paths
-    from chatcli.core.store import ConversationStore
+    from chatcli.core.files.store import ConversationStore
 
     store = ConversationStore(get_paths().conversations_dir)
     store.create({"title": "mine", "persona": "alice", "updated": 1})

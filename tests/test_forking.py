@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from chatcli.core import statefile as sf
+from chatcli.core.kv import records as sf
 from tests.drive import build_session, drain, says
 from tests.drive import run_process as drive
 
@@ -26,7 +26,7 @@ runner = CliRunner()
 
 def _store() -> Any:
     from chatcli.config.settings import get_paths
-    from chatcli.core.store import ConversationStore
+    from chatcli.core.files.store import ConversationStore
 
     return ConversationStore(get_paths().conversations_dir)
 
@@ -152,8 +152,8 @@ def test_a_missing_damaged_or_foreign_base_rebuilds_from_the_transcript(how: str
 def test_an_older_chatcli_refuses_a_fork_and_still_reads_plain_files(monkeypatch: pytest.MonkeyPatch) -> None:
     """A reader of state format 1 (before BASE records) would skip the BASE record and restore the wrong
     cells: a fork's file says format 2, which such a reader refuses in one line; other files stay format 1."""
-    from chatcli.cli import app
-    from chatcli.core import migrations
+    from chatcli.cli.app import app
+    from chatcli.core.files import migrations
 
     parent = drive("--new", *says(M[:1]))
     child_id, _ = _fork(parent["id"], 1)
@@ -176,7 +176,7 @@ def test_an_older_chatcli_refuses_a_fork_and_still_reads_plain_files(monkeypatch
 
 def test_the_budget_counts_shared_bytes_once_and_frees_them_with_their_last_link() -> None:
     from chatcli.config.settings import get_paths
-    from chatcli.core.budget import enforce, scan_usage, total_bytes
+    from chatcli.core.kv.budget import enforce, scan_usage, total_bytes
 
     paths = get_paths()
     parent = drive("--new", *says(M[:2]))

@@ -1,6 +1,6 @@
 """On-disk format versions (issue #11 item 5), with crafted files around a real conversation.
 
-The rule (chatcli/core/migrations.py): a newer major version of any file is refused in one line naming the
+The rule (chatcli/core/files/migrations.py): a newer major version of any file is refused in one line naming the
 version, before anything is written; an unknown transcript event type or state record kind of a known
 version is skipped, never taken for damage.
 """
@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from chatcli.cli import app
+from chatcli.cli.app import app
 from chatcli.config.settings import get_paths
-from chatcli.core import migrations
-from chatcli.core import statefile as sf
-from chatcli.core.store import ConversationDir
+from chatcli.core.files import migrations
+from chatcli.core.files.store import ConversationDir
+from chatcli.core.kv import records as sf
 
 runner = CliRunner()
 FILES = ("meta.json", "transcript.jsonl", "state.kv")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,14 +16,15 @@ from pathlib import Path
 import pytest
 
 from chatcli.config.settings import get_paths
-from chatcli.core.store import ConversationStore
+from chatcli.core.files.store import ConversationStore
 
 HEAVY = ("llama_cpp", "numpy")
+ROOT = Path(__file__).resolve().parent.parent
 
 # Runs the CLI in-process with the given arguments, then reports what it imported (last stdout line).
 WRAPPER = f"""
 import json, sys
-from chatcli.cli import app
+from chatcli.cli.app import app
 code = 0
 try:
     app(sys.argv[1:], prog_name="chatcli")
@@ -85,3 +87,26 @@ def test_the_wrapper_sees_heavy_imports() -> None:
     proc = subprocess.run([sys.executable, "-c", "import chatcli.backends.llamacpp\n" + WRAPPER, "--version"],
                           capture_output=True, text=True, timeout=120)
     assert json.loads(proc.stdout.strip().splitlines()[-1])["heavy"] == list(HEAVY)
+
+
+def _module_map(design: str) -> set[str]:
+    """The modules DESIGN.md's module-map table names: each row's first cell, one or more backticked paths."""
+    section = design.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    listed: set[str] = set()
+    for line in section.splitlines():
+        cells = line.split("|")
+        if len(cells) < 3 or not line.startswith("|"):
+            continue
+        listed.update(re.findall(r"`([\w/]+\.py)`", cells[1]))
+    return listed
+
+
+def test_design_module_map_matches_the_tree() -> None:
+    """DESIGN.md's module map lists every module under chatcli/ and no module that does not exist."""
+    package = ROOT / "chatcli"
+    tree = {p.relative_to(package).as_posix() for p in package.rglob("*.py")
+            if p.name not in ("__init__.py", "__main__.py") and "data" not in p.relative_to(package).parts[:1]}
+    listed = _module_map((ROOT / "docs" / "DESIGN.md").read_text("utf-8"))
+    assert listed, "no module map table found in docs/DESIGN.md"
+    assert not tree - listed, f"modules missing from DESIGN.md's module map: {sorted(tree - listed)}"
+    assert not listed - tree, f"DESIGN.md's module map names files that do not exist: {sorted(listed - tree)}"

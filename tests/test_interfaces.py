@@ -1,7 +1,7 @@
 """Front ends see a conversation through one public interface (issue #12 item 4).
 
 ``ChatConversation`` lists what the REPL and slash commands may use; the real ``Conversation`` and the UI
-tests' fake both provide every name of it (mypy checks the real one's types: cli.py passes it as one).
+tests' fake both provide every name of it (mypy checks the real one's types: cli/app.py passes it as one).
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from chatcli.cli.listing import _width, format_columns
 from chatcli.config.settings import get_paths
-from chatcli.core.store import ConversationStore
-from chatcli.listing import _width, format_columns
+from chatcli.core.files.store import ConversationStore
 
 ROWS = [
     {"id": "abc123", "title": "a fairly long title about gardens and rivers", "turns": 12, "state": "41.4 MB"},
@@ -69,7 +69,7 @@ def test_a_title_is_never_cut_below_its_header() -> None:
 WRAPPER = """
 import json, sys
 sys.argv = ["chatcli", *sys.argv[1:]]
-from chatcli.entry import main
+from chatcli.cli.entry import main
 try:
     main()
     code = 0
@@ -103,14 +103,14 @@ def test_bare_ls_skips_typer_and_lists_the_same(chatcli_home: Path) -> None:
 
 def test_the_fast_path_fails_in_one_line(chatcli_home: Path, monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
-    import chatcli.listing
-    from chatcli.core.store import StoreError
-    from chatcli.entry import main
+    import chatcli.cli.listing
+    from chatcli.cli.entry import main
+    from chatcli.core.files.store import StoreError
 
     def broken(*, as_json: bool) -> None:
         raise StoreError("the store is unreadable")
 
-    monkeypatch.setattr(chatcli.listing, "list_conversations", broken)
+    monkeypatch.setattr(chatcli.cli.listing, "list_conversations", broken)
     monkeypatch.setattr(sys, "argv", ["chatcli", "ls"])
     with pytest.raises(SystemExit) as exit_:
         main()
@@ -121,7 +121,7 @@ def test_the_fast_path_fails_in_one_line(chatcli_home: Path, monkeypatch: pytest
 def test_the_screen_shows_in_context_only_after_a_shift_and_folds_the_kv_type() -> None:
     from datetime import datetime
 
-    from chatcli.listing import _screen_columns
+    from chatcli.cli.listing import _screen_columns
 
     cols = ["id", "turns", "in_context", "state", "updated", "kv"]
     now = datetime.now()

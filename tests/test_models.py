@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from chatcli.cli import app
+from chatcli.cli.app import app
 from chatcli.config.settings import get_paths, load_settings
 from chatcli.models.gguf import GGUFError, read_gguf
 from chatcli.models.resolve import ModelError, ModelRef, bundled_model_path, resolve_model

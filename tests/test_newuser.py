@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from chatcli.cli import app
+from chatcli.cli.app import app
 
 runner = CliRunner()
 
@@ -89,7 +89,7 @@ def test_ctrl_c_while_a_long_paste_is_read_stops_reading_and_gives_it_back(chatc
         t.child.expect(pexpect_eof(), timeout=30)
     finally:
         t.close()
-    from chatcli.core.store import ConversationDir
+    from chatcli.core.files.store import ConversationDir
     from chatcli.core.transcript import replay_events
 
     conv = ConversationDir(chatcli_home / "data" / "conversations" / conv_id)

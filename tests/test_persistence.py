@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from chatcli.core import statefile as sf
+from chatcli.core.kv import records as sf
 from chatcli.models.gguf import read_gguf
 from tests.drive import run_process as drive
 from tests.drive import says

@@ -29,11 +29,11 @@ import pytest
 from typer.testing import CliRunner
 
 from chatcli.backends.llamacpp import EngineError
-from chatcli.cli import app
+from chatcli.cli.app import app
 from chatcli.config.settings import get_paths
-from chatcli.core import statefile as sf
 from chatcli.core.conversation import Conversation, ConversationError, Notice, ReplyEnd, ResumeReport
-from chatcli.core.store import ConversationDir, ConversationStore, LockedError, StoreError
+from chatcli.core.files.store import ConversationDir, ConversationStore, LockedError, StoreError
+from chatcli.core.kv import records as sf
 
 REPO = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("chatcli_faults", REPO / "bench" / "faults.py")
@@ -569,7 +569,7 @@ def test_disk_full_while_writing_a_reply_then_regen(sess: Any, golden: dict[str,
     cid = install(golden)
     conv, _, _ = open_conv(sess, cid)
     try:
-        import chatcli.core.store as store_mod
+        import chatcli.core.files.store as store_mod
 
         real = store_mod.append_line_durably
 
@@ -759,7 +759,7 @@ def test_prompt_history_file_is_private() -> None:
     from prompt_toolkit.input import create_pipe_input
     from prompt_toolkit.output import DummyOutput
 
-    from chatcli.core.fsutil import ensure_private_dir
+    from chatcli.core.files.fsutil import ensure_private_dir
     from chatcli.repl.loop import TerminalIO
 
     class AnyRepl:  # TerminalIO only asks the REPL for callbacks (toolbar, hints)

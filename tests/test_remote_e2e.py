@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from chatcli.cli import app
+from chatcli.cli.app import app
 from chatcli.config.settings import get_paths, load_settings
 from chatcli.core.backend import BackendError
 from chatcli.core.conversation import Conversation

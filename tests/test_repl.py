@@ -23,7 +23,7 @@ from prompt_toolkit.output import DummyOutput
 from rich.console import Console
 from typer.testing import CliRunner
 
-from chatcli.cli import app
+from chatcli.cli.app import app
 from chatcli.core.conversation import Alternative
 from chatcli.core.events import (
     ContextUsage,
@@ -693,7 +693,7 @@ def test_piped_talk_prints_only_the_reply_on_stdout_and_stats_on_stderr() -> Non
                                 input="Hi!\n/stats\n")
     assert result.exit_code == 0, (result.stdout, result.stderr)
     from chatcli.config.settings import get_paths
-    from chatcli.core.store import ConversationStore
+    from chatcli.core.files.store import ConversationStore
 
     (conv_dir, _meta), = ConversationStore(get_paths().conversations_dir).list()
     r = __import__("chatcli.core.conversation", fromlist=["replay_events"]).replay_events(conv_dir.read_transcript().events)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from chatcli.core import statefile as sf
+from chatcli.core.kv import records as sf
 from tests.drive import build_session, drain, say, says
 from tests.drive import run_process as drive
 
@@ -132,8 +132,8 @@ def test_alt_switch_after_resume_undo_redo_regen_reads_the_cells_back() -> None:
     """Each alternative reply of a turn has its own CELLS record at the same position: switching back reads
     the older one (it used to take only the newest record there, the other alternative's, and evaluate)."""
     from chatcli.config.settings import get_paths
+    from chatcli.core.files.store import ConversationStore
     from chatcli.core.forking import fork_conversation
-    from chatcli.core.store import ConversationStore
 
     session = build_session(temperature=0.9, seed=5, max_tokens=8)
     conv, _, _ = drain(session.new_conversation("alice"))
@@ -175,8 +175,8 @@ def test_alt_switch_after_resume_undo_redo_regen_reads_the_cells_back() -> None:
 
 def test_fork_continues_like_the_parent(tmp_path: Path) -> None:
     from chatcli.config.settings import get_paths
+    from chatcli.core.files.store import ConversationStore
     from chatcli.core.forking import fork_conversation
-    from chatcli.core.store import ConversationStore
 
     parent = drive("--new", *says(M), logits=tmp_path / "parent.npy")
     child_id, copied = fork_conversation(ConversationStore(get_paths().conversations_dir), parent["id"], 2)

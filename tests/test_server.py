@@ -27,9 +27,9 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from chatcli.core import statefile as sf  # noqa: E402  (after the importorskips)
 from chatcli.core.conversation import Replay, replay_events  # noqa: E402
-from chatcli.core.store import ConversationDir  # noqa: E402
+from chatcli.core.files.store import ConversationDir  # noqa: E402
+from chatcli.core.kv import records as sf  # noqa: E402  (after the importorskips)
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "test-key-0123456789"
@@ -274,7 +274,7 @@ def test_sigkill_restart_evaluates_only_the_new_message(server: Server, referenc
 def test_regenerate_evaluates_nothing_and_keeps_the_original(server: Server) -> None:
     msgs, replies = converse(server, "You are terse. (regenerate)", QUESTIONS[:2])
     cid = replies[-1].conv  # type: ignore[union-attr]
-    from chatcli.core.budget import total_bytes
+    from chatcli.core.kv.budget import total_bytes
 
     before = file_hash(server.conv(cid).transcript_path)
     convs_dir = server.conv(cid).path.parent

@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from chatcli.core import budget
 from chatcli.core.conversation import replay_events
+from chatcli.core.kv import budget
 from chatcli.core.template import Message
 from chatcli.server.service import ChatRequest, ChatService, Finished, Started
 from chatcli.session import Session

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from chatcli.core.store import ConversationStore
+from chatcli.core.files.store import ConversationStore
 from chatcli.server import index as index_mod
 from chatcli.server.index import PrefixIndex
 

@@ -24,7 +24,7 @@ from chatcli.config.settings import (
     packaged_config_file,
     parse_setting,
 )
-from chatcli.core.fsutil import ensure_private_dir
+from chatcli.core.files.fsutil import ensure_private_dir
 
 
 @pytest.fixture

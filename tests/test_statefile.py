@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from chatcli.backends.llamacpp import Engine
-from chatcli.core import statefile as sf
+from chatcli.core.kv import records as sf
 
 
 def _write(path: Path, payloads: list[tuple[int, int, int, bytes]]) -> None:

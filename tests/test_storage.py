@@ -14,11 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from chatcli import units
 from chatcli.config.settings import SettingsError, get_paths, load_settings
-from chatcli.core import budget
-from chatcli.core import statefile as sf
 from chatcli.core.conversation import Conversation, Notice, Progress, ResumeReport
-from chatcli.core.store import ConversationStore
+from chatcli.core.files.store import ConversationStore
+from chatcli.core.kv import budget
+from chatcli.core.kv import records as sf
 from tests.drive import build_session, drain, says
 from tests.drive import run_process as drive
 
@@ -30,15 +31,15 @@ MSGS = ["Hi! What is your name?", "What is the capital of France?", "And of Ital
 
 
 def test_sizes_parse_like_chatcli_prints_them() -> None:
-    assert budget.parse_size("20GB") == 20 << 30
-    assert budget.parse_size("500MB") == budget.parse_size("500 MiB") == budget.parse_size("500m") == 500 << 20
-    assert budget.parse_size("1.5G") == 3 << 29
-    assert budget.parse_size("4096") == 4096
+    assert units.parse_size("20GB") == 20 << 30
+    assert units.parse_size("500MB") == units.parse_size("500 MiB") == units.parse_size("500m") == 500 << 20
+    assert units.parse_size("1.5G") == 3 << 29
+    assert units.parse_size("4096") == 4096
     for unlimited in ("0", "none", "None", "unlimited", ""):
-        assert budget.parse_size(unlimited) is None
+        assert units.parse_size(unlimited) is None
     for bad in ("lots", "5 parsecs", "-1", "1e9", "GB"):
-        with pytest.raises(budget.BudgetError):
-            budget.parse_size(bad)
+        with pytest.raises(units.SizeError):
+            units.parse_size(bad)
 
 
 def test_budget_and_kv_type_settings(chatcli_home: Path) -> None:
@@ -49,7 +50,7 @@ def test_budget_and_kv_type_settings(chatcli_home: Path) -> None:
     s = load_settings(env={"CHATCLI_STATE_BUDGET": "500MB", "CHATCLI_KV_TYPE": "q8_0", "CHATCLI_HOME": str(chatcli_home)})
     assert (s.state_budget, s.kv_type) == ("500MB", "q8_0")
     assert load_settings({"state_budget": "none"}).state_budget == "none"
-    assert budget.parse_size(load_settings().state_budget) == 20 << 30  # the default
+    assert units.parse_size(load_settings().state_budget) == 20 << 30  # the default
     with pytest.raises(SettingsError, match=r"CHATCLI_STATE_BUDGET.*size"):
         load_settings(env={"CHATCLI_STATE_BUDGET": "lots", "CHATCLI_HOME": str(chatcli_home)})
     with pytest.raises(SettingsError, match=r"--kv-type.*f16, q8_0, q4_0"):
@@ -57,7 +58,7 @@ def test_budget_and_kv_type_settings(chatcli_home: Path) -> None:
     cfg = chatcli_home / "config"
     cfg.mkdir(parents=True)
     (cfg / "config.toml").write_text("state_budget = 0\n")
-    assert budget.parse_size(load_settings().state_budget) is None  # an integer in TOML is a size in bytes
+    assert units.parse_size(load_settings().state_budget) is None  # an integer in TOML is a size in bytes
 
 
 # -- in-process sessions (one model load per KV type for the module) -----------------------------------
@@ -158,11 +159,11 @@ def test_tiny_budget_evicts_in_lru_order_and_spares_the_open_conversation(engine
 
 
 def _prefix_of(session: Any, conv_id: str) -> Path:
-    from chatcli.core import prefixcache
+    from chatcli.core.kv import prefix
 
     meta = session.store.resolve(conv_id).read_meta()
-    ident = prefixcache.state_identity(session.identity(), session.engine.identity())
-    return prefixcache.cache_path(session.paths.prefix_cache_dir, ident, meta["persona_hash"], session.template.source)
+    ident = prefix.state_identity(session.identity(), session.engine.identity())
+    return prefix.cache_path(session.paths.prefix_cache_dir, ident, meta["persona_hash"], session.template.source)
 
 
 def test_state_of_one_kv_type_is_never_loaded_into_another(engines: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -244,7 +245,7 @@ def test_q8_0_resume_is_bit_identical_to_the_uninterrupted_process(uninterrupted
 def test_evicted_conversation_resumes_with_identical_greedy_tokens(uninterrupted: dict[str, Any]) -> None:
     from typer.testing import CliRunner
 
-    from chatcli.cli import app
+    from chatcli.cli.app import app
 
     whole = uninterrupted["f16"]
     first = drive("--new", *says(MSGS[:2]))

@@ -154,11 +154,11 @@ _KINDS: dict[str, tuple[type, bool]] = {
 
 
 def _is_size(value: str) -> bool:
-    from chatcli.core.budget import BudgetError, parse_size
+    from chatcli.units import SizeError, parse_size
 
     try:
         parse_size(value)
-    except BudgetError:
+    except SizeError:
         return False
     return True
 

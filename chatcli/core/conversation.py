@@ -1,7 +1,7 @@
 """A conversation: the policy of turns, alternatives, rollbacks and context shifts.
 
 It keeps three things equal: the transcript (``transcript.py``, fsynced, the truth), the backend's
-sequence (``backend.py``: what the context holds) and the saved KV state (``statelog.py``, chosen by the
+sequence (``backend.py``: what the context holds) and the saved KV state (``kv/log.py``, chosen by the
 backend's capabilities). Every change is written to the transcript first, then made to the backend,
 then handed to the state log.
 
@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Generator, Iterator, Mapping, Sequence
 
-from chatcli.core import budget, prefixcache, rebuild
 from chatcli.core.backend import Backend, BackendError, ContextFullError, Sampling
 from chatcli.core.events import (
     ConversationError,
@@ -29,9 +28,10 @@ from chatcli.core.events import (
     SessionStats,
     TurnStats,
 )
+from chatcli.core.files.store import ConversationDir
+from chatcli.core.kv import budget, prefix, rebuild
+from chatcli.core.kv.log import StateLog, make_state_log
 from chatcli.core.reply import Draft, closing_tokens, make_title, reply_seed, stream_reply
-from chatcli.core.statelog import StateLog, make_state_log
-from chatcli.core.store import ConversationDir
 from chatcli.core.template import ChatTemplate, Message
 from chatcli.core.transcript import ActiveMessage, Replay, Transcript, replay_events
 from chatcli.core.views import Alternative, ConversationViews
@@ -77,7 +77,7 @@ class Conversation(ConversationViews):
     # -- loading the backend (see opening.py for creating and opening) ---------------------------------
 
     def state_identity(self) -> dict[str, Any]:
-        return prefixcache.state_identity(self.identity, self.backend.identity())
+        return prefix.state_identity(self.identity, self.backend.identity())
 
     def start(self, cache_file: Path | None) -> Iterator[Event]:
         """Put a new conversation's persona prefix in the backend (from the prefix cache when it can)."""

@@ -1,7 +1,7 @@
 """``chatcli fork`` and the server's forks: a new conversation sharing a prefix of another one's history.
 
 The child's transcript gets the parent's messages up to the fork point. Its state file *refers* to the
-parent's bytes instead of copying them (see statefile.py, BASE records): the parent's ``state.kv`` is
+parent's bytes instead of copying them (see kv/records.py, BASE records): the parent's ``state.kv`` is
 hard-linked into the child's folder as its base, and the child's own file holds a header, the BASE record
 and a TRUNCATE to the fork point: a few hundred bytes however long the parent is, nothing evaluated, not
 even the model loaded. Where a link cannot be made (another filesystem, no permission, a chain of forks
@@ -14,11 +14,11 @@ import contextlib
 import os
 from pathlib import Path
 
-from chatcli.core import statefile as sf
 from chatcli.core.events import ConversationError
 from chatcli.core.export import exchange_counts
-from chatcli.core.fsutil import atomic_write_bytes, atomic_write_with, write_all
-from chatcli.core.store import ConversationStore
+from chatcli.core.files.fsutil import atomic_write_bytes, atomic_write_with, write_all
+from chatcli.core.files.store import ConversationStore
+from chatcli.core.kv import records as sf
 from chatcli.core.transcript import replay_events
 
 

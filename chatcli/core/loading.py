@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Generator, Iterator, TypeVar
 
-from chatcli.core import prefixcache
 from chatcli.core.backend import Backend, Sampling
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import ConversationError, Event, Notice, ResumeReport
-from chatcli.core.store import ConversationDir, ConversationStore
+from chatcli.core.files.store import ConversationDir, ConversationStore
+from chatcli.core.kv import prefix
 from chatcli.core.template import ChatTemplate, Message
 from chatcli.core.transcript import Transcript, replay_events
 
@@ -33,7 +33,7 @@ def create_conversation(
     conv.lock()
 
     def body() -> Generator[Event, None, Conversation]:
-        prefix_tokens = prefixcache.persona_prefix_tokens(backend, template, persona_messages)
+        prefix_tokens = prefix.persona_prefix_tokens(backend, template, persona_messages)
         conv.append_event({
             "type": "prefix", "persona": persona_name, "persona_hash": persona_hash, "tokens": prefix_tokens,
             "messages": [m.as_dict() for m in persona_messages], "span": [0, len(prefix_tokens)],
@@ -43,7 +43,7 @@ def create_conversation(
                          max_tokens=max_tokens, reserve=reserve)
         cache_file = None
         if prefix_cache_dir is not None:
-            cache_file = prefixcache.cache_path(prefix_cache_dir, c.state_identity(), persona_hash, template.source)
+            cache_file = prefix.cache_path(prefix_cache_dir, c.state_identity(), persona_hash, template.source)
         yield from c.start(cache_file)
         return c
 
@@ -73,7 +73,7 @@ def open_conversation(
             if replay.all or persona_messages is None:
                 raise ConversationError(f"conversation {conv.id}: its transcript lost the persona prefix record")
             # Killed before the first transcript line was written: start the prefix now from the persona.
-            toks = prefixcache.persona_prefix_tokens(backend, template, persona_messages)
+            toks = prefix.persona_prefix_tokens(backend, template, persona_messages)
             Transcript(conv, replay).append({
                 "type": "prefix", "persona": meta.get("persona", ""), "persona_hash": meta.get("persona_hash", ""),
                 "messages": [m.as_dict() for m in persona_messages], "tokens": toks, "span": [0, len(toks)]})

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from chatcli.core.template import Message
 
 if TYPE_CHECKING:
-    from chatcli.core.store import ConversationDir
+    from chatcli.core.files.store import ConversationDir
 
 
 @dataclass

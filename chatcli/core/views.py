@@ -15,8 +15,8 @@ from chatcli.core.transcript import ActiveMessage, Replay, Transcript
 
 if TYPE_CHECKING:
     from chatcli.core.backend import Backend, Logits
-    from chatcli.core.statelog import StateLog
-    from chatcli.core.store import ConversationDir
+    from chatcli.core.files.store import ConversationDir
+    from chatcli.core.kv.log import StateLog
 
 
 @dataclass(frozen=True)

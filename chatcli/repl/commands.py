@@ -245,7 +245,7 @@ def _title(ctx: CommandContext, arg: str) -> None:
 
 @REGISTRY.register("stats", "details of the last turn and of this session")
 def _stats(ctx: CommandContext, arg: str) -> None:
-    from chatcli.repl.render import human_bytes
+    from chatcli.units import format_size
 
     conv = ctx.conv
     use = conv.context
@@ -263,14 +263,14 @@ def _stats(ctx: CommandContext, arg: str) -> None:
             rows.append(("rollback", f"kept {last.kept}, dropped {last.dropped or 0}, "
                                      f"re-evaluated {last.reevaluated or 0} tokens"))
         if last.state_bytes:
-            rows.append(("saved", f"{human_bytes(last.state_bytes)} of state in {last.save_ms:.0f} ms"))
+            rows.append(("saved", f"{format_size(last.state_bytes)} of state in {last.save_ms:.0f} ms"))
         ctx.renderer.fields("last turn", rows)
     s = conv.session_stats
     ctx.renderer.fields("session", [
         ("replies", f"{s.turns}"),
         ("tokens", f"{s.n_eval} evaluated, {s.n_generated} generated ({s.tokens_per_second:.1f} tok/s)"),
         ("context", f"{use.n_past}/{use.n_ctx} tokens ({100 * use.n_past / use.n_ctx if use.n_ctx else 0.0:.0f}%)"),
-        ("state file", human_bytes(conv.state_bytes())),
+        ("state file", format_size(conv.state_bytes())),
         ("conversation", f"{conv.id} · {conv.title or '(untitled)'} · {conv.n_turns} exchange(s)"),
     ])
 

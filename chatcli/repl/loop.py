@@ -28,12 +28,13 @@ from chatcli.config.personas import PersonaError
 from chatcli.core.backend import BackendError, ContextFullError
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import ConversationError, Event, Progress, ResumeReport
-from chatcli.core.fsutil import ensure_private_dir
+from chatcli.core.files.fsutil import ensure_private_dir
 from chatcli.core.opening import split_opening
 from chatcli.core.template import TemplateError
 from chatcli.repl.commands import REGISTRY, CommandError, ReplExit, UnknownCommand, dispatch
 from chatcli.repl.context import ChatConversation, ChatIO, CommandContext
-from chatcli.repl.render import Renderer, human_bytes
+from chatcli.repl.render import Renderer
+from chatcli.units import format_size
 
 if TYPE_CHECKING:
     from chatcli.session import Session
@@ -241,7 +242,7 @@ class Repl:
         ctx_markup = f"ctx {use.n_past}/{use.n_ctx} {esc(bar)}"
         if frac >= 0.9:
             ctx_markup = f"<b>{ctx_markup}</b>"
-        state = f"state {human_bytes(conv.state_bytes())}"
+        state = f"state {format_size(conv.state_bytes())}"
         keys = self.hint or "/help · Ctrl-D exit"
         keys_markup = f"<b>{esc(self.hint)}</b>" if self.hint else esc(keys)
         # In display order; the priorities decide what stays when the terminal is narrow.

@@ -28,6 +28,7 @@ from rich.text import Text
 
 from chatcli.core.events import Event, Notice, Progress, ReplyEnd, ReplyStart, ReplyText, TurnStats
 from chatcli.core.transcript import ActiveMessage
+from chatcli.units import format_size
 
 # Prose is hard to read in very wide lines: replies are laid out at most this wide.
 MAX_REPLY_WIDTH = 100
@@ -41,15 +42,6 @@ RENDER_SHARE = 0.15
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
-def human_bytes(n: int | float) -> str:
-    n = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GB"
-
-
 def stats_line(s: TurnStats) -> str:
     parts = [f"{s.n_eval} tok evaluated"]
     if s.n_generated:
@@ -61,7 +53,7 @@ def stats_line(s: TurnStats) -> str:
     if s.kept is not None:
         parts.append(f"kept {s.kept}, dropped {s.dropped or 0}, re-evaluated {s.reevaluated or 0}")
     if s.state_bytes:
-        parts.append(f"saved {human_bytes(s.state_bytes)} in {s.save_ms:.0f} ms")
+        parts.append(f"saved {format_size(s.state_bytes)} in {s.save_ms:.0f} ms")
     if s.stop_reason == "cancelled":
         parts.append("stopped by Ctrl-C: partial reply kept")
     elif s.stop_reason == "length":

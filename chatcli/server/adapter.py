@@ -22,10 +22,10 @@ from chatcli.core.conversation import (
     ResumeReport,
     replay_events,
 )
+from chatcli.core.files.store import ConversationDir, ConversationStore
 from chatcli.core.forking import fork_state
+from chatcli.core.kv.log import CellLog
 from chatcli.core.loading import create_conversation, open_conversation
-from chatcli.core.statelog import CellLog
-from chatcli.core.store import ConversationDir, ConversationStore
 from chatcli.core.template import Message
 from chatcli.session import Session
 
@@ -59,7 +59,7 @@ def _drain(gen: Iterator[Any], session: Session | None = None) -> Opened:
 def create(session: Session, engine: Engine, *, persona: Sequence[Message], persona_name: str, persona_hash: str, seed: int,
            sampling: Sampling, max_tokens: int, meta: dict[str, Any]) -> Opened:
     """A new conversation from a persona (its prefix from the shared prefix cache when present)."""
-    from chatcli.core.fsutil import ensure_private_dir
+    from chatcli.core.files.fsutil import ensure_private_dir
 
     opened = _drain(create_conversation(
         session.store, engine, session.template,

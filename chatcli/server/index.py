@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from chatcli.core.conversation import Replay, replay_events
-from chatcli.core.fsutil import atomic_write_text
-from chatcli.core.store import _ID_RE, ConversationDir, ConversationStore, StoreError
+from chatcli.core.files.fsutil import atomic_write_text
+from chatcli.core.files.store import _ID_RE, ConversationDir, ConversationStore, StoreError
 from chatcli.core.template import Message
 from chatcli.server import history
 

@@ -37,7 +37,7 @@ from chatcli.core.conversation import (
     ReplyText,
     replay_events,
 )
-from chatcli.core.store import ConversationDir, LockedError, StoreError
+from chatcli.core.files.store import ConversationDir, LockedError, StoreError
 from chatcli.core.template import Message, TemplateError
 from chatcli.server import adapter, history
 from chatcli.server.history import HistoryError, SplitHistory

@@ -1,6 +1,6 @@
 """`chatcli ls`: the conversations, most recent first, as a table, tab-separated lines or JSON.
 
-Kept apart from the typer app so that chatcli.entry can run a bare `chatcli ls` without importing typer or
+Kept apart from the typer app so that chatcli.cli.entry can run a bare `chatcli ls` without importing typer or
 building the app (issue #15 goal 3b: listing 100 conversations within 0.2 s, whole process).
 """
 
@@ -17,14 +17,13 @@ from typing import Any
 
 
 def list_conversations(*, as_json: bool) -> None:
-    """Print the list. Core errors propagate: the caller maps them to one line (chatcli.clierrors)."""
+    """Print the list. Core errors propagate: the caller maps them to one line (chatcli.cli.errors)."""
     # Only what listing needs: the transcript replay (and jinja2 behind it) only for a conversation whose
-    # metadata summary is missing or stale; never rich (the budget's format_size is render.human_bytes
-    # without importing the renderer).
+    # metadata summary is missing or stale; never rich (sizes come from chatcli.units, not the renderer).
     from chatcli.config.settings import get_paths
-    from chatcli.core.budget import format_size
-    from chatcli.core.migrations import FormatError
-    from chatcli.core.store import ConversationStore
+    from chatcli.core.files.migrations import FormatError
+    from chatcli.core.files.store import ConversationStore
+    from chatcli.units import format_size
 
     store = ConversationStore(get_paths().conversations_dir)
     rows = []
@@ -92,7 +91,8 @@ def list_conversations(*, as_json: bool) -> None:
 def _usage_line(n: int, n_warm: int) -> str:
     """The total under `ls`: warm/cold counts, the bytes of all state, and the budget they are held to."""
     from chatcli.config.settings import SettingsError, get_paths, load_settings
-    from chatcli.core.budget import format_size, parse_size, scan_usage
+    from chatcli.core.kv.budget import scan_usage
+    from chatcli.units import format_size, parse_size
 
     paths = get_paths()
     usage = scan_usage(paths.conversations_dir, paths.prefix_cache_dir)

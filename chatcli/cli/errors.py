@@ -1,6 +1,6 @@
 """How the command line fails: one line on stderr and an exit code, never a traceback.
 
-Without typer, so that the fast path of `chatcli ls` (chatcli.entry) fails the same way as every command.
+Without typer, so that the fast path of `chatcli ls` (chatcli.cli.entry) fails the same way as every command.
 Failing raises SystemExit: typer lets it through, and its test runner records the code.
 """
 
@@ -72,9 +72,9 @@ def user_errors() -> Iterator[None]:
 # imported by whoever raised it): `chatcli ls` does not import the model and template modules for this.
 _USAGE_ERRORS = (("chatcli.models.resolve", "ModelError"), ("chatcli.models.gguf", "GGUFError"),
                  ("chatcli.config.settings", "SettingsError"), ("chatcli.config.personas", "PersonaError"),
-                 ("chatcli.core.store", "StoreError"))
+                 ("chatcli.core.files.store", "StoreError"))
 _RUN_ERRORS = (("chatcli.core.events", "ConversationError"), ("chatcli.core.template", "TemplateError"),
-               ("chatcli.core.backend", "BackendError"), ("chatcli.core.migrations", "FormatError"))
+               ("chatcli.core.backend", "BackendError"), ("chatcli.core.files.migrations", "FormatError"))
 
 
 def _loaded(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ...]:
@@ -84,7 +84,7 @@ def _loaded(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ..
 def _user_error_code(exc: Exception) -> int | None:
     """The exit code for a core error (a locked conversation is not a usage error), None for anything else."""
     if isinstance(exc, _loaded(_USAGE_ERRORS)):
-        locked = _loaded((("chatcli.core.store", "LockedError"),))
+        locked = _loaded((("chatcli.core.files.store", "LockedError"),))
         return 1 if locked and isinstance(exc, locked) else EXIT_USAGE
     if isinstance(exc, _loaded(_RUN_ERRORS)):
         return 1

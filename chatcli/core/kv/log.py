@@ -4,7 +4,7 @@ The conversation (``conversation.py``) decides *what* happens to the context —
 shift — and tells its state log through a few hooks; the log decides what to save and how to restore.
 
 - ``CellLog`` (backends with ``caps.cells``, the local llama.cpp engine): the append-only state file
-  (``statefile.py``). Each turn appends only the cells it added, plus the logits after the user message
+  (``records.py``). Each turn appends only the cells it added, plus the logits after the user message
   (so /regen samples again without evaluating anything); a rollback appends a TRUNCATE record; switching
   back to a reply or redoing it reads its cells back; compaction and context shifts write one snapshot.
 - ``CheckpointLog`` (backends with ``caps.checkpoint``, e.g. a remote llama-server that saves whole slots
@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from chatcli.core import prefixcache, rebuild
-from chatcli.core import statefile as sf
 from chatcli.core.backend import Backend, BackendError
 from chatcli.core.events import Event, Progress, ResumeReport, TurnStats
+from chatcli.core.kv import prefix, rebuild
+from chatcli.core.kv import records as sf
 
 if TYPE_CHECKING:
     from chatcli.core.backend import Logits
@@ -121,7 +121,7 @@ class CellLog:
         return self._turn_logits
 
     def start(self, prefix_tokens: list[int], cache_file: Path | None) -> Iterator[Event]:
-        records, _hit = yield from prefixcache.load_or_build(self.eng, prefix_tokens, cache_file, self.identity)
+        records, _hit = yield from prefix.load_or_build(self.eng, prefix_tokens, cache_file, self.identity)
         # The conversation gets its own copy of the prefix cells: it keeps working if the cache is cleared.
         self.writer.rewrite(records)
         self.state = sf.scan(self.path)
@@ -141,7 +141,7 @@ class CellLog:
                 missing = idx.problem in ("missing", "empty")
                 report.reason = "no saved state" if missing else f"state file unusable ({idx.problem})"
             elif not usable:
-                report.reason = prefixcache.identity_mismatch(idx.header.get("identity"), self.identity)
+                report.reason = prefix.identity_mismatch(idx.header.get("identity"), self.identity)
             else:
                 chunks, logits_rec, _ = idx.live()
                 for ch in chunks:

@@ -27,7 +27,7 @@ The crc covers the header fields and the payload, so a torn or bit-flipped recor
 stops at the first bad record and the rest is treated as missing (re-evaluated from the transcript).
 The file is a cache: the transcript is the truth, and deleting this file only costs a re-evaluation.
 
-Versions (the rule is in migrations.py): the header's ``format`` is the file's major version; a newer one
+Versions (the rule is in core/files/migrations.py): the header's ``format`` is the file's major version; a newer one
 is refused, never rebuilt over. A record of a kind this version does not know, but whose framing and crc
 are sound, was added by a newer chatcli under the same major version: it is skipped, not taken for damage.
 A BASE record must not be skipped (the cells after it continue the base's), so a file holding one says
@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Self
 
-from chatcli.core import migrations
-from chatcli.core.fsutil import append_durably, atomic_write_bytes
+from chatcli.core.files import migrations
+from chatcli.core.files.fsutil import append_durably, atomic_write_bytes
 
 MAGIC = b"CKV1"
 FORMAT_VERSION = migrations.STATE_VERSION

@@ -2,7 +2,7 @@
 
     <data>/conversations/<id>/meta.json         id, title, persona, model identity, params, summary (atomic writes)
     <data>/conversations/<id>/transcript.jsonl  append-only events, fsynced: the source of truth
-    <data>/conversations/<id>/state.kv          append-only KV records (see statefile.py): a cache
+    <data>/conversations/<id>/state.kv          append-only KV records (see core/kv/records.py): a cache
     <data>/conversations/<id>/lock              flock held by the process that has it open
 
 This is the only module that knows these paths. Each file carries its format version; the rule for
@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chatcli.core import migrations, statefile
-from chatcli.core.fsutil import append_line_durably, atomic_write_text, ensure_private_dir, fsync_dir
-from chatcli.core.migrations import META_VERSION, TRANSCRIPT_VERSION, FormatError
+from chatcli.core.files import migrations
+from chatcli.core.files.fsutil import append_line_durably, atomic_write_text, ensure_private_dir, fsync_dir
+from chatcli.core.files.migrations import META_VERSION, TRANSCRIPT_VERSION, FormatError
+from chatcli.core.kv import records
 
 _ID_ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"  # no 0/o, 1/l/i: ids get read aloud and typed
 _ID_RE = re.compile(r"^[a-z0-9]{1,32}$")
@@ -102,7 +103,7 @@ class ConversationDir:
             raise
         except ValueError:
             raise StoreError(f"{where}: unsupported metadata format {meta.get('format')!r}") from None
-        statefile.check_format(self.state_path)
+        records.check_format(self.state_path)
         return migrations.upgrade_meta(meta)
 
     def write_meta(self, meta: dict[str, Any]) -> None:

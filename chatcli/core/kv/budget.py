@@ -13,7 +13,7 @@ later (a resume that rebuilt the state). Access times are not used: most systems
 loads them, so their mtime is their last use.
 
 Shared bytes count once. A fork's state refers to its parent's file through a hard link (``state.base-*.kv``
-in the fork's folder, see statefile.py): one inode, several names. Every total here adds each inode
+in the fork's folder, see records.py): one inode, several names. Every total here adds each inode
 (``st_dev``, ``st_ino``) once, and evicting a conversation frees only the inodes no other remaining item
 still links: dropping a parent whose bytes a fork shares frees nothing of them (the fork keeps them).
 
@@ -24,49 +24,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chatcli.core.store import ConversationDir, LockedError, StoreError
+from chatcli.core.files.store import ConversationDir, LockedError, StoreError
+from chatcli.units import format_size
 
 DEFAULT_BUDGET = "20GB"
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
-_UNLIMITED = frozenset({"0", "none", "unlimited", "off", ""})
-
-
-class BudgetError(ValueError):
-    """A size that cannot be read; the message is one line."""
-
-
-def parse_size(text: str) -> int | None:
-    """Bytes from ``20GB``, ``500MB``, ``1.5G``, ``750k``, ``4096``; None (no limit) for ``0``/``none``.
-
-    Units are powers of 1024, the way chatcli prints sizes (``KB``, ``KiB`` and ``K`` all mean 1024 bytes).
-    """
-    s = str(text).strip().lower()
-    if s in _UNLIMITED:
-        return None
-    m = _SIZE_RE.match(s)
-    if not m:
-        raise BudgetError(f"not a size: {text!r} (use e.g. 20GB, 500MB, or 0/none for no limit)")
-    number, unit = float(m[1]), m[2].lower()
-    if m[3] and m[3].lower() == "ib" and not unit:
-        raise BudgetError(f"not a size: {text!r} (use e.g. 20GB, 500MB, or 0/none for no limit)")
-    n = int(number * _UNITS[unit])
-    return n if n > 0 else None
-
-
-def format_size(n: float) -> str:
-    x = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if x < 1024 or unit == "GB":
-            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
-        x /= 1024
-    return f"{x:.1f} GB"  # pragma: no cover
 
 
 _Inode = tuple[int, int]  # (st_dev, st_ino)
@@ -345,6 +311,5 @@ def was_evicted(meta: dict[str, object]) -> bool:
 
 
 __all__ = [
-    "DEFAULT_BUDGET", "BudgetError", "Freed", "StateItem", "Usage", "enforce", "format_size", "parse_size",
-    "scan_usage", "total_bytes", "was_evicted",
+    "DEFAULT_BUDGET", "Freed", "StateItem", "Usage", "enforce", "scan_usage", "total_bytes", "was_evicted",
 ]

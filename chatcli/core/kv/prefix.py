@@ -16,7 +16,7 @@ from typing import Any, Generator, Sequence
 
 from chatcli.core.backend import Backend
 from chatcli.core.events import Event, Notice, Progress
-from chatcli.core.fsutil import ensure_private_dir
+from chatcli.core.files.fsutil import ensure_private_dir
 from chatcli.core.template import ChatTemplate, Message
 
 
@@ -71,7 +71,7 @@ def load_or_build(
     Returns the records a conversation's state file starts with, and whether the cache was used.
     """
     # Imported here: the cache keys above are computed by commands that must not load numpy (`personas`).
-    from chatcli.core import statefile as sf
+    from chatcli.core.kv import records as sf
 
     header = sf.encode_record(sf.HEADER, 0, 0, sf.header_payload(identity))
     n = len(prefix_tokens)

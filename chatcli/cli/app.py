@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Callable
 import typer
 
 from chatcli import __version__
-from chatcli.clierrors import EXIT_USAGE, CliError, err_console, first_line, user_errors
+from chatcli.cli.errors import EXIT_USAGE, CliError, err_console, first_line, user_errors
 
 if TYPE_CHECKING:  # imported where used, so that `chatcli ls` never loads what only `talk` needs
 
@@ -230,9 +230,9 @@ def _open(settings: Settings, paths: Paths, explicit: set[str], conv_id: str | N
           kv_type_flag: str | None = None) -> tuple[Session, Conversation, Renderer, bool]:
     """Resolve the conversation first (cheap errors before loading a model), then restore it."""
     from chatcli.config.settings import get_paths
-    from chatcli.core.store import ConversationStore
+    from chatcli.core.files.store import ConversationStore
     from chatcli.repl.loop import open_events
-    from chatcli.repl.render import human_bytes
+    from chatcli.units import format_size
 
     store = ConversationStore(get_paths().conversations_dir)
     conv_dir = store.resolve(conv_id)
@@ -280,7 +280,7 @@ def _open(settings: Settings, paths: Paths, explicit: set[str], conv_id: str | N
         if report.reason:
             renderer.notice(report.reason + "; rebuilt from the transcript's tokens", "warn")
         renderer.notice(
-            f"resumed {conv.id}: restored {report.restored_tokens} tokens ({human_bytes(report.restored_bytes)}) "
+            f"resumed {conv.id}: restored {report.restored_tokens} tokens ({format_size(report.restored_bytes)}) "
             f"in {report.seconds * 1000:.0f} ms · re-evaluated {report.reevaluated} tokens")
     return session, conv, renderer, interactive
 
@@ -368,8 +368,8 @@ def fork(
     """Start a new conversation sharing the history up to a turn (its KV state is shared or copied, never
     re-evaluated). After a context shift the fork holds the exchanges still in context up to TURN."""
     from chatcli.config.settings import get_paths
+    from chatcli.core.files.store import ConversationStore
     from chatcli.core.forking import fork_conversation
-    from chatcli.core.store import ConversationStore
 
     with user_errors():
         store = ConversationStore(get_paths().conversations_dir)
@@ -385,7 +385,7 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-reada
     (fewer once old exchanges left it in a context shift). A "from" column (api / cli) appears once some
     conversation was made through `chatcli serve`.
     """
-    from chatcli.listing import list_conversations
+    from chatcli.cli.listing import list_conversations
 
     with user_errors():
         list_conversations(as_json=as_json)
@@ -403,7 +403,8 @@ def gc(
     re-evaluating its transcript. Example: chatcli gc --budget 2GB
     """
     from chatcli.config.settings import get_paths
-    from chatcli.core.budget import BudgetError, enforce, parse_size
+    from chatcli.core.kv.budget import enforce
+    from chatcli.units import SizeError, parse_size
 
     with user_errors():
         settings, paths, _ = _settings({})
@@ -412,7 +413,7 @@ def gc(
         try:
             # `gc --budget 0` means "keep nothing": in a setting 0 means no limit, here it is a size.
             limit = 0 if budget is not None and budget.strip() == "0" else parse_size(text)
-        except BudgetError as exc:
+        except SizeError as exc:
             raise CliError(f"--budget: {exc}", EXIT_USAGE) from None
         freed = enforce(paths.conversations_dir, paths.prefix_cache_dir, limit)
         print(freed.summary())
@@ -425,7 +426,7 @@ def show(
 ) -> None:
     """Print a conversation's transcript (messages that left the model's context are marked)."""
     from chatcli.config.settings import get_paths
-    from chatcli.core.store import ConversationStore
+    from chatcli.core.files.store import ConversationStore
     from chatcli.core.transcript import replay_events
 
     with user_errors():
@@ -475,7 +476,7 @@ def export(
     through alternatives, edits and undos), including those that left the model's context."""
     from chatcli.config.settings import get_paths
     from chatcli.core.export import to_markdown, to_messages
-    from chatcli.core.store import ConversationStore
+    from chatcli.core.files.store import ConversationStore
     from chatcli.core.transcript import replay_events
 
     with user_errors():
@@ -499,8 +500,8 @@ def rm(
 ) -> None:
     """Delete conversations."""
     from chatcli.config.settings import get_paths
-    from chatcli.core.migrations import FormatError
-    from chatcli.core.store import ConversationStore, StoreError
+    from chatcli.core.files.migrations import FormatError
+    from chatcli.core.files.store import ConversationStore, StoreError
 
     with user_errors():
         store = ConversationStore(get_paths().conversations_dir)
@@ -528,7 +529,7 @@ def personas(
 ) -> None:
     """List personas and whether their prefix is cached for the current model."""
     from chatcli.config.personas import get_persona, load_personas, persona_problems
-    from chatcli.personacache import prefix_status, warm_prefix
+    from chatcli.persona_prefixes import prefix_status, warm_prefix
     from chatcli.repl.render import Renderer
 
     with user_errors():
@@ -594,7 +595,7 @@ def config_edit() -> None:
     import subprocess
 
     from chatcli.config.settings import get_paths
-    from chatcli.core.fsutil import ensure_private_dir
+    from chatcli.core.files.fsutil import ensure_private_dir
 
     with user_errors():
         path = get_paths().config_file

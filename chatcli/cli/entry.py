@@ -16,13 +16,13 @@ _FAST = {("ls",): False, ("ls", "--json"): True}
 def main() -> None:
     as_json = _FAST.get(tuple(sys.argv[1:]))
     if as_json is not None:
-        from chatcli.clierrors import user_errors
-        from chatcli.listing import list_conversations
+        from chatcli.cli.errors import user_errors
+        from chatcli.cli.listing import list_conversations
 
         with user_errors():
             list_conversations(as_json=as_json)
         return
-    from chatcli.cli import main as typer_main
+    from chatcli.cli.app import main as typer_main
 
     typer_main()
 

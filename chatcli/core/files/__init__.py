@@ -1,0 +1,1 @@
+"""The data directory on disk: conversation folders, durable writes, format versions."""
