@@ -610,6 +610,10 @@ class LlamaServerBackend:
         self._held = min(self._held, n)
         return dropped
 
+    def rewind(self, n: int, p0: int, data: bytes | memoryview) -> None:
+        """The server keeps no saved cells of ours: a shorter sequence is a truncation it sees next time."""
+        self.truncate(n)
+
     def shift(self, keep: int, drop: int) -> None:
         raise BackendError("llama-server sequences are not shifted from the client: the context is rebuilt")
 

@@ -46,6 +46,37 @@ SEQ = 0  # the conversation
 SCRATCH = 1  # staging area for saving/restoring cell ranges
 
 
+def _fork_probe(operation: Callable[[], object], timeout: float = 10.0) -> bool:
+    """Whether ``operation`` returns (True) or aborts the process (False), tried in a forked child.
+
+    llama.cpp answers some unsupported memory operations with GGML_ASSERT (abort), not an error. The
+    child runs only that call (no decode, so no thread pool is needed) and exits at once; a child that
+    neither returns nor dies within ``timeout`` counts as a failure. No fork (Windows): False, the safe
+    answer (the caller then uses only whole-sequence operations).
+    """
+    if not hasattr(os, "fork"):
+        return False
+    pid = os.fork()
+    if pid == 0:  # the child: try, then leave without running any Python cleanup
+        os.environ["GGML_NO_BACKTRACE"] = "1"  # no gdb attach on abort
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # the assertion message is not for the user
+            operation()
+        except BaseException:
+            os._exit(1)
+        os._exit(0)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            return False
+        time.sleep(0.002)
+
+
 # The engine's errors and data types are the Backend protocol's (re-exported here for older imports).
 EngineError = BackendError  # llama.cpp refused an operation (model load, decode, state restore)
 
@@ -165,6 +196,8 @@ class Engine:
         self._ctx_logits = False
         self.can_shift = bool(llama_cpp.llama_memory_can_shift(self._mem))
         self.n_evaluated_total = 0
+        self.memory_kind, self.can_truncate, self.ranges = self._probe_memory()
+        self.n_evaluated_total = 0  # the probe's two tokens are not the conversation's
         self._ids = np.arange(self.n_vocab, dtype=np.int32)
         self._candidates = np.zeros(
             self.n_vocab, dtype=np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
@@ -176,7 +209,43 @@ class Engine:
     @property
     def caps(self) -> Capabilities:
         # A property: ``can_shift`` may be turned off (tests simulate a model whose memory cannot shift).
-        return Capabilities(cells=True, checkpoint=False, logits=True, local_sampling=True, shift=self.can_shift)
+        # A memory that cannot be cut back cannot shift either, whatever its attention part could: the
+        # recurrent state still holds what a shift drops, so the result would match no evaluation.
+        return Capabilities(cells=True, checkpoint=False, logits=True, local_sampling=True,
+                            shift=self.can_shift and self.can_truncate, truncate=self.can_truncate,
+                            ranges=self.ranges, memory=self.memory_kind)
+
+    def _probe_memory(self) -> tuple[str, bool, bool]:
+        """What this context's memory can do: (kind, can truncate, can save position ranges).
+
+        Asked of llama.cpp by trying, never assumed from the architecture's name (a new memory kind must
+        not abort the process), and only where llama.cpp calls the architecture recurrent or hybrid, or its
+        memory cannot shift: a plain attention cache (and SWA with a full-size cache) always truncates, and
+        the probe costs a 2-token decode at load.
+
+        - Truncation, as llama.cpp's common_context_can_seq_rm checks it: decode two tokens, remove the
+          second. A recurrent state refuses (it keeps no history), changing nothing.
+        - Range saves copy a position range to the scratch sequence (``llama_memory_seq_cp``). Some memories
+          assert instead of refusing (DeepSeek-V4: "only supports full sequence copies"), so the copy is
+          tried in a forked child: an abort kills only the child. Pure recurrent memories have no cells to
+          range over. Without fork (Windows), ranges are not used where truncation fails: whole-sequence
+          saves are always safe.
+        """
+        recurrent = bool(llama_cpp.llama_model_is_recurrent(self._model))
+        hybrid = bool(llama_cpp.llama_model_is_hybrid(self._model))
+        if not (recurrent or hybrid or not self.can_shift):
+            return "attention", True, True
+        self._decode([0, min(1, self.n_vocab - 1)], last_logits=False)
+        try:
+            truncates = bool(llama_cpp.llama_memory_seq_rm(self._mem, SEQ, 1, -1))
+        finally:
+            self.clear()
+        if truncates:
+            return "attention", True, True
+        if recurrent:
+            return "recurrent", False, False
+        ranges = _fork_probe(lambda: llama_cpp.llama_memory_seq_cp(self._mem, SEQ, SCRATCH, 0, 1))
+        return ("hybrid" if ranges else "whole"), False, ranges
 
     def identity(self) -> dict[str, Any]:
         """What saved cells must match besides the model: the context size and the pinned KV format."""
@@ -478,10 +547,17 @@ class Engine:
     # -- memory ------------------------------------------------------------------------------------
 
     def truncate(self, n: int) -> int:
-        """Forget positions >= n (their cells are freed). Returns the number of tokens dropped."""
+        """Forget positions >= n (their cells are freed). Returns the number of tokens dropped.
+
+        A memory that cannot be cut back (``caps.truncate`` false) only truncates to 0 or to where it is:
+        going back elsewhere is ``rewind`` from a saved point.
+        """
         if n < 0 or n > self.n_past:
             raise EngineError(f"cannot truncate to {n}: context holds {self.n_past}")
         dropped = self.n_past - n
+        if dropped and n and not self.can_truncate:
+            raise EngineError(f"this model's memory ({self.memory_kind}) cannot be cut back to {n}: it is "
+                              "rewound from a saved point instead")
         if dropped:
             if not llama_cpp.llama_memory_seq_rm(self._mem, SEQ, n, -1):
                 raise EngineError("llama.cpp could not remove the cells")
@@ -512,22 +588,60 @@ class Engine:
         self._drop_logits()
 
     def save_cells(self, p0: int, p1: int) -> bytes:
-        """The KV cells of positions [p0, p1) of the conversation, in llama.cpp's sequence-state format."""
+        """The KV cells of positions [p0, p1) of the conversation, in llama.cpp's sequence-state format.
+
+        On a memory that cannot be cut back the save also holds the state that is not cells (recurrent)
+        as it is now, so p1 must be where the sequence ends; on a whole-sequence memory p0 must be 0 too.
+        """
         if not 0 <= p0 <= p1 <= self.n_past:
             raise EngineError(f"bad cell range {p0}..{p1} (context holds {self.n_past})")
         if p0 == p1:
             return b""
+        if not self.can_truncate and p1 != self.n_past:
+            raise EngineError(f"this model's memory ({self.memory_kind}) can only be saved where it ends "
+                              f"({self.n_past}), not at {p1}")
+        if not self.ranges:
+            if p0 != 0:
+                raise EngineError(f"this model's memory ({self.memory_kind}) is saved whole, not from {p0}")
+            return self._seq_state(SEQ)
         llama_cpp.llama_memory_seq_rm(self._mem, SCRATCH, -1, -1)
         llama_cpp.llama_memory_seq_cp(self._mem, SEQ, SCRATCH, p0, p1)
         try:
-            size = llama_cpp.llama_state_seq_get_size(self._ctx, SCRATCH)
-            buf = (ctypes.c_uint8 * size)()
-            n = llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, SCRATCH)
-            if n == 0:
-                raise EngineError("llama.cpp could not save the cells")
-            return ctypes.string_at(buf, n)  # one copy (bytes(buf)[:n] made two)
+            return self._seq_state(SCRATCH)
         finally:
             llama_cpp.llama_memory_seq_rm(self._mem, SCRATCH, -1, -1)
+
+    def _seq_state(self, seq: int) -> bytes:
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, seq)
+        if n == 0:
+            raise EngineError("llama.cpp could not save the cells")
+        return ctypes.string_at(buf, n)  # one copy (bytes(buf)[:n] made two)
+
+    def _set_seq_state(self, data: bytes | bytearray | memoryview, seq: int) -> None:
+        """Read a saved sequence state into ``seq`` (llama.cpp reads the caller's buffer in place)."""
+        # A pointer to the caller's bytes, not a copy: numpy takes read-only buffers (bytes, a read-only
+        # mmap) that ctypes' from_buffer refuses.
+        view = np.frombuffer(data, dtype=np.uint8)
+        src = None
+        try:
+            src = view.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+            n = llama_cpp.llama_state_seq_set_data(self._ctx, src, view.size, seq)
+        finally:
+            del src, view  # release the buffer export, so a mapped file can be closed right after
+        if n == 0:
+            llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            raise EngineError(f"llama.cpp rejected the saved cells: {_last_error() or 'format mismatch'}")
+
+    def _check_span(self, seq: int, p0: int, p1: int) -> None:
+        """The sequence's cells cover [p0, p1) (a hybrid memory's minimum is its recurrent state's position,
+        the last one, so only the end is checked there)."""
+        lo = llama_cpp.llama_memory_seq_pos_min(self._mem, seq)
+        hi = llama_cpp.llama_memory_seq_pos_max(self._mem, seq)
+        if hi != p1 - 1 or (self.can_truncate and lo != p0):
+            llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            raise EngineError(f"saved cells cover {lo}..{hi + 1}, expected {p0}..{p1}")
 
     def load_cells(self, p0: int, p1: int, data: bytes | bytearray | memoryview, tokens: Sequence[int]) -> None:
         """Append saved cells of positions [p0, p1) (p0 must equal n_past) with their token ids.
@@ -543,26 +657,52 @@ class Engine:
             raise ContextFullError(f"saved state of {p1} tokens does not fit in n_ctx={self.n_ctx}")
         if p0 == p1:
             return
-        # A pointer to the caller's bytes, not a copy: numpy takes read-only buffers (bytes, a read-only
-        # mmap) that ctypes' from_buffer refuses.
-        view = np.frombuffer(data, dtype=np.uint8)
-        src = None
-        try:
-            src = view.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-            n = llama_cpp.llama_state_seq_set_data(self._ctx, src, view.size, SCRATCH)
-        finally:
-            del src, view  # release the buffer export, so a mapped file can be closed right after
-        if n == 0:
+        if not self.ranges:
+            # A whole-sequence state goes straight into the (empty) conversation sequence.
+            if p0 != 0:
+                raise EngineError(f"this model's memory ({self.memory_kind}) is restored whole, not from {p0}")
+            self._set_seq_state(data, SEQ)
+            self._check_span(SEQ, 0, p1)
+        else:
+            self._set_seq_state(data, SCRATCH)
+            self._check_span(SCRATCH, p0, p1)
+            # On a hybrid memory this also makes the record's recurrent state the sequence's own.
+            llama_cpp.llama_memory_seq_cp(self._mem, SCRATCH, SEQ, -1, -1)
             llama_cpp.llama_memory_seq_rm(self._mem, SCRATCH, -1, -1)
-            raise EngineError(f"llama.cpp rejected the saved cells: {_last_error() or 'format mismatch'}")
-        lo = llama_cpp.llama_memory_seq_pos_min(self._mem, SCRATCH)
-        hi = llama_cpp.llama_memory_seq_pos_max(self._mem, SCRATCH)
-        if lo != p0 or hi != p1 - 1:
-            llama_cpp.llama_memory_seq_rm(self._mem, SCRATCH, -1, -1)
-            raise EngineError(f"saved cells cover {lo}..{hi + 1}, expected {p0}..{p1}")
-        llama_cpp.llama_memory_seq_cp(self._mem, SCRATCH, SEQ, -1, -1)
-        llama_cpp.llama_memory_seq_rm(self._mem, SCRATCH, -1, -1)
         self.tokens.extend(int(t) for t in tokens)
+        self._drop_logits()
+
+    def rewind(self, n: int, p0: int, data: bytes | memoryview) -> None:
+        """Make the sequence end at ``n``, using the saved record [p0, n) that ended there.
+
+        A truncatable memory just truncates. A whole-sequence memory loads the record (the sequence as it was
+        at n). A hybrid memory keeps its own attention cells [0, n) and takes the record's recurrent state:
+        the record goes to the scratch sequence, its recurrent state is copied over (llama.cpp copies a
+        recurrent state whole, whatever the range; the range [n, n+1) holds no attention cell of the record,
+        so none is copied), and then the attention tail can be removed because the recurrent state no
+        longer lies in it. The cells [0, n) are the ones computed then: logits that follow are bit-identical.
+        """
+        if not 0 < n <= self.n_past:
+            raise EngineError(f"cannot rewind to {n}: context holds {self.n_past}")
+        if self.can_truncate:
+            self.truncate(n)
+            return
+        kept = self.tokens[:n]
+        if not self.ranges:
+            self.clear()
+            self.load_cells(0, n, data, kept)
+            return
+        self._set_seq_state(data, SCRATCH)
+        try:
+            self._check_span(SCRATCH, p0, n)
+            llama_cpp.llama_memory_seq_cp(self._mem, SCRATCH, SEQ, n, n + 1)
+            if not llama_cpp.llama_memory_seq_rm(self._mem, SEQ, n, -1):
+                raise EngineError("llama.cpp could not rewind the sequence")
+        finally:
+            llama_cpp.llama_memory_seq_rm(self._mem, SCRATCH, -1, -1)
+        if llama_cpp.llama_memory_seq_pos_max(self._mem, SEQ) != n - 1:
+            raise EngineError("the rewound sequence does not end where it should")
+        del self.tokens[n:]
         self._drop_logits()
 
     def seq_pos_max(self) -> int:

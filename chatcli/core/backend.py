@@ -55,11 +55,26 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Capabilities:
-    cells: bool  # export/import of any position range (save_cells / load_cells)
+    """What the engine's memory can do; the state log chooses what to save from it (see core/kv/log.py).
+
+    Three kinds of local memory follow from ``truncate`` and ``ranges``:
+
+    - attention (``truncate``, ``ranges``): cut back anywhere, cells saved by position range;
+    - hybrid (``ranges`` only: attention + a recurrent state that holds no history, Qwen3.5, Granite-4-H,
+      LFM2...): cells saved by range, each save also carrying the recurrent state at its end, so every
+      saved record's end is a point the sequence can be rewound to (``rewind``), and only those;
+    - whole (neither: pure recurrent Mamba/RWKV, or a memory that copies only whole sequences, DeepSeek-V4's
+      compressed cache): each save is the whole sequence state at a point; rewinding loads one.
+    """
+
+    cells: bool  # export/import of cells (save_cells / load_cells), by range where ``ranges``
     checkpoint: bool  # whole-sequence save/restore under a name (checkpoint / restore_checkpoint)
     logits: bool  # logits() / set_logits(): regenerate without evaluating anything
     local_sampling: bool  # sampling happens in this process (bit-exact determinism is ours to keep)
     shift: bool  # positions can be moved down without re-evaluating (context shift)
+    truncate: bool = True  # the sequence can be cut back to any position (llama_memory_seq_rm of a tail)
+    ranges: bool = True  # cells of a position range can be saved alone (else only the whole sequence)
+    memory: str = "attention"  # what the probe found, for people: attention | hybrid | recurrent | whole
 
 
 @dataclass
@@ -131,7 +146,15 @@ class Backend(Protocol):
     def reset_cancel(self) -> None: ...
 
     # -- memory --
-    def truncate(self, n: int) -> int: ...
+    def truncate(self, n: int) -> int:
+        """Forget positions >= n. Only where ``caps.truncate`` (else only to 0 or to ``n_past``)."""
+        ...
+
+    def rewind(self, n: int, p0: int, data: bytes | memoryview) -> None:
+        """Make the sequence end at ``n`` with the state saved in the cells record [p0, n) that ended there
+        (``save_cells(p0, n)`` when the sequence was at n). On a truncatable memory this is ``truncate``."""
+        ...
+
     def shift(self, keep: int, drop: int) -> None:
         """Drop positions [keep, keep+drop) and move the rest down (only when ``caps.shift``)."""
         ...

@@ -105,7 +105,9 @@ class Conversation(ConversationViews):
                                     f"resume with --n-ctx {len(want) + self.reserve}")
         # Lazily: the plan only matters for what the state file does not hold (usually nothing).
         n_prefix, active = len(self.r.prefix_tokens), list(self.r.active)
-        yield from self.log.restore(want, report, lambda: rebuild.segments(n_prefix, active, self._closing_len))
+        ends = [n_prefix, *(m.p0 + len(m.tokens) for m in active)]  # where a rollback can return to
+        yield from self.log.restore(want, report, lambda: rebuild.segments(n_prefix, active, self._closing_len),
+                                    points=ends)
         if report.reason == "no saved state" and budget.was_evicted(self.meta):
             report.reason = "its KV state was dropped to keep within the state budget"
         if self.log.meta_changed:
@@ -247,8 +249,7 @@ class Conversation(ConversationViews):
                                           stop=res.stop_reason)
         except OSError:
             # Not in the transcript means not in the conversation: the context must not keep it either.
-            eng.truncate(p0)
-            self.log.truncated(p0, persist=False)
+            self.log.rollback(p0, persist=False)
             raise
         self.log.reply_done(p0, reply_tokens, stats)
         self._touch_meta()
@@ -344,10 +345,9 @@ class Conversation(ConversationViews):
         except BaseException:
             # Closed early or failed: not in the context means not in the conversation (kept in the
             # transcript, out of the active path; a front end gives the text back to the user).
-            if eng.n_past > p0:
-                eng.truncate(p0)
             self.transcript.append({"type": "truncate", "to": p0, "reason": "failed"})
-            self.log.truncated(p0, persist=False)
+            if eng.n_past > p0:
+                self.log.rollback(p0, persist=False)
             raise
         return time.perf_counter() - t0
 
@@ -384,8 +384,7 @@ class Conversation(ConversationViews):
     def _truncate(self, to: int, reason: str) -> int:
         dropped = self.backend.n_past - to
         self.transcript.append({"type": "truncate", "to": to, "reason": reason})
-        self.backend.truncate(to)
-        self.log.truncated(to)
+        self.log.rollback(to)
         return dropped
 
     def undo(self, n: int = 1) -> TurnStats:
@@ -503,9 +502,11 @@ class Conversation(ConversationViews):
                          f"kept the persona and {eng.n_past - keep} tokens, nothing re-evaluated", "info")
         else:
             kept = eng.tokens[keep + drop:]
-            eng.truncate(keep)
+            self.log.rollback(keep)
             if not self._warned_no_shift:
-                yield Notice("this model's memory cannot be shifted: rebuilding the kept context instead", "warn")
+                why = {"attention": "cannot be shifted"}.get(eng.caps.memory, f"({eng.caps.memory}) cannot be shifted")
+                yield Notice(f"context full and this model's memory {why}: {n_msgs} oldest message(s) "
+                             f"({drop} tokens) left; rebuilding the kept {len(kept)} tokens", "warn")
                 self._warned_no_shift = True
             t0 = time.perf_counter()
             for done, total in eng.eval_steps(kept):

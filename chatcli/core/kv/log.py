@@ -14,6 +14,16 @@ shift — and tells its state log through a few hooks; the log decides what to s
   neither capability, the context is rebuilt by evaluating the transcript's tokens (a server reuses
   whatever common prefix its cache still has).
 
+What a ``CellLog`` saves follows the memory (``Capabilities``): an attention cache is cut back anywhere, so
+records only need to hold cells. A memory that cannot be cut back (recurrent or hybrid: Mamba, Qwen3.5,
+Granite-4-H, LFM2...; or one that copies only whole sequences, DeepSeek-V4) is rolled back to *points*: every
+record is saved when the sequence ends at the record's end, so its bytes hold the state there too, and the
+records end at every message boundary (the persona prefix, each user message — the regenerate point, with
+its logits —, each reply). Rollback = rewind to the point (``Backend.rewind``); a rollback to a position with
+no point left rewinds to the nearest earlier one and evaluates the difference, then saves a point there.
+Hybrid memories save cells by range (each record also carries the recurrent state); whole-sequence
+memories save the whole state at each point (SNAPSHOT records) and keep the newest ``WHOLE_POINTS``.
+
 Either way the transcript is the truth: the state log only saves time.
 """
 
@@ -53,9 +63,11 @@ class StateLog(Protocol):
         """Put the persona prefix in the (empty) backend and start the saved state from it."""
         ...
 
-    def restore(self, want: list[int], report: ResumeReport, plan: Plan | None = None) -> Iterator[Event]:
+    def restore(self, want: list[int], report: ResumeReport, plan: Plan | None = None,
+                points: Sequence[int] = ()) -> Iterator[Event]:
         """Make the (empty) backend hold ``want``, loading what was saved and evaluating the rest (batched as
-        ``plan`` says, see rebuild.py)."""
+        ``plan`` says, see rebuild.py). ``points``: the positions a rollback can return to (message ends),
+        saved along the way when a memory that cannot be cut back is rebuilt."""
         ...
 
     def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats, *, defer: bool = False) -> None:
@@ -72,7 +84,12 @@ class StateLog(Protocol):
         ...
 
     def reply_done(self, p0: int, tokens: list[int], stats: TurnStats) -> None: ...
-    def truncated(self, to: int, *, persist: bool = True) -> None: ...
+    def rollback(self, to: int, *, persist: bool = True) -> int:
+        """Make the backend end at ``to`` (a message boundary): truncation where the memory allows it, else
+        a saved point's state. ``persist``: record it in the saved state (False when the state never got
+        past ``to``). Returns the tokens evaluated again (0 unless a point had to be rebuilt)."""
+        ...
+
     def put_back(self, tokens: list[int]) -> int:
         """Append ``tokens`` to the context, reusing saved cells where possible; returns tokens reused."""
         ...
@@ -90,6 +107,12 @@ def make_state_log(backend: Backend, *, state_path: Path, identity: dict[str, An
     if backend.caps.cells:
         return CellLog(backend, state_path, identity)
     return CheckpointLog(backend, meta, checkpoint_name)
+
+
+# A whole-sequence memory saves its whole state at every point: a compaction keeps this many (2 per turn:
+# regenerate, undo or edit reach back 4 exchanges without evaluating anything).
+WHOLE_POINTS = 8
+HEADER_BYTES = 512  # about what the header record takes (its JSON identity)
 
 
 def _save_failed(exc: BaseException) -> str:
@@ -113,8 +136,9 @@ class CellLog:
         self.meta_changed = False
         self.on_saved: Callable[[], None] | None = None
         self._needs_snapshot = False
-        # A user message's records not written yet (see user_evaluated's ``defer``).
-        self._pending: tuple[int, list[int], TurnStats] | None = None
+        # A user message's records not written yet (see user_evaluated's ``defer``), with the record itself
+        # where it had to be read out at once.
+        self._pending: tuple[int, list[int], TurnStats, bytes | None] | None = None
 
     @property
     def turn_logits(self) -> tuple[int, Logits] | None:
@@ -126,11 +150,24 @@ class CellLog:
         self.writer.rewrite(records)
         self.state = sf.scan(self.path)
 
-    def restore(self, want: list[int], report: ResumeReport, plan: Plan | None = None) -> Iterator[Event]:
+    @property
+    def _cuts(self) -> bool:
+        """The memory is cut back by truncation (else: rewound to points)."""
+        return self.eng.caps.truncate
+
+    @property
+    def _whole(self) -> bool:
+        """Each save is the whole sequence (SNAPSHOT records at points), not a range."""
+        return not self.eng.caps.ranges
+
+    def restore(self, want: list[int], report: ResumeReport, plan: Plan | None = None,
+                points: Sequence[int] = ()) -> Iterator[Event]:
         eng = self.eng
         t0 = time.perf_counter()
         loaded_bytes = 0
         logits_rec: sf.Record | None = None
+        chunks: list[sf.LiveChunk] = []
+        n_loaded = 0  # chunks loaded into the backend
         # One pass over the file: it is mapped, each record's crc is checked once (in a second thread, one
         # record ahead of the loading), and the cells go to llama.cpp straight from the mapping. The
         # mapping is closed before anything below writes to the file.
@@ -144,6 +181,14 @@ class CellLog:
                 report.reason = prefix.identity_mismatch(idx.header.get("identity"), self.identity)
             else:
                 chunks, logits_rec, _ = idx.live()
+                if not self._cuts:
+                    # Only whole records hold the state at their end; the log never cuts one (a rollback to
+                    # a position without a point saves one there), so a cut chunk is damage: what follows
+                    # is evaluated. A whole-sequence memory loads its last record alone.
+                    whole = [c for c in chunks if c.end == c.record.p1]
+                    chunks = chunks[:len(whole)] if whole == chunks[:len(whole)] else []
+                    if self._whole:
+                        chunks = chunks[-1:] if chunks and chunks[-1].record.p0 == 0 else []
                 for ch in chunks:
                     rec = ch.record
                     if not ms.wait_ok(rec):
@@ -163,6 +208,7 @@ class CellLog:
                     if ch.end < rec.p1:
                         eng.truncate(ch.end)
                     loaded_bytes += rec.size
+                    n_loaded += 1
             res = ms.result  # waits for the remaining crc checks: the scan's final answer
             if usable and res.dropped_bytes and not report.reason:
                 report.reason = f"dropped {res.dropped_bytes} bytes of a damaged state record ({res.problem})"
@@ -177,16 +223,31 @@ class CellLog:
                 del arr
         # Catch up: evaluate only the tail the state file did not have.
         tail = want[n_ok:]
+        rebuilt: list[bytes] = []
         if tail:
             t1 = time.perf_counter()
             # Batched as the tokens were when first evaluated, so the rebuilt KV is bit-identical (rebuild.py).
             # The plan renders the chat template once per reply: worked out only when something is rebuilt.
             segs = plan() if callable(plan) else plan
-            for done, total in rebuild.evaluate(eng, want, n_ok, segs or [(0, len(want))]):
+            stops = sorted({p for p in points if n_ok < p <= len(want)} | {len(want)})
+            if self._whole:
+                stops = stops[-WHOLE_POINTS:]
+            at: Callable[[int], None] | None = None
+            if not self._cuts:
+                # A memory that cannot be cut back keeps the points it passes: regenerate, undo and edit
+                # after the rebuild rewind to them instead of rebuilding again.
+                last = [n_ok]
+
+                def at(pos: int) -> None:
+                    rebuilt.append(self._point_record(last[0], pos))
+                    last[0] = pos
+            for done, total in rebuild.evaluate(eng, want, n_ok, segs or [(0, len(want))], stops=stops, at=at):
                 yield Progress("rebuilding context from the transcript", done, total, time.perf_counter() - t1)
             report.reevaluated = len(tail)
         # Bring the state file in line with the context (one rewrite; the common case writes nothing).
-        if not usable or res.dropped_bytes or n_ok < res.live()[2] or tail:
+        if not self._cuts and (tail or not usable or res.dropped_bytes or n_ok < res.live()[2]):
+            self._rewrite_points(kept=[c.record for c in chunks[:n_loaded]] if usable else [], added=rebuilt)
+        elif not usable or res.dropped_bytes or n_ok < res.live()[2] or tail:
             self._rewrite_state()
         else:
             self.state = res
@@ -210,8 +271,13 @@ class CellLog:
         if (state.header is None or state.problem or state.dropped_bytes or n_live != len(want)
                 or state.header.get("identity") != self.identity):
             return False
-        eng.truncate(len(want))
         self.state = state
+        if len(want) < eng.n_past:
+            try:
+                self._rewind(len(want))
+            except Exception:
+                self.state = sf.ScanResult(header=None)
+                return False
         if logits_rec is not None and logits_rec.p0 == len(want):
             try:
                 arr = np.frombuffer(sf.read_payload(self.path, logits_rec), dtype="<f4")
@@ -245,14 +311,23 @@ class CellLog:
             # mid-reply still finds the message's cells on disk (only one killed between the prompt and the
             # first token re-evaluates it). Nothing may touch cells [p0, p0+len) until then: every other
             # operation of this log flushes first.
-            self._pending = (p0, list(tokens), stats)
+            # A memory that cannot be cut back is read out now (a copy, no disk): its state moves on with
+            # the first token, and only the state at the message's end is a regenerate point.
+            self._pending = (p0, list(tokens), stats, None if self._cuts else self._point_record(p0, eng.n_past))
             return
         stats.state_bytes += self._append(self._user_records(p0, tokens), stats)
 
-    def _user_records(self, p0: int, tokens: list[int]) -> list[bytes]:
+    def _point_record(self, p0: int, p1: int) -> bytes:
+        """The record of cells [p0, p1) saved now (the sequence ends at p1): CELLS, or on a whole-sequence
+        memory a SNAPSHOT of everything up to p1 (which is then a point of its own)."""
+        eng = self.eng
+        if self._whole:
+            return sf.encode_record(sf.SNAPSHOT, 0, p1, sf.cells_payload(eng.tokens[:p1], eng.save_cells(0, p1)))
+        return sf.encode_record(sf.CELLS, p0, p1, sf.cells_payload(eng.tokens[p0:p1], eng.save_cells(p0, p1)))
+
+    def _user_records(self, p0: int, tokens: list[int], saved: bytes | None = None) -> list[bytes]:
         p1 = p0 + len(tokens)
-        kv = self.eng.save_cells(p0, p1)
-        recs = [sf.encode_record(sf.CELLS, p0, p1, sf.cells_payload(tokens, kv))]
+        recs = [saved if saved is not None else self._point_record(p0, p1)]
         if self._turn_logits is not None and self._turn_logits[0] == p1:
             recs.append(sf.encode_record(sf.LOGITS, p1, p1, self._turn_logits[1].astype("<f4").tobytes()))
         return recs
@@ -263,32 +338,83 @@ class CellLog:
     def _flush(self) -> None:
         """Write a deferred user message's records (before anything else touches the state file)."""
         if self._pending is not None:
-            p0, tokens, stats = self._pending
+            p0, tokens, stats, saved = self._pending
             self._pending = None
-            stats.state_bytes += self._append(self._user_records(p0, tokens), stats)
+            stats.state_bytes += self._append(self._user_records(p0, tokens, saved), stats)
 
     def before_reply(self) -> int:
         eng = self.eng
         if self._turn_logits and self._turn_logits[0] == eng.n_past and not eng.has_logits:
             eng.set_logits(self._turn_logits[1])
-        return eng.ensure_logits()
+        if eng.has_logits or self._cuts or not eng.n_past:
+            return eng.ensure_logits()
+        # No logits, and the last token cannot be cut off to evaluate it again: rewind to the point before.
+        n, toks = eng.n_past, list(eng.tokens)
+        at = self._rewind(n - 1, exact=False)
+        return self._eval(toks[at:], n)
 
     def reply_done(self, p0: int, tokens: list[int], stats: TurnStats) -> None:
-        kv = self.eng.save_cells(p0, self.eng.n_past)
-        rec = sf.encode_record(sf.CELLS, p0, self.eng.n_past, sf.cells_payload(tokens, kv))
+        rec = self._point_record(p0, self.eng.n_past)
         pending, self._pending = self._pending, None
-        first = self._user_records(pending[0], pending[1]) if pending else []
+        first = self._user_records(pending[0], pending[1], pending[3]) if pending else []
         stats.state_bytes += self._append([*first, rec], stats)
         self.settle()
 
-    def truncated(self, to: int, *, persist: bool = True) -> None:
+    def rollback(self, to: int, *, persist: bool = True) -> int:
         self._flush()
-        if persist:
-            self._append([sf.encode_record(sf.TRUNCATE, to, to, b"")], None)
+        eng = self.eng
+        again = 0
+        if self._cuts or to in (0, eng.n_past):
+            eng.truncate(to)
+            if persist:
+                self._append([sf.encode_record(sf.TRUNCATE, to, to, b"")], None)
+        else:
+            want = eng.tokens[:to]
+            at = self._rewind(to, exact=False)
+            again = self._eval(want[at:], to)
+            if at < to and persist:
+                # No point at ``to`` was left (compacted away, damaged, never saved): the one just
+                # evaluated is saved, so the next rollback here is a rewind.
+                self._append([sf.encode_record(sf.TRUNCATE, at, at, b""), self._point_record(at, to)], None)
+            elif persist:
+                self._append([sf.encode_record(sf.TRUNCATE, to, to, b"")], None)
         if self._turn_logits and self._turn_logits[0] == to:
-            self.eng.set_logits(self._turn_logits[1])
+            eng.set_logits(self._turn_logits[1])
         elif self._turn_logits and self._turn_logits[0] > to:
             self._turn_logits = None
+        return again
+
+    def _eval(self, tokens: list[int], end: int) -> int:
+        """Evaluate ``tokens`` so that the backend ends at ``end``; returns how many."""
+        eng = self.eng
+        for _ in eng.eval_steps(tokens):
+            pass
+        assert eng.n_past == end
+        return len(tokens)
+
+    def _rewind(self, to: int, *, exact: bool = True) -> int:
+        """Rewind a memory that cannot be cut back to the saved point at ``to`` — or, unless ``exact``, to the
+        nearest point before it (the start when there is none); returns where the backend now ends."""
+        eng = self.eng
+        if self._cuts:
+            eng.truncate(to)
+            return to
+        want = eng.tokens[:to]
+        for rec in reversed(self.state.points()):
+            if rec.p1 > to or (exact and rec.p1 != to) or rec.p1 > eng.n_past:
+                continue
+            try:
+                toks, kv = sf.split_cells(sf.read_payload(self.path, rec), rec.p1 - rec.p0)
+                if toks != want[rec.p0:rec.p1]:
+                    continue
+                eng.rewind(rec.p1, rec.p0, kv)
+            except Exception:
+                continue  # unreadable or rejected: an earlier point may still do
+            return rec.p1
+        if exact:
+            raise BackendError(f"no saved point at {to} to rewind to")
+        eng.clear()
+        return 0
 
     def put_back(self, tokens: list[int]) -> int:
         """Put ``tokens`` back after the current context, reusing cells the state file still holds.
@@ -303,6 +429,8 @@ class CellLog:
         self._flush()
         eng = self.eng
         p0 = eng.n_past
+        if self._whole:
+            return self._put_back_whole(tokens)
         loaded = 0
         while loaded < len(tokens):
             pos = p0 + loaded
@@ -325,9 +453,35 @@ class CellLog:
         if loaded < len(tokens):
             for _ in eng.eval_steps(tokens[loaded:]):
                 pass
-        kv = eng.save_cells(p0, eng.n_past)
-        self._append([sf.encode_record(sf.CELLS, p0, eng.n_past, sf.cells_payload(tokens, kv))], None)
+        self._append([self._point_record(p0, eng.n_past)], None)
         return loaded
+
+    def _put_back_whole(self, tokens: list[int]) -> int:
+        """``put_back`` on a whole-sequence memory: a saved point holding exactly the sequence wanted is
+        loaded (and its record appended again, live); else the tokens are evaluated."""
+        eng = self.eng
+        want = [*eng.tokens, *tokens]
+        for rec in reversed(self.state.records):
+            if rec.kind != sf.SNAPSHOT or rec.p0 != 0 or rec.p1 != len(want):
+                continue
+            try:
+                payload = sf.read_payload(self.path, rec)
+                toks, kv = sf.split_cells(payload, rec.p1)
+                if toks != want:
+                    continue
+                eng.clear()
+                eng.load_cells(0, rec.p1, kv, toks)
+            except Exception:
+                eng.clear()
+                for _ in eng.eval_steps(want[:len(want) - len(tokens)]):
+                    pass  # back to where we were (only reached when llama.cpp rejects a saved state)
+                continue
+            self._append([sf.encode_record(sf.SNAPSHOT, 0, rec.p1, payload)], None)
+            return len(tokens)
+        for _ in eng.eval_steps(tokens):
+            pass
+        self._append([self._point_record(0, eng.n_past)], None)
+        return 0
 
     def shifted(self) -> None:
         self._flush()
@@ -337,6 +491,15 @@ class CellLog:
     def settle(self) -> None:
         self._flush()
         st = self.state
+        if not self._cuts:
+            # Points are not made again from the backend (it holds only the end state): compaction copies
+            # the records it keeps. Dead records are rolled-back alternatives and, on a whole-sequence
+            # memory, points older than the newest WHOLE_POINTS.
+            keep = self._kept_points()
+            live = sum(r.size for r in keep) + HEADER_BYTES
+            if st.valid_bytes + st.base_bytes - live > max(live, 1 << 20):
+                self._rewrite_points(kept=keep, added=[])
+            return
         if st.bases and self._bases_shared():
             # A fork whose base another conversation still links: the base's dead bytes cost nothing extra
             # (the parent keeps them anyway) and a rewrite would copy what is shared, so only the fork's own
@@ -380,19 +543,53 @@ class CellLog:
             if self.state.dropped_bytes:
                 self.writer.cut(self.state.valid_bytes)
                 self.state.dropped_bytes = 0
-            offset = self.state.valid_bytes
             n = self.writer.append(records)
         except OSError as exc:
             self._failed(exc)
             return 0
         self.save_error = ""
-        added, self.state.valid_bytes = sf.records_at(records, offset)
-        self.state.records.extend(added)
+        self.state.add(records)
         if stats is not None:
             stats.save_ms += 1000 * (time.perf_counter() - t0)
         if self.on_saved is not None:
             self.on_saved()  # the state budget
         return n
+
+    def _kept_points(self) -> list[sf.Record]:
+        """The records a compaction of a memory that cannot be cut back keeps, in file order."""
+        if self._whole:
+            return self.state.points()[-WHOLE_POINTS:]
+        chunks, _, _ = self.state.live()
+        return [c.record for c in chunks if c.end == c.record.p1]
+
+    def _rewrite_points(self, *, kept: list[sf.Record], added: list[bytes]) -> None:
+        """Rewrite the state file as ``kept`` records of the current file (copied, crc-checked), then
+        ``added`` ones, then the logits: the points survive. On any read failure the backend's end state is
+        written as one snapshot instead (the points before it are then gone: rollbacks there evaluate)."""
+        self._pending = None
+        try:
+            copies = [sf.encode_record(r.kind, r.p0, r.p1, sf.read_payload(self.path, r)) for r in kept]
+        except (OSError, sf.StateFileError):
+            self._rewrite_state()
+            return
+        recs = [self._header(), *copies, *added]
+        if self._turn_logits is not None and self._turn_logits[0] <= self.eng.n_past:
+            pos, arr = self._turn_logits
+            recs.append(sf.encode_record(sf.LOGITS, pos, pos, arr.astype("<f4").tobytes()))
+        try:
+            self.writer.rewrite(recs)
+        except OSError as exc:
+            self._failed(exc)
+            return
+        self.save_error = ""
+        st = sf.ScanResult(header={"identity": self.identity})
+        st.records, st.valid_bytes = sf.records_at(recs, 0)
+        if st.live()[2] != self.eng.n_past:  # the kept records do not add up to the backend: start over
+            self._rewrite_state()
+            return
+        self.state = st
+        if self.on_saved is not None:
+            self.on_saved()
 
     def _rewrite_state(self) -> bytes | None:
         """Write the whole live state as one snapshot (compaction, shifts, recovery); returns its cells."""
@@ -475,7 +672,8 @@ class CheckpointLog:
                     pass  # only a cache: the conversation's own checkpoint follows
         self.settle()
 
-    def restore(self, want: list[int], report: ResumeReport, plan: Plan | None = None) -> Iterator[Event]:
+    def restore(self, want: list[int], report: ResumeReport, plan: Plan | None = None,
+                points: Sequence[int] = ()) -> Iterator[Event]:
         eng = self.eng
         t0 = time.perf_counter()
         info = self.meta.get("checkpoint")
@@ -523,8 +721,10 @@ class CheckpointLog:
     def reply_done(self, p0: int, tokens: list[int], stats: TurnStats) -> None:
         self.settle()
 
-    def truncated(self, to: int, *, persist: bool = True) -> None:
-        pass  # the backend's own prefix reuse makes a shorter sequence free; the next settle saves it
+    def rollback(self, to: int, *, persist: bool = True) -> int:
+        # The backend's own prefix reuse makes a shorter sequence free; the next settle saves it.
+        self.eng.truncate(to)
+        return 0
 
     def put_back(self, tokens: list[int]) -> int:
         for _ in self.eng.eval_steps(tokens):

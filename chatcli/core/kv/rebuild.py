@@ -51,14 +51,25 @@ def segments(prefix_len: int, messages: Sequence[_Message], closing_len: Callabl
     return out
 
 
-def evaluate(engine: _Engine, want: Sequence[int], start: int, plan: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+def evaluate(engine: _Engine, want: Sequence[int], start: int, plan: list[tuple[int, int]], *,
+             stops: Sequence[int] = (), at: Callable[[int], None] | None = None) -> Iterator[tuple[int, int]]:
     """Evaluate ``want[start:]`` following ``plan``; yields (done, total) now and then, for a progress bar.
 
-    Ranges the plan does not cover (it always should) are evaluated as one call.
+    Ranges the plan does not cover (it always should) are evaluated as one call. ``at(pos)`` is called
+    whenever the evaluation reaches a position of ``stops`` (message ends: a memory that cannot be cut back
+    saves its state there); a plan range that spans a stop is evaluated in two calls only if the plan
+    itself splits there, which it does at every message end.
     """
     total = len(want) - start
     pos = start
     last_report = 0
+    pending = sorted(p for p in stops if p > start)
+
+    def reached() -> None:
+        while pending and pending[0] <= pos:
+            if pending.pop(0) == pos and at is not None:
+                at(pos)
+
     for p0, p1 in plan:
         p1 = min(p1, len(want))
         if p1 <= pos:
@@ -67,9 +78,11 @@ def evaluate(engine: _Engine, want: Sequence[int], start: int, plan: list[tuple[
             for _ in engine.eval_steps(want[pos:p0]):
                 pass
             pos = p0
+            reached()
         for _ in engine.eval_steps(want[pos:p1]):
             pass
         pos = p1
+        reached()
         if pos - start - last_report >= 16 or p1 - p0 > 1:
             last_report = pos - start
             yield last_report, total
@@ -77,6 +90,7 @@ def evaluate(engine: _Engine, want: Sequence[int], start: int, plan: list[tuple[
         for _ in engine.eval_steps(want[pos:]):
             pass
         pos = len(want)
+        reached()
     if pos - start != last_report:
         yield pos - start, total
 

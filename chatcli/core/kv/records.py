@@ -169,6 +169,27 @@ class ScanResult:
                 logits = rec if rec.p0 <= n else None
         return chunks, logits, n
 
+    def points(self) -> list[Record]:
+        """The records whose end is still a point the sequence can be rewound to, in file order.
+
+        Every CELLS or SNAPSHOT record was saved when the sequence ended at its p1, so on a memory that
+        cannot be cut back (recurrent, hybrid, whole-sequence) it also holds the state there. It stays a
+        valid point until a TRUNCATE below its end replaces what came before it; a later record does not
+        invalidate it (the sequence still begins with the same tokens), and a rewrite starts a new file.
+        """
+        pts: list[Record] = []
+        for rec in self.records:
+            if rec.kind in (CELLS, SNAPSHOT):
+                pts.append(rec)
+            elif rec.kind == TRUNCATE:
+                pts = [r for r in pts if r.p1 <= rec.p0]
+        return pts
+
+    def add(self, raws: list[bytes]) -> None:
+        """Index records just appended at the end of the valid bytes (the file's only writer calls this)."""
+        added, self.valid_bytes = records_at(raws, self.valid_bytes)
+        self.records.extend(added)
+
     def live_bytes(self, *, own: bool = False) -> int:
         """Bytes of the records still in use; ``own``: only those in the file itself (not its bases)."""
         chunks, logits, _ = self.live()
