@@ -66,6 +66,7 @@ class Conversation(ConversationViews):
         self.session_stats = SessionStats()
         self._stop_strings = template.reply_stop_strings()
         self._warned_no_shift = False
+        self._rolled_again = 0  # tokens the last rollback evaluated again (no saved point was left there)
         self._meta_error = ""
         self._failures: list[str] = []  # save failures not yet reported (the log keeps its own)
         # Set by the Session: called after every successful state write (the state budget); returns a line
@@ -368,10 +369,10 @@ class Conversation(ConversationViews):
             stats.dropped = self._truncate(last.p0, "regen")
             yield from self._notices()
         else:
-            stats.dropped = 0
+            stats.dropped = self._rolled_again = 0
         stats.kept = self.backend.n_past
         alt = len(self.r.alternatives(turn))
-        stats.reevaluated = 0
+        stats.reevaluated = self._rolled_again
         yield from self._reply(turn, alt=alt, stats=stats, seed=seed)
 
     def _settled(self, stats: TurnStats) -> TurnStats:
@@ -384,7 +385,7 @@ class Conversation(ConversationViews):
     def _truncate(self, to: int, reason: str) -> int:
         dropped = self.backend.n_past - to
         self.transcript.append({"type": "truncate", "to": to, "reason": reason})
-        self.log.rollback(to)
+        self._rolled_again = self.log.rollback(to)
         return dropped
 
     def undo(self, n: int = 1) -> TurnStats:
@@ -397,6 +398,7 @@ class Conversation(ConversationViews):
         to = users[-n].p0
         stats = TurnStats(kept=to, reevaluated=0)
         stats.dropped = self._truncate(to, "undo")
+        stats.reevaluated = self._rolled_again
         return self._settled(stats)
 
     def redo(self) -> TurnStats:
@@ -430,8 +432,8 @@ class Conversation(ConversationViews):
         stats.dropped = self._truncate(to, "alt")
         self.transcript.append({"type": "activate", "mid": target.mid, "p0": to})
         toks = [int(t) for t in self.r.all[target.mid]["tokens"]]
-        stats.reevaluated = 0
         stats.n_eval = len(toks) - self.log.put_back(toks)
+        stats.reevaluated = self._rolled_again
         return self._settled(stats)
 
     def edit(self, n: int | None, text: str, *, seed: int | None = None) -> Iterator[Event]:

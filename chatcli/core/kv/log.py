@@ -372,6 +372,9 @@ class CellLog:
             want = eng.tokens[:to]
             at = self._rewind(to, exact=False)
             again = self._eval(want[at:], to)
+            if again:
+                self.failures.append(f"no saved state was left at position {to}: evaluated {again} tokens from "
+                                     "the nearest earlier point")
             if at < to and persist:
                 # No point at ``to`` was left (compacted away, damaged, never saved): the one just
                 # evaluated is saved, so the next rollback here is a rewind.
