@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from chatcli.models.resolve import bundled_model_path
+from tests.archs import SKIP_REASON as ARCHS_SKIP_REASON
+from tests.archs import ArchFixtures, archs_binary
 
 
 @pytest.fixture(autouse=True)
@@ -38,3 +40,22 @@ def engine(model_path: Path) -> Iterator[Engine]:  # noqa: F821
     eng = Engine(model_path, n_ctx=2048, n_threads=2)
     yield eng
     eng.close()
+
+
+# Looked up at import, before the autouse fixture above clears CHATCLI_TEST_LLAMA_ARCHS.
+_ARCHS_BINARY = archs_binary()
+
+
+@pytest.fixture(scope="session")
+def archs_bin() -> Path:
+    """llama.cpp's fixture generator, test-llama-archs; the test is skipped when it was not built."""
+    if _ARCHS_BINARY is None:
+        pytest.skip(ARCHS_SKIP_REASON)
+    return _ARCHS_BINARY
+
+
+@pytest.fixture(scope="session")
+def arch_fixtures(archs_bin: Path, tmp_path_factory: pytest.TempPathFactory) -> ArchFixtures:
+    """Per-architecture fixture GGUFs (``arch_fixtures.path("granitehybrid")``), generated on first use into
+    this session's tmp dir (see tests/archs.py for what they lack: EOS, chat template, n_ctx beyond 256)."""
+    return ArchFixtures(tmp_path_factory.mktemp("arch-fixtures"), binary=archs_bin)
