@@ -12,7 +12,7 @@ a llama.cpp abort costs one row, not the probe, it runs chatcli with piped stdin
 
 Each cell says ``ok``, ``re-evaluated N`` (right reply, history evaluated again), ``differs`` (wrong reply),
 the error line, or ``aborted (SIGABRT)``. The memory kind comes from llama.cpp itself (``llama_model_is_recurrent``
-/ ``_hybrid``, ``llama_model_n_swa``) and the GGUF's keys (MLA: ``*.attention.kv_lora_rank``; DeepSeek-V4's
+/ ``_hybrid`` / ``_diffusion``, ``llama_model_n_swa``) and the GGUF's keys (MLA: ``*.attention.kv_lora_rank``; DeepSeek-V4's
 compressed cache: architecture ``deepseek4``).
 """
 
@@ -53,7 +53,10 @@ class Call:
     def failure(self) -> str | None:
         """Why this call failed, as one line, or None when it exited 0."""
         if self.code < 0:
-            return f"aborted ({signal.Signals(-self.code).name})"
+            # llama.cpp says why before it aborts: the GGML_ASSERT line is what to fix.
+            why = next((ln.strip() for ln in self.stderr.splitlines() if "GGML_ASSERT" in ln), "")
+            why = why[why.find("GGML_ASSERT"):][:120] if why else ""
+            return f"aborted ({signal.Signals(-self.code).name}{': ' + why if why else ''})"
         if self.code == 0:
             return None
         # Typer draws usage errors in a box: keep the text inside.
@@ -139,6 +142,8 @@ def memory_kind(model: Path) -> str:
             kinds.append("MLA")
         if arch == "deepseek4":
             kinds.append("DSV4")
+        if llama_cpp.llama_model_is_diffusion(model_p):
+            kinds.append("diffusion")  # non-causal (Dream, LLaDA): so its row is not read as plain attention
         return "+".join(kinds) or "attention"
     finally:
         llama_cpp.llama_model_free(model_p)
