@@ -599,7 +599,12 @@ def startup(a: dict[str, Any]) -> dict[str, Any]:
     header read), model load (llama.cpp), the conversation (new: persona prefix from the cache; resume: the
     state restore), then the first token of the reply to ``NEXT_MSG``."""
     t_top = _T_TOP
-    import chatcli.cli.app  # noqa: F401
+    import importlib
+
+    try:  # the CLI the process imports; before the cli/ package (section 7's "before" tree) it was cli.py
+        importlib.import_module("chatcli.cli.app")
+    except ModuleNotFoundError:
+        importlib.import_module("chatcli.cli")
     from chatcli.models.resolve import resolve_model
     from chatcli.session import Session  # noqa: F401  (imports the engine and llama_cpp)
 

@@ -176,7 +176,7 @@ def test_failed_open_or_create_releases_the_lock(sess: Any, monkeypatch: pytest.
     cid = conv.id
     conv.close()
 
-    def broken(self: Any, *args: Any) -> Iterator[Any]:
+    def broken(self: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
         raise OSError(errno.EIO, "simulated read error")
         yield  # a generator, like the real one
 

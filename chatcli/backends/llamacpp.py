@@ -151,6 +151,12 @@ class Engine:
         model = llama_cpp.llama_model_load_from_file(self.model_path.encode(), mparams)
         if not model:
             raise EngineError(f"llama.cpp could not load the model {self.model_path}: {_last_error() or 'unknown error'}")
+        if llama_cpp.llama_model_is_diffusion(model):
+            # No KV memory at all (llama.cpp creates none): text comes from denoising whole blocks, not from
+            # a sequence that grows token by token, which is everything chatcli does.
+            llama_cpp.llama_model_free(model)
+            raise EngineError(f"{self.model_path} is a diffusion language model: chatcli needs an autoregressive "
+                              "one (llama.cpp's llama-diffusion-cli runs this kind)")
         self._model = model
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
@@ -195,6 +201,7 @@ class Engine:
         self._logits: np.ndarray | None = None
         self._ctx_logits = False
         self.can_shift = bool(llama_cpp.llama_memory_can_shift(self._mem))
+        self.n_swa = int(llama_cpp.llama_model_n_swa(model))  # > 0: some layers attend to a sliding window
         self.n_evaluated_total = 0
         self.memory_kind, self.can_truncate, self.ranges = self._probe_memory()
         self.n_evaluated_total = 0  # the probe's two tokens are not the conversation's
@@ -213,7 +220,8 @@ class Engine:
         # recurrent state still holds what a shift drops, so the result would match no evaluation.
         return Capabilities(cells=True, checkpoint=False, logits=True, local_sampling=True,
                             shift=self.can_shift and self.can_truncate, truncate=self.can_truncate,
-                            ranges=self.ranges, memory=self.memory_kind)
+                            ranges=self.ranges,
+                            memory="swa" if self.memory_kind == "attention" and self.n_swa else self.memory_kind)
 
     def _probe_memory(self) -> tuple[str, bool, bool]:
         """What this context's memory can do: (kind, can truncate, can save position ranges).
@@ -635,11 +643,14 @@ class Engine:
             raise EngineError(f"llama.cpp rejected the saved cells: {_last_error() or 'format mismatch'}")
 
     def _check_span(self, seq: int, p0: int, p1: int) -> None:
-        """The sequence's cells cover [p0, p1) (a hybrid memory's minimum is its recurrent state's position,
-        the last one, so only the end is checked there)."""
+        """The sequence's cells cover [p0, p1). Only the end is checked where the minimum means something
+        else: a hybrid memory's is its recurrent state's position (the last one), and a sliding-window
+        cache saves only the cells inside the window at the save's end (llama.cpp skips masked cells), so
+        its minimum is the window's start. Records saved at every message end still cover every window a
+        later rollback needs: each holds the window at its end, its predecessor the window before it."""
         lo = llama_cpp.llama_memory_seq_pos_min(self._mem, seq)
         hi = llama_cpp.llama_memory_seq_pos_max(self._mem, seq)
-        if hi != p1 - 1 or (self.can_truncate and lo != p0):
+        if hi != p1 - 1 or (self.can_truncate and not self.n_swa and lo != p0):
             llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
             raise EngineError(f"saved cells cover {lo}..{hi + 1}, expected {p0}..{p1}")
 
