@@ -29,7 +29,9 @@ def _meta(path: Path, key: str) -> str | None:
         llama_cpp.llama_model_free(model)
 
 
-def test_fixture_is_generated_once_per_architecture(arch_fixtures: ArchFixtures) -> None:
+def test_fixture_is_generated_once_per_architecture(archs_bin: Path, tmp_path: Path) -> None:
+    # A directory of its own: the session's shared one holds whatever other tests generated (qwen35...).
+    arch_fixtures = ArchFixtures(tmp_path, binary=archs_bin)
     path = arch_fixtures.path("qwen3")
     assert path.name == "qwen3-dense.gguf"
     mtime = path.stat().st_mtime_ns

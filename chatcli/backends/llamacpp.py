@@ -58,6 +58,9 @@ def _fork_probe(operation: Callable[[], object], timeout: float = 10.0) -> bool:
         return False
     pid = os.fork()
     if pid == 0:  # the child: try, then leave without running any Python cleanup
+        import faulthandler
+
+        faulthandler.disable()  # an abort here is an answer, not a crash to report
         os.environ["GGML_NO_BACKTRACE"] = "1"  # no gdb attach on abort
         try:
             os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # the assertion message is not for the user
