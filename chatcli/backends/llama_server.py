@@ -15,9 +15,13 @@ onto llama-server (checked against tools/server in the llama.cpp that llama-cpp-
   spelled out (server-side defaults such as min_p or DRY would otherwise apply); sampling happens on the
   server (``caps.local_sampling`` is False). The reply's ``timings`` say how many prompt tokens were
   evaluated vs found in the slot (``GenerationResult.n_prompt_evaluated`` / ``n_prompt_cached``).
-- ``truncate`` only shortens ``tokens``: the next request's prefix match drops the rest on the server.
-- ``checkpoint(name)``: first make the slot hold exactly ``tokens`` (the last sampled token and the
-  turn's closing tokens are still pending), then ``POST /slots/{id}?action=save`` with ``name.bin``,
+- ``truncate`` only shortens ``tokens``: the next request's prefix match drops the rest on the server —
+  where its memory can drop a tail. A recurrent or hybrid model's (Mamba, Qwen3.5, Granite-4-H, LFM2...)
+  cannot: the server then restores one of its in-RAM *context checkpoints* or, with none (after a restart
+  or a slot restore, which clears them), evaluates the whole prompt again. Which kind of server this is is
+  probed at start (``caps.truncate``); the state log then saves a slot file at each regenerate point.
+- ``checkpoint(name, n)``: first make the slot hold exactly ``tokens[:n]`` (the last sampled token and
+  the turn's closing tokens are still pending), then ``POST /slots/{id}?action=save`` with ``name.bin``,
   written by the server under its ``--slot-save-path``. ``restore_checkpoint``: ``action=restore``, then
   check the server's ``n_restored`` against the expected count. Even a wrong restore cannot corrupt the
   conversation: the restored file carries its own token ids, and the prefix match re-evaluates from the
@@ -161,7 +165,13 @@ class LlamaServerBackend:
         if self.n_vocab <= 0:
             self.n_vocab = max(self._bos, self._eos, *probe) + 1  # a lower bound is all that can be known
         persist = self._probe_slot_actions()
-        self.caps = Capabilities(cells=False, checkpoint=persist, logits=False, local_sampling=False, shift=False)
+        # Only probed where it changes something: without slot files there is nothing to restore instead
+        # of cutting back, and the probe would evict the prompt the slot caches (e.g. a persona prefix).
+        cuts = self._probe_cut_back() if persist else True
+        # A slot that cannot be cut back is a recurrent or hybrid model's (or SWA's without a full cache: on a
+        # server it behaves the same way): told apart only by what the probe sees.
+        self.caps = Capabilities(cells=False, checkpoint=persist, logits=False, local_sampling=False, shift=False,
+                                 truncate=cuts, memory="attention" if cuts else "recurrent or hybrid")
         if not persist:
             self._tell("no-persistence", f"llama-server at {self.url} was started without --slot-save-path: "
                        "conversations work, but their context is not saved on the server (resume re-reads them)")
@@ -309,6 +319,28 @@ class LlamaServerBackend:
             return getattr(exc, "status", 0) == 400
         return True
 
+    def _probe_cut_back(self) -> bool:
+        """Does the slot reuse the common prefix of a prompt that diverges from what it holds? An attention
+        cache does (llama_memory_seq_rm of the tail); a recurrent or hybrid memory cannot drop a tail, and
+        without a context checkpoint in the server's RAM — none exist after a restart or a slot restore —
+        the server evaluates the whole prompt again (server-context.cpp: "forcing full prompt re-processing").
+        Two 2-token prompts that share their first token: the second reuses it, or nothing."""
+        if self.n_vocab < 3:
+            return True
+        cached = 0
+        for prompt in ([0, 1], [0, 2]):
+            payload = self._completion(0, prompt)
+            payload.update(self._sampling_fields(Sampling(temperature=0.0, repeat_penalty=1.0), 0))
+            payload.update(stream=False, return_progress=False)
+            try:
+                data = self._request("POST", "/completion", payload, what="probe the slot's memory")
+            except ServerConnectionError:
+                raise
+            except BackendError:
+                return True  # a server that refuses the probe keeps today's behaviour
+            cached = int((data.get("timings") or {}).get("cache_n", 0))
+        return cached > 0
+
     # -- identity and vocabulary -----------------------------------------------------------------------
 
     def identity(self) -> dict[str, Any]:
@@ -405,8 +437,6 @@ class LlamaServerBackend:
             yield last
         if last[0] < last[1] or last == (0, 0):
             yield len(toks), len(toks)
-        # Evaluated for the coming reply: reported with it.
-        self._eager_evaluated += int(self.stats.last_timings.get("prompt_n", 0))
 
     def _sampling_fields(self, sampling: Sampling, seed: int) -> dict[str, Any]:
         """Every sampler spelled out: a server started with other defaults (--temp, --min-p, DRY, ...) must
@@ -430,9 +460,11 @@ class LlamaServerBackend:
             "stream": True, "return_tokens": True, "return_progress": True, "n_keep": 0,
         }
 
-    def _flush(self, *, progress: bool = False) -> Iterator[tuple[int, int]]:
-        """Make the slot hold exactly ``tokens`` (an n_predict=0 request); yields prompt progress."""
-        prompt = self.tokens[: self.n_ctx - 1]  # the server refuses a prompt that fills the context
+    def _flush(self, *, progress: bool = False, n: int | None = None) -> Iterator[tuple[int, int]]:
+        """Make the slot hold exactly ``tokens`` (its first ``n``; an n_predict=0 request); yields prompt
+        progress. What the server evaluates is added to ``_eager_evaluated``: reported with the next reply."""
+        upto = len(self.tokens) if n is None else n
+        prompt = self.tokens[: min(upto, self.n_ctx - 1)]  # the server refuses a prompt that fills the context
         if not prompt or self._held >= len(prompt):
             return
         payload = self._completion(0, prompt)
@@ -448,6 +480,7 @@ class LlamaServerBackend:
         if not final:
             raise ServerConnectionError(f"llama-server at {self.url} stopped evaluating the conversation")
         self._note_timings(final)
+        self._eager_evaluated += int((final.get("timings") or {}).get("prompt_n", 0))
         # n_predict=0 still samples one token after the prompt, but never decodes it: the slot holds the prompt.
         self._held = len(prompt)
 
@@ -651,25 +684,34 @@ class LlamaServerBackend:
             raise BackendError(f"bad checkpoint name {name!r}")
         return f"{name}.bin"
 
-    def checkpoint(self, name: str) -> int:
-        """Save the slot (holding exactly ``tokens``) as ``name.bin`` under the server's --slot-save-path."""
+    def checkpoint(self, name: str, n: int | None = None) -> int:
+        """Save the slot, holding exactly ``tokens`` (its first ``n``: the slot must not hold more of them yet,
+        or a memory that cannot be cut back would evaluate them all again), as ``name.bin`` under the server's
+        --slot-save-path. The end-of-turn flush (the last sampled token, the closing) is not counted as
+        evaluated; a prefix's flush is (it reads the user's message, reported with the reply)."""
         filename = self.checkpoint_file(name)
         if not self.caps.checkpoint:
             return 0
         if not self.tokens:
             return 0
-        for _ in self._flush():
+        upto = len(self.tokens) if n is None else n
+        if not 0 < upto <= len(self.tokens):
+            raise BackendError(f"cannot save the first {upto} tokens: the sequence holds {len(self.tokens)}")
+        counted = self._eager_evaluated
+        for _ in self._flush(n=upto):
             pass
+        if n is None:
+            self._eager_evaluated = counted
         data = self._request("POST", f"/slots/{self.config.slot}?action=save", {"filename": filename},
                              what="save the conversation's slot")
         self.stats.last_save = data
         n_saved = int(data.get("n_saved", -1))
-        if n_saved != len(self.tokens):
+        if n_saved != upto:
             # Another client used the slot between our two requests: the file does not hold our sequence.
             self._checkpoints.pop(name, None)
-            raise BackendError(f"llama-server saved {n_saved} tokens instead of {len(self.tokens)}: "
+            raise BackendError(f"llama-server saved {n_saved} tokens instead of {upto}: "
                                f"is another client using slot {self.config.slot}?")
-        self._checkpoints[name] = tuple(self.tokens)
+        self._checkpoints[name] = tuple(self.tokens[:upto])
         self._last_checkpoint = name
         return int(data.get("n_written", 0))
 

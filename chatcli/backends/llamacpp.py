@@ -721,7 +721,7 @@ class Engine:
 
     # -- checkpoints: not this engine's granularity (it saves cells, see caps) ----------------------
 
-    def checkpoint(self, name: str) -> int:
+    def checkpoint(self, name: str, n: int | None = None) -> int:
         raise BackendError("the local engine saves cell ranges, not checkpoints")
 
     def restore_checkpoint(self, name: str, tokens: Sequence[int]) -> bool:

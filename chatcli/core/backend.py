@@ -173,8 +173,9 @@ class Backend(Protocol):
     def load_cells(self, p0: int, p1: int, data: bytes | memoryview, tokens: Sequence[int]) -> None: ...
 
     # -- checkpoints (caps.checkpoint) --
-    def checkpoint(self, name: str) -> int:
-        """Save the whole sequence under ``name`` on the engine's side; returns bytes written (0 if unknown)."""
+    def checkpoint(self, name: str, n: int | None = None) -> int:
+        """Save the sequence (its first ``n`` tokens: the engine must not hold more of it yet) under ``name``
+        on the engine's side; returns bytes written (0 if unknown)."""
         ...
 
     def restore_checkpoint(self, name: str, tokens: Sequence[int]) -> bool:
