@@ -15,7 +15,6 @@ from __future__ import annotations
 import re
 import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
