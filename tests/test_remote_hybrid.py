@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,15 +37,18 @@ MSGS = ["Hi! What is your name?", "Name one colour."]
 NEXT = "And a fruit?"
 
 
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
-    base = tmp_path_factory.mktemp("llama-server-hybrid")
+def fixture_server(arch: str, base: Path) -> LlamaServer:
     binary = server_binary()
     assert binary is not None
-    subprocess.run([str(binary.parent / "test-llama-archs"), "-o", str(base), "-a", "granitehybrid"],
+    subprocess.run([str(binary.parent / "test-llama-archs"), "-o", str(base), "-a", f"^{arch}$"],
                    check=True, capture_output=True, timeout=120)
-    srv = LlamaServer(base / "granitehybrid-dense.gguf", n_ctx=N_CTX, slot_save_path=base / "slots",
-                      log_path=base / "server.log")
+    return LlamaServer(base / f"{arch}-dense.gguf", n_ctx=N_CTX, slot_save_path=base / "slots",
+                       log_path=base / "server.log")
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+    srv = fixture_server("granitehybrid", tmp_path_factory.mktemp("llama-server-hybrid"))
     srv.start()
     yield srv
     srv.stop()
@@ -162,3 +166,30 @@ def test_slot_files_per_conversation(live: LlamaServer) -> None:
     assert (live.slot_save_path / f"{name}.bin").is_file() and (live.slot_save_path / f"{name}-regen.bin").is_file()
     conv.close()
     s1.close()
+
+
+def test_a_server_that_reuses_nothing_of_a_restored_slot_gets_no_more_points(tmp_path: Path) -> None:
+    # gemma3's sliding-window cache: the server cannot cut it back either, but after a slot restore the
+    # window's oldest cell sits exactly at its reuse threshold, so it reuses nothing of a restored point.
+    srv = fixture_server("gemma3", tmp_path).start()
+    try:
+        session = remote_session(srv.url)
+        assert backend(session).caps.truncate is False
+        conv, _, _ = drain(session.new_conversation("alice"))
+        assert conv is not None
+        say(conv, MSGS[0])
+        name = str(conv.meta["checkpoint"]["name"])
+        assert srv.slot_save_path is not None
+        point = srv.slot_save_path / f"{name}-regen.bin"
+        assert point.is_file()
+        again = regen(conv)
+        assert again.stats.server_cached == 0  # what the server reports: the whole history evaluated
+        assert again.stats.reevaluated == again.stats.server_evaluated == conv.context.n_past - len(again.message.tokens)
+        assert conv.meta["checkpoint"].get("regen_useless") is True and "regen" not in conv.meta["checkpoint"]
+        point.unlink()
+        say(conv, MSGS[1])
+        assert not point.exists()  # no more saves that cannot help
+        conv.close()
+        session.close()
+    finally:
+        srv.stop()

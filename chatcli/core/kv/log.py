@@ -656,15 +656,21 @@ class CheckpointLog:
         # The regenerate point's checkpoint ({"name", "tokens", "sha256", "bytes"}), when one was saved.
         regen = info.get("regen") if isinstance(info, dict) else None
         self._regen: dict[str, Any] | None = regen if isinstance(regen, dict) else None
+        self._regen_restored = False  # the coming reply starts from the regenerate point's restored save
+        # A reply from a restored point reused nothing: this server cannot use them (kept in the metadata).
+        self._regen_useless = bool(info.get("regen_useless")) if isinstance(info, dict) else False
 
     @property
     def turn_logits(self) -> tuple[int, Logits] | None:
         return None
 
     @property
-    def _points(self) -> bool:
-        """Save regenerate points: the backend saves checkpoints but cannot cut its sequence back."""
-        return self.eng.caps.checkpoint and not self.eng.caps.truncate
+    def _regen_points(self) -> bool:
+        """Save regenerate points: the backend saves checkpoints but cannot cut its sequence back, and a
+        restored point was not seen to be useless. (A llama-server whose model has a sliding-window cache
+        cannot cut back either, but reuses nothing of a restored slot — its window's oldest cell sits exactly
+        at the server's threshold —: saving points there would only cost a file per turn.)"""
+        return self.eng.caps.checkpoint and not self.eng.caps.truncate and not self._regen_useless
 
     def _eval(self, tokens: list[int], label: str) -> Iterator[Event]:
         t0 = time.perf_counter()
@@ -705,7 +711,7 @@ class CheckpointLog:
                 # Another model or context size behind the same name (a llama-server restarted with other
                 # flags): its saved sequence must not be loaded, the context is rebuilt from the tokens.
                 report.reason = "saved state is for another model or context size"
-                self._regen = None
+                self._regen, self._regen_useless = None, False
             elif n > len(want) or tokens_digest(want[:n]) != info.get("sha256"):
                 report.reason = "saved state does not match the transcript"
             else:
@@ -732,8 +738,9 @@ class CheckpointLog:
 
     def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats, *, defer: bool = False) -> None:
         eng = self.eng
+        self._regen_restored = False
         n = eng.n_past - 1  # the regenerate point's save: all but the message's last token (see the class)
-        if not self._points or n <= 0:
+        if not self._regen_points or n <= 0:
             return
         t0 = time.perf_counter()
         name = f"{self.name}-regen"
@@ -757,12 +764,17 @@ class CheckpointLog:
         return 0
 
     def reply_done(self, p0: int, tokens: list[int], stats: TurnStats) -> None:
+        if self._regen_restored and stats.server_cached == 0 and stats.server_evaluated:
+            self._regen_useless, self._regen = True, None
+            self._write_meta()
+        self._regen_restored = False
         self.settle()
 
     def rollback(self, to: int, *, persist: bool = True) -> int:
         # The backend's own prefix reuse makes a shorter sequence free (the next settle saves it), unless it
         # cannot cut back: then the regenerate point's save, when this is that point, is restored.
         self.eng.truncate(to)
+        self._regen_restored = False
         self._to_regen_point(to)
         return 0
 
@@ -772,7 +784,7 @@ class CheckpointLog:
         the reply's request). Anything else, or a failed restore, changes nothing: the next request then
         costs what the server must evaluate."""
         eng, regen = self.eng, self._regen
-        if not self._points or regen is None or int(regen.get("tokens", -1)) != to - 1 or eng.n_past != to:
+        if not self._regen_points or regen is None or int(regen.get("tokens", -1)) != to - 1 or eng.n_past != to:
             return
         want = list(eng.tokens)
         n = to - 1
@@ -785,8 +797,10 @@ class CheckpointLog:
         if ok:
             for _ in eng.eval_steps(want[n:]):
                 pass
+            self._regen_restored = True
 
     def put_back(self, tokens: list[int]) -> int:
+        self._regen_restored = False  # not followed by a reply: what it cost is not seen here
         for _ in self.eng.eval_steps(tokens):
             pass
         return 0
@@ -817,6 +831,8 @@ class CheckpointLog:
                 info["regen"] = dict(self._regen)
             else:
                 info.pop("regen", None)
+            if self._regen_useless:
+                info["regen_useless"] = True
             self.meta_changed = True
 
     def size_bytes(self) -> int:
