@@ -19,7 +19,8 @@ onto llama-server (checked against tools/server in the llama.cpp that llama-cpp-
   where its memory can drop a tail. A recurrent or hybrid model's (Mamba, Qwen3.5, Granite-4-H, LFM2...)
   cannot: the server then restores one of its in-RAM *context checkpoints* or, with none (after a restart
   or a slot restore, which clears them), evaluates the whole prompt again. Which kind of server this is is
-  probed at start (``caps.truncate``); the state log then saves a slot file at each regenerate point.
+  probed at start (``caps.truncate``, ``caps.restore_reuse``, see ``_probe_memory``); the state log then
+  saves a slot file at each regenerate point where a restored one is of use.
 - ``checkpoint(name, n)``: first make the slot hold exactly ``tokens[:n]`` (the last sampled token and
   the turn's closing tokens are still pending), then ``POST /slots/{id}?action=save`` with ``name.bin``,
   written by the server under its ``--slot-save-path``. ``restore_checkpoint``: ``action=restore``, then
@@ -167,11 +168,10 @@ class LlamaServerBackend:
         persist = self._probe_slot_actions()
         # Only probed where it changes something: without slot files there is nothing to restore instead
         # of cutting back, and the probe would evict the prompt the slot caches (e.g. a persona prefix).
-        cuts = self._probe_cut_back() if persist else True
-        # A slot that cannot be cut back is a recurrent or hybrid model's (or SWA's without a full cache: on a
-        # server it behaves the same way): told apart only by what the probe sees.
+        memory = self._probe_memory() if persist else "attention"
         self.caps = Capabilities(cells=False, checkpoint=persist, logits=False, local_sampling=False, shift=False,
-                                 truncate=cuts, memory="attention" if cuts else "recurrent or hybrid")
+                                 truncate=memory == "attention", restore_reuse=memory != "sliding window",
+                                 memory=memory)
         if not persist:
             self._tell("no-persistence", f"llama-server at {self.url} was started without --slot-save-path: "
                        "conversations work, but their context is not saved on the server (resume re-reads them)")
@@ -319,27 +319,44 @@ class LlamaServerBackend:
             return getattr(exc, "status", 0) == 400
         return True
 
-    def _probe_cut_back(self) -> bool:
-        """Does the slot reuse the common prefix of a prompt that diverges from what it holds? An attention
-        cache does (llama_memory_seq_rm of the tail); a recurrent or hybrid memory cannot drop a tail, and
-        without a context checkpoint in the server's RAM — none exist after a restart or a slot restore —
-        the server evaluates the whole prompt again (server-context.cpp: "forcing full prompt re-processing").
-        Two 2-token prompts that share their first token: the second reuses it, or nothing."""
-        if self.n_vocab < 3:
-            return True
-        cached = 0
-        for prompt in ([0, 1], [0, 2]):
-            payload = self._completion(0, prompt)
-            payload.update(self._sampling_fields(Sampling(temperature=0.0, repeat_penalty=1.0), 0))
-            payload.update(stream=False, return_progress=False)
-            try:
-                data = self._request("POST", "/completion", payload, what="probe the slot's memory")
-            except ServerConnectionError:
-                raise
-            except BackendError:
-                return True  # a server that refuses the probe keeps today's behaviour
-            cached = int((data.get("timings") or {}).get("cache_n", 0))
-        return cached > 0
+    def _probe_memory(self) -> str:
+        """What the slot's memory does, seen from outside (server-context.cpp, the prompt cache match):
+
+        - "attention": a prompt that diverges from what the slot holds reuses their common prefix (the tail
+          is dropped, llama_memory_seq_rm);
+        - "recurrent or hybrid": it cannot drop a tail; without a context checkpoint in the server's RAM —
+          none exist after a restart or a slot restore — the whole prompt is evaluated again ("forcing full
+          prompt re-processing"), but a restored slot file is reused by a prompt that extends it;
+        - "sliding window": not even that: after a restore the window's oldest cell sits exactly at the
+          server's reuse threshold, so a restored file saves nothing (upstream llama.cpp #25913, #28194).
+
+        Two 2-token prompts that share their first token, then, only if the second reused nothing, a 3-token
+        prompt saved to ``chatcli-probe.bin``, restored and extended by one token. On any refusal: attention
+        (today's behaviour: nothing extra is saved).
+        """
+        if self.n_vocab < 4:
+            return "attention"
+        try:
+            self._probe_eval([0, 1])
+            if self._probe_eval([0, 2]) > 0:
+                return "attention"
+            self._probe_eval([0, 1, 2])
+            name = {"filename": "chatcli-probe.bin"}
+            for action in ("save", "restore"):
+                self._request("POST", f"/slots/{self.config.slot}?action={action}", name, what="probe the slot's memory")
+            return "recurrent or hybrid" if self._probe_eval([0, 1, 2, 3]) > 0 else "sliding window"
+        except ServerConnectionError:
+            raise
+        except BackendError:
+            return "attention"
+
+    def _probe_eval(self, prompt: list[int]) -> int:
+        """Evaluate ``prompt`` (nothing generated); returns how many of its tokens the slot reused."""
+        payload = self._completion(0, prompt)
+        payload.update(self._sampling_fields(Sampling(temperature=0.0, repeat_penalty=1.0), 0))
+        payload.update(stream=False, return_progress=False)
+        data = self._request("POST", "/completion", payload, what="probe the slot's memory")
+        return int((data.get("timings") or {}).get("cache_n", 0))
 
     # -- identity and vocabulary -----------------------------------------------------------------------
 

@@ -656,9 +656,6 @@ class CheckpointLog:
         # The regenerate point's checkpoint ({"name", "tokens", "sha256", "bytes"}), when one was saved.
         regen = info.get("regen") if isinstance(info, dict) else None
         self._regen: dict[str, Any] | None = regen if isinstance(regen, dict) else None
-        self._regen_restored = False  # the coming reply starts from the regenerate point's restored save
-        # A reply from a restored point reused nothing: this server cannot use them (kept in the metadata).
-        self._regen_useless = bool(info.get("regen_useless")) if isinstance(info, dict) else False
 
     @property
     def turn_logits(self) -> tuple[int, Logits] | None:
@@ -666,11 +663,11 @@ class CheckpointLog:
 
     @property
     def _regen_points(self) -> bool:
-        """Save regenerate points: the backend saves checkpoints but cannot cut its sequence back, and a
-        restored point was not seen to be useless. (A llama-server whose model has a sliding-window cache
-        cannot cut back either, but reuses nothing of a restored slot — its window's oldest cell sits exactly
-        at the server's threshold —: saving points there would only cost a file per turn.)"""
-        return self.eng.caps.checkpoint and not self.eng.caps.truncate and not self._regen_useless
+        """Save regenerate points: the backend saves checkpoints, cannot cut its sequence back, and reuses
+        a restored one. (A llama-server whose model has a sliding-window cache cannot cut back either, but
+        reuses nothing of a restored slot: points there would only cost a file per turn.)"""
+        caps = self.eng.caps
+        return caps.checkpoint and not caps.truncate and caps.restore_reuse
 
     def _eval(self, tokens: list[int], label: str) -> Iterator[Event]:
         t0 = time.perf_counter()
@@ -711,7 +708,7 @@ class CheckpointLog:
                 # Another model or context size behind the same name (a llama-server restarted with other
                 # flags): its saved sequence must not be loaded, the context is rebuilt from the tokens.
                 report.reason = "saved state is for another model or context size"
-                self._regen, self._regen_useless = None, False
+                self._regen = None
             elif n > len(want) or tokens_digest(want[:n]) != info.get("sha256"):
                 report.reason = "saved state does not match the transcript"
             else:
@@ -738,7 +735,6 @@ class CheckpointLog:
 
     def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats, *, defer: bool = False) -> None:
         eng = self.eng
-        self._regen_restored = False
         n = eng.n_past - 1  # the regenerate point's save: all but the message's last token (see the class)
         if not self._regen_points or n <= 0:
             return
@@ -764,17 +760,12 @@ class CheckpointLog:
         return 0
 
     def reply_done(self, p0: int, tokens: list[int], stats: TurnStats) -> None:
-        if self._regen_restored and stats.server_cached == 0 and stats.server_evaluated:
-            self._regen_useless, self._regen = True, None
-            self._write_meta()
-        self._regen_restored = False
         self.settle()
 
     def rollback(self, to: int, *, persist: bool = True) -> int:
         # The backend's own prefix reuse makes a shorter sequence free (the next settle saves it), unless it
         # cannot cut back: then the regenerate point's save, when this is that point, is restored.
         self.eng.truncate(to)
-        self._regen_restored = False
         self._to_regen_point(to)
         return 0
 
@@ -797,10 +788,8 @@ class CheckpointLog:
         if ok:
             for _ in eng.eval_steps(want[n:]):
                 pass
-            self._regen_restored = True
 
     def put_back(self, tokens: list[int]) -> int:
-        self._regen_restored = False  # not followed by a reply: what it cost is not seen here
         for _ in self.eng.eval_steps(tokens):
             pass
         return 0
@@ -831,8 +820,6 @@ class CheckpointLog:
                 info["regen"] = dict(self._regen)
             else:
                 info.pop("regen", None)
-            if self._regen_useless:
-                info["regen_useless"] = True
             self.meta_changed = True
 
     def size_bytes(self) -> int:
