@@ -128,6 +128,28 @@ def test_attention_model_keeps_one_slot_save_per_turn(live: LlamaServer) -> None
     session.close()
 
 
+def test_undo_saves_the_shorter_slot_and_resumes_from_it(live: LlamaServer) -> None:
+    # The slot still held the undone exchange: the save must first cut it back (it saved the old, longer
+    # sequence and failed with "saved 118 tokens instead of 96" before).
+    s1 = remote_session(live.url)
+    conv = new_conversation(s1)
+    for m in MSGS[:2]:
+        say(conv, m)
+    stats = conv.undo(1)
+    assert stats.notices == [] and conv.meta["checkpoint"]["tokens"] == stats.kept == conv.context.n_past
+    assert stats.reevaluated == 0  # an attention cache is cut back for free
+    conv_id = conv.id
+    conv.close()
+    s1.close()
+    live.kill()
+    live.start()
+    s2 = remote_session(live.url)
+    conv, report = open_conversation(s2, conv_id)
+    assert report.reason == "" and report.reevaluated == 0 and report.restored_tokens == stats.kept
+    conv.close()
+    s2.close()
+
+
 def test_server_killed_mid_reply(live: LlamaServer) -> None:
     s1 = remote_session(live.url, max_tokens=200)
     conv = new_conversation(s1)

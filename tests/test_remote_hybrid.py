@@ -129,6 +129,32 @@ def test_regen_after_a_server_restart_evaluates_one_token_not_the_history(live: 
     s2.close()
 
 
+def test_undo_reports_what_the_server_evaluated_to_cut_back(live: LlamaServer) -> None:
+    s1 = remote_session(live.url)
+    conv, _, _ = drain(s1.new_conversation("alice"))
+    assert conv is not None
+    for m in MSGS:
+        say(conv, m)
+    before = backend(s1).stats.prompt_evaluated
+    stats = conv.undo(1)
+    assert stats.notices == [] and conv.meta["checkpoint"]["tokens"] == stats.kept == conv.context.n_past
+    # The server cannot drop the undone exchange: it goes back through its own RAM checkpoint (or from the
+    # start). Whatever it evaluated is what the undo says, plus the one token its save added after it.
+    assert stats.reevaluated is not None and stats.reevaluated >= 1
+    assert backend(s1).stats.prompt_evaluated - before == stats.reevaluated + 1
+    conv_id = conv.id
+    conv.close()
+    s1.close()
+    live.kill()
+    live.start()
+    s2 = remote_session(live.url)
+    conv, report, _ = drain(s2.open_conversation(conv_id))
+    assert conv is not None and report is not None
+    assert report.reason == "" and report.reevaluated == 0 and report.restored_tokens == stats.kept
+    conv.close()
+    s2.close()
+
+
 def test_cli_regenerate_after_a_restart_reports_what_the_server_evaluated(live: LlamaServer) -> None:
     runner = CliRunner()
     common = ["--temperature", "0", "--max-tokens", "8", "--reserve", "32"]
@@ -185,8 +211,10 @@ def test_sliding_window_server_saves_no_points_and_regenerates_as_before(tmp_pat
         assert "regen" not in conv.meta["checkpoint"]
         assert srv.slot_save_path is not None and not list(srv.slot_save_path.glob("*-regen.bin"))
         again = regen(conv)
-        assert again.stats.server_evaluated is not None and again.stats.server_evaluated <= 4
-        assert again.stats.reevaluated == again.stats.server_evaluated
+        # The rollback cuts the slot back (through the server's RAM checkpoint), the reply evaluates 1 token:
+        # both are re-evaluated history, said as such.
+        assert again.stats.server_evaluated == 1
+        assert again.stats.reevaluated is not None and 1 < again.stats.reevaluated <= 5
         conv.close()
         session.close()
     finally:

@@ -124,6 +124,9 @@ class LlamaServerBackend:
         # How many leading tokens of ``tokens`` the slot is known to hold (a lower bound): decides when a
         # checkpoint must first flush, and lets a reply notice that the slot lost them (server restart).
         self._held = 0
+        # The slot may hold tokens after ``tokens`` (a rollback, a reply cut off before its end, a cleared
+        # sequence): then a save must first make it hold exactly ``tokens``, or it saves the rolled-back ones.
+        self._beyond = True
         self._checkpoints: dict[str, tuple[int, ...]] = {}  # name -> the tokens it holds (saved/restored here)
         self._last_checkpoint: str | None = None
         self._eager_evaluated = 0
@@ -482,7 +485,7 @@ class LlamaServerBackend:
         progress. What the server evaluates is added to ``_eager_evaluated``: reported with the next reply."""
         upto = len(self.tokens) if n is None else n
         prompt = self.tokens[: min(upto, self.n_ctx - 1)]  # the server refuses a prompt that fills the context
-        if not prompt or self._held >= len(prompt):
+        if not prompt or (self._held >= len(prompt) and not self._beyond):
             return
         payload = self._completion(0, prompt)
         payload.update(self._sampling_fields(Sampling(temperature=0.0, repeat_penalty=1.0), 0))
@@ -500,6 +503,16 @@ class LlamaServerBackend:
         self._eager_evaluated += int((final.get("timings") or {}).get("prompt_n", 0))
         # n_predict=0 still samples one token after the prompt, but never decodes it: the slot holds the prompt.
         self._held = len(prompt)
+        self._beyond = False
+
+    def flush(self, n: int | None = None) -> int:
+        """Make the slot hold exactly ``tokens`` (its first ``n``) now; returns the tokens the server evaluated
+        for it (not reported with the next reply: the caller reports them)."""
+        before = self._eager_evaluated
+        for _ in self._flush(n=n):
+            pass
+        evaluated, self._eager_evaluated = self._eager_evaluated - before, before
+        return evaluated
 
     def _note_timings(self, final: dict[str, Any]) -> None:
         timings = final.get("timings") or {}
@@ -596,6 +609,7 @@ class LlamaServerBackend:
             # The slot holds the prompt and every delivered token but the last (sampled, never decoded);
             # after a cancel it may hold more, which the next prefix match trims.
             self._held = len(prompt) + max(0, len(res.tokens) - 1)
+            self._beyond = not final  # left before its end: the server may have decoded more than it sent
             if not res.stop_reason:
                 res.stop_reason = "cancelled"
             res.seconds = time.perf_counter() - t0
@@ -658,6 +672,7 @@ class LlamaServerBackend:
         dropped = self.n_past - n
         del self.tokens[n:]
         self._held = min(self._held, n)
+        self._beyond = self._beyond or dropped > 0
         return dropped
 
     def rewind(self, n: int, p0: int, data: bytes | memoryview) -> None:
@@ -671,6 +686,7 @@ class LlamaServerBackend:
         # The slot keeps its cells: a new sequence that starts the same way (the persona) reuses them.
         self.tokens = []
         self._held = 0
+        self._beyond = True
 
     # -- logits and cells: not available remotely --------------------------------------------------------
 
@@ -753,6 +769,7 @@ class LlamaServerBackend:
 
     def _restore(self, name: str, toks: list[int]) -> bool:
         self._held = 0  # a failed restore leaves the slot empty (server-context.cpp: prompt_clear)
+        self._beyond = False
         data = self._request("POST", f"/slots/{self.config.slot}?action=restore", {"filename": self.checkpoint_file(name)},
                              what="restore the conversation's slot")
         self.stats.last_restore = data

@@ -721,6 +721,9 @@ class Engine:
 
     # -- checkpoints: not this engine's granularity (it saves cells, see caps) ----------------------
 
+    def flush(self, n: int | None = None) -> int:
+        return 0  # every evaluation already happened
+
     def checkpoint(self, name: str, n: int | None = None) -> int:
         raise BackendError("the local engine saves cell ranges, not checkpoints")
 

@@ -175,6 +175,11 @@ class Backend(Protocol):
     def save_cells(self, p0: int, p1: int) -> bytes: ...
     def load_cells(self, p0: int, p1: int, data: bytes | memoryview, tokens: Sequence[int]) -> None: ...
 
+    def flush(self, n: int | None = None) -> int:
+        """Evaluate now what the engine holds back (its first ``n`` tokens): a server evaluates lazily, and
+        cuts a slot back only when a request asks. Returns the tokens it evaluated (0 for a local engine)."""
+        ...
+
     # -- checkpoints (caps.checkpoint) --
     def checkpoint(self, name: str, n: int | None = None) -> int:
         """Save the sequence (its first ``n`` tokens: the engine must not hold more of it yet) under ``name``

@@ -764,23 +764,29 @@ class CheckpointLog:
 
     def rollback(self, to: int, *, persist: bool = True) -> int:
         # The backend's own prefix reuse makes a shorter sequence free (the next settle saves it), unless it
-        # cannot cut back: then the regenerate point's save, when this is that point, is restored.
-        self.eng.truncate(to)
-        self._to_regen_point(to)
-        return 0
+        # cannot cut back: then the regenerate point's save, when this is that point, is restored; else the
+        # backend is cut back now, so that what it costs is this rollback's and is said with it (undo, /alt,
+        # edit). To ``to - 1``: a server's slot holding exactly the next prompt would have to go back one.
+        eng = self.eng
+        eng.truncate(to)
+        if self._to_regen_point(to) or not persist or eng.caps.truncate or not eng.caps.checkpoint or to < 2:
+            return 0
+        try:
+            return eng.flush(to - 1)
+        except BackendError:
+            return 0  # the next request or save meets it again and says so
 
-    def _to_regen_point(self, to: int) -> None:
+    def _to_regen_point(self, to: int) -> bool:
         """The backend (already cut back to ``to``) is at the last user message's end and its regenerate
         point's save holds those tokens but the last: restore that, and append the last one (evaluated by
-        the reply's request). Anything else, or a failed restore, changes nothing: the next request then
-        costs what the server must evaluate."""
+        the reply's request); True when done. Anything else, or a failed restore, changes nothing."""
         eng, regen = self.eng, self._regen
         if not self._regen_points or regen is None or int(regen.get("tokens", -1)) != to - 1 or eng.n_past != to:
-            return
+            return False
         want = list(eng.tokens)
         n = to - 1
         if tokens_digest(want[:n]) != regen.get("sha256"):
-            return
+            return False
         try:
             ok = eng.restore_checkpoint(str(regen["name"]), want[:n])
         except BackendError:
@@ -788,6 +794,7 @@ class CheckpointLog:
         if ok:
             for _ in eng.eval_steps(want[n:]):
                 pass
+        return ok
 
     def put_back(self, tokens: list[int]) -> int:
         for _ in self.eng.eval_steps(tokens):
