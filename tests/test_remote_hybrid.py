@@ -25,7 +25,7 @@ from chatcli.backends.llama_server import LlamaServerBackend
 from chatcli.cli.app import app
 from chatcli.config.settings import get_paths, load_settings
 from chatcli.core.conversation import Conversation
-from chatcli.core.events import ReplyEnd, ResumeReport
+from chatcli.core.events import Notice, Progress, ReplyEnd, ResumeReport
 from chatcli.core.opening import split_opening
 from chatcli.session import Session
 from tests.remote_server import SKIP_REASON, LlamaServer, server_binary
@@ -127,6 +127,24 @@ def test_regen_after_a_server_restart_evaluates_one_token_not_the_history(live: 
     assert third.stats.server_cached >= n_history
     conv.close()
     s2.close()
+
+
+def test_a_message_evaluated_at_once_still_leaves_its_regenerate_point(live: LlamaServer) -> None:
+    # A long message (more than n_batch new tokens: 512, here 8) is evaluated as soon as it is read, with a
+    # progress bar; on a slot that cannot go back, all but its last token, or no regenerate point is left.
+    s1 = remote_session(live.url)
+    backend(s1).n_batch = 8
+    conv, _, _ = drain(s1.new_conversation("alice"))
+    assert conv is not None
+    events = list(conv.send(MSGS[0]))
+    assert any(isinstance(ev, Progress) and ev.total > 8 for ev in events)
+    end = [ev for ev in events if isinstance(ev, ReplyEnd)][-1]
+    assert [ev for ev in events if isinstance(ev, Notice)] == []
+    assert conv.meta["checkpoint"]["regen"]["tokens"] == end.message.p0 - 1
+    again = regen(conv)
+    assert again.message.tokens == end.message.tokens and again.stats.server_evaluated == 1
+    conv.close()
+    s1.close()
 
 
 def test_undo_reports_what_the_server_evaluated_to_cut_back(live: LlamaServer) -> None:

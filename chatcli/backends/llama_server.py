@@ -453,7 +453,9 @@ class LlamaServerBackend:
             yield len(toks), len(toks)
             return
         last = (0, 0)
-        for last in self._flush(progress=True):
+        # A slot that cannot be cut back keeps the last token pending: a regenerate point (all but a user
+        # message's last token) can only be saved while the slot has not gone past it.
+        for last in self._flush(progress=True, n=len(self.tokens) - (0 if self.caps.truncate else 1)):
             yield last
         if last[0] < last[1] or last == (0, 0):
             yield len(toks), len(toks)
