@@ -6,14 +6,13 @@ slot restore, which clears them —, evaluated from the start. chatcli saves a s
 point (the history but the user message's last token) and restores it there. Every claim below is checked
 with the server's own counts (its ``timings``), and replies are greedy, so equal tokens mean equal state.
 
-The model is llama.cpp's own random-weight fixture (tests/archs.py): dummy 5-characters-per-token
+The models are llama.cpp's own random-weight fixtures (tests/archs.py): dummy 5-characters-per-token
 tokenizer, no EOS (every reply runs to --max-tokens), no chat template (ChatML is used), n_ctx_train 256.
 """
 
 from __future__ import annotations
 
 import re
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from chatcli.core.conversation import Conversation
 from chatcli.core.events import Notice, Progress, ReplyEnd, ResumeReport
 from chatcli.core.opening import split_opening
 from chatcli.session import Session
+from tests.archs import ArchFixtures
 from tests.remote_server import SKIP_REASON, LlamaServer, server_binary
 
 pytestmark = pytest.mark.skipif(server_binary() is None, reason=SKIP_REASON)
@@ -37,18 +37,13 @@ MSGS = ["Hi! What is your name?", "Name one colour."]
 NEXT = "And a fruit?"
 
 
-def fixture_server(arch: str, base: Path) -> LlamaServer:
-    binary = server_binary()
-    assert binary is not None
-    subprocess.run([str(binary.parent / "test-llama-archs"), "-o", str(base), "-a", f"^{arch}$"],
-                   check=True, capture_output=True, timeout=120)
-    return LlamaServer(base / f"{arch}-dense.gguf", n_ctx=N_CTX, slot_save_path=base / "slots",
-                       log_path=base / "server.log")
+def fixture_server(model: Path, base: Path) -> LlamaServer:
+    return LlamaServer(model, n_ctx=N_CTX, slot_save_path=base / "slots", log_path=base / "server.log")
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
-    srv = fixture_server("granitehybrid", tmp_path_factory.mktemp("llama-server-hybrid"))
+def hybrid(arch_fixtures: ArchFixtures, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+    srv = fixture_server(arch_fixtures.path("granitehybrid"), tmp_path_factory.mktemp("llama-server-hybrid"))
     srv.start()
     yield srv
     srv.stop()
@@ -212,12 +207,13 @@ def test_slot_files_per_conversation(live: LlamaServer) -> None:
     s1.close()
 
 
-def test_sliding_window_server_saves_no_points_and_regenerates_as_before(tmp_path: Path) -> None:
+def test_sliding_window_server_saves_no_points_and_regenerates_as_before(arch_fixtures: ArchFixtures,
+                                                                         tmp_path: Path) -> None:
     # gemma3's sliding-window cache (32 tokens in the fixture): the server cannot cut it back, but after a slot
     # restore the window's oldest cell sits exactly at its reuse threshold, so a restored point would make a
     # regenerate evaluate the whole history (measured: 203 tokens at 214) instead of the 1 token its own
     # in-RAM context checkpoints cost in the same process. The probe tells: no points there.
-    srv = fixture_server("gemma3", tmp_path).start()
+    srv = fixture_server(arch_fixtures.path("gemma3"), tmp_path).start()
     try:
         session = remote_session(srv.url)
         caps = backend(session).caps
@@ -239,11 +235,11 @@ def test_sliding_window_server_saves_no_points_and_regenerates_as_before(tmp_pat
         srv.stop()
 
 
-def test_probe_tells_the_memory_kinds_apart(live: LlamaServer, tmp_path: Path) -> None:
+def test_probe_tells_the_memory_kinds_apart(live: LlamaServer, arch_fixtures: ArchFixtures, tmp_path: Path) -> None:
     session = remote_session(live.url)
     assert backend(session).caps.memory == "recurrent or hybrid"
     session.close()
-    srv = fixture_server("mamba", tmp_path).start()  # recurrent only
+    srv = fixture_server(arch_fixtures.path("mamba"), tmp_path).start()  # recurrent only
     try:
         session = remote_session(srv.url)
         caps = backend(session).caps
