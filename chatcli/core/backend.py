@@ -74,7 +74,9 @@ class Capabilities:
     shift: bool  # positions can be moved down without re-evaluating (context shift)
     truncate: bool = True  # the sequence can be cut back to any position (llama_memory_seq_rm of a tail)
     ranges: bool = True  # cells of a position range can be saved alone (else only the whole sequence)
-    memory: str = "attention"  # what the probe found, for people: attention | hybrid | recurrent | whole
+    # What the probe found, for people: attention | hybrid | recurrent | whole (a llama-server, seen from
+    # outside: attention | recurrent or hybrid | sliding window).
+    memory: str = "attention"
     # A restored checkpoint's tokens are reused by a sequence that extends it (not by a llama-server whose
     # model has a sliding-window cache: nothing of a restored slot is reused there).
     restore_reuse: bool = True
