@@ -113,6 +113,43 @@ def test_resume_after_a_server_restart_restores_the_slot(live: LlamaServer) -> N
     s2.close()
 
 
+def test_attention_model_keeps_one_slot_save_per_turn(live: LlamaServer) -> None:
+    # The probe finds a slot that cuts back: no regenerate-point saves (issue #20: those are for recurrent
+    # and hybrid models, tests/test_remote_hybrid.py), and /regen still costs the server one token.
+    session = remote_session(live.url)
+    assert session.engine.caps.truncate is True
+    conv = new_conversation(session)
+    say(conv, MSGS[0])
+    assert "regen" not in conv.meta["checkpoint"]
+    assert live.slot_save_path is not None and not list(live.slot_save_path.glob("*-regen.bin"))
+    _, _, ends = drain(conv.regen())
+    assert ends[-1].stats.server_evaluated == 1 and ends[-1].stats.reevaluated == 1
+    conv.close()
+    session.close()
+
+
+def test_undo_saves_the_shorter_slot_and_resumes_from_it(live: LlamaServer) -> None:
+    # The slot still held the undone exchange: the save must first cut it back (it saved the old, longer
+    # sequence and failed with "saved 118 tokens instead of 96" before).
+    s1 = remote_session(live.url)
+    conv = new_conversation(s1)
+    for m in MSGS[:2]:
+        say(conv, m)
+    stats = conv.undo(1)
+    assert stats.notices == [] and conv.meta["checkpoint"]["tokens"] == stats.kept == conv.context.n_past
+    assert stats.reevaluated == 0  # an attention cache is cut back for free
+    conv_id = conv.id
+    conv.close()
+    s1.close()
+    live.kill()
+    live.start()
+    s2 = remote_session(live.url)
+    conv, report = open_conversation(s2, conv_id)
+    assert report.reason == "" and report.reevaluated == 0 and report.restored_tokens == stats.kept
+    conv.close()
+    s2.close()
+
+
 def test_server_killed_mid_reply(live: LlamaServer) -> None:
     s1 = remote_session(live.url, max_tokens=200)
     conv = new_conversation(s1)

@@ -15,9 +15,14 @@ onto llama-server (checked against tools/server in the llama.cpp that llama-cpp-
   spelled out (server-side defaults such as min_p or DRY would otherwise apply); sampling happens on the
   server (``caps.local_sampling`` is False). The reply's ``timings`` say how many prompt tokens were
   evaluated vs found in the slot (``GenerationResult.n_prompt_evaluated`` / ``n_prompt_cached``).
-- ``truncate`` only shortens ``tokens``: the next request's prefix match drops the rest on the server.
-- ``checkpoint(name)``: first make the slot hold exactly ``tokens`` (the last sampled token and the
-  turn's closing tokens are still pending), then ``POST /slots/{id}?action=save`` with ``name.bin``,
+- ``truncate`` only shortens ``tokens``: the next request's prefix match drops the rest on the server —
+  where its memory can drop a tail. A recurrent or hybrid model's (Mamba, Qwen3.5, Granite-4-H, LFM2...)
+  cannot: the server then restores one of its in-RAM *context checkpoints* or, with none (after a restart
+  or a slot restore, which clears them), evaluates the whole prompt again. Which kind of server this is is
+  probed at start (``caps.truncate``, ``caps.restore_reuse``, see ``_probe_memory``); the state log then
+  saves a slot file at each regenerate point where a restored one is of use.
+- ``checkpoint(name, n)``: first make the slot hold exactly ``tokens[:n]`` (the last sampled token and
+  the turn's closing tokens are still pending), then ``POST /slots/{id}?action=save`` with ``name.bin``,
   written by the server under its ``--slot-save-path``. ``restore_checkpoint``: ``action=restore``, then
   check the server's ``n_restored`` against the expected count. Even a wrong restore cannot corrupt the
   conversation: the restored file carries its own token ids, and the prefix match re-evaluates from the
@@ -119,6 +124,9 @@ class LlamaServerBackend:
         # How many leading tokens of ``tokens`` the slot is known to hold (a lower bound): decides when a
         # checkpoint must first flush, and lets a reply notice that the slot lost them (server restart).
         self._held = 0
+        # The slot may hold tokens after ``tokens`` (a rollback, a reply cut off before its end, a cleared
+        # sequence): then a save must first make it hold exactly ``tokens``, or it saves the rolled-back ones.
+        self._beyond = True
         self._checkpoints: dict[str, tuple[int, ...]] = {}  # name -> the tokens it holds (saved/restored here)
         self._last_checkpoint: str | None = None
         self._eager_evaluated = 0
@@ -161,7 +169,12 @@ class LlamaServerBackend:
         if self.n_vocab <= 0:
             self.n_vocab = max(self._bos, self._eos, *probe) + 1  # a lower bound is all that can be known
         persist = self._probe_slot_actions()
-        self.caps = Capabilities(cells=False, checkpoint=persist, logits=False, local_sampling=False, shift=False)
+        # Only probed where it changes something: without slot files there is nothing to restore instead
+        # of cutting back, and the probe would evict the prompt the slot caches (e.g. a persona prefix).
+        memory = self._probe_memory() if persist else "attention"
+        self.caps = Capabilities(cells=False, checkpoint=persist, logits=False, local_sampling=False, shift=False,
+                                 truncate=memory == "attention", restore_reuse=memory != "sliding window",
+                                 memory=memory)
         if not persist:
             self._tell("no-persistence", f"llama-server at {self.url} was started without --slot-save-path: "
                        "conversations work, but their context is not saved on the server (resume re-reads them)")
@@ -309,6 +322,45 @@ class LlamaServerBackend:
             return getattr(exc, "status", 0) == 400
         return True
 
+    def _probe_memory(self) -> str:
+        """What the slot's memory does, seen from outside (server-context.cpp, the prompt cache match):
+
+        - "attention": a prompt that diverges from what the slot holds reuses their common prefix (the tail
+          is dropped, llama_memory_seq_rm);
+        - "recurrent or hybrid": it cannot drop a tail; without a context checkpoint in the server's RAM —
+          none exist after a restart or a slot restore — the whole prompt is evaluated again ("forcing full
+          prompt re-processing"), but a restored slot file is reused by a prompt that extends it;
+        - "sliding window": not even that: after a restore the window's oldest cell sits exactly at the
+          server's reuse threshold, so a restored file saves nothing (upstream llama.cpp #25913, #28194).
+
+        Two 2-token prompts that share their first token, then, only if the second reused nothing, a 3-token
+        prompt saved to ``chatcli-probe.bin``, restored and extended by one token. On any refusal: attention
+        (today's behaviour: nothing extra is saved).
+        """
+        if self.n_vocab < 4:
+            return "attention"
+        try:
+            self._probe_eval([0, 1])
+            if self._probe_eval([0, 2]) > 0:
+                return "attention"
+            self._probe_eval([0, 1, 2])
+            name = {"filename": "chatcli-probe.bin"}
+            for action in ("save", "restore"):
+                self._request("POST", f"/slots/{self.config.slot}?action={action}", name, what="probe the slot's memory")
+            return "recurrent or hybrid" if self._probe_eval([0, 1, 2, 3]) > 0 else "sliding window"
+        except ServerConnectionError:
+            raise
+        except BackendError:
+            return "attention"
+
+    def _probe_eval(self, prompt: list[int]) -> int:
+        """Evaluate ``prompt`` (nothing generated); returns how many of its tokens the slot reused."""
+        payload = self._completion(0, prompt)
+        payload.update(self._sampling_fields(Sampling(temperature=0.0, repeat_penalty=1.0), 0))
+        payload.update(stream=False, return_progress=False)
+        data = self._request("POST", "/completion", payload, what="probe the slot's memory")
+        return int((data.get("timings") or {}).get("cache_n", 0))
+
     # -- identity and vocabulary -----------------------------------------------------------------------
 
     def identity(self) -> dict[str, Any]:
@@ -401,12 +453,12 @@ class LlamaServerBackend:
             yield len(toks), len(toks)
             return
         last = (0, 0)
-        for last in self._flush(progress=True):
+        # A slot that cannot be cut back keeps the last token pending: a regenerate point (all but a user
+        # message's last token) can only be saved while the slot has not gone past it.
+        for last in self._flush(progress=True, n=len(self.tokens) - (0 if self.caps.truncate else 1)):
             yield last
         if last[0] < last[1] or last == (0, 0):
             yield len(toks), len(toks)
-        # Evaluated for the coming reply: reported with it.
-        self._eager_evaluated += int(self.stats.last_timings.get("prompt_n", 0))
 
     def _sampling_fields(self, sampling: Sampling, seed: int) -> dict[str, Any]:
         """Every sampler spelled out: a server started with other defaults (--temp, --min-p, DRY, ...) must
@@ -430,10 +482,12 @@ class LlamaServerBackend:
             "stream": True, "return_tokens": True, "return_progress": True, "n_keep": 0,
         }
 
-    def _flush(self, *, progress: bool = False) -> Iterator[tuple[int, int]]:
-        """Make the slot hold exactly ``tokens`` (an n_predict=0 request); yields prompt progress."""
-        prompt = self.tokens[: self.n_ctx - 1]  # the server refuses a prompt that fills the context
-        if not prompt or self._held >= len(prompt):
+    def _flush(self, *, progress: bool = False, n: int | None = None) -> Iterator[tuple[int, int]]:
+        """Make the slot hold exactly ``tokens`` (its first ``n``; an n_predict=0 request); yields prompt
+        progress. What the server evaluates is added to ``_eager_evaluated``: reported with the next reply."""
+        upto = len(self.tokens) if n is None else n
+        prompt = self.tokens[: min(upto, self.n_ctx - 1)]  # the server refuses a prompt that fills the context
+        if not prompt or (self._held >= len(prompt) and not self._beyond):
             return
         payload = self._completion(0, prompt)
         payload.update(self._sampling_fields(Sampling(temperature=0.0, repeat_penalty=1.0), 0))
@@ -448,8 +502,19 @@ class LlamaServerBackend:
         if not final:
             raise ServerConnectionError(f"llama-server at {self.url} stopped evaluating the conversation")
         self._note_timings(final)
+        self._eager_evaluated += int((final.get("timings") or {}).get("prompt_n", 0))
         # n_predict=0 still samples one token after the prompt, but never decodes it: the slot holds the prompt.
         self._held = len(prompt)
+        self._beyond = False
+
+    def flush(self, n: int | None = None) -> int:
+        """Make the slot hold exactly ``tokens`` (its first ``n``) now; returns the tokens the server evaluated
+        for it (not reported with the next reply: the caller reports them)."""
+        before = self._eager_evaluated
+        for _ in self._flush(n=n):
+            pass
+        evaluated, self._eager_evaluated = self._eager_evaluated - before, before
+        return evaluated
 
     def _note_timings(self, final: dict[str, Any]) -> None:
         timings = final.get("timings") or {}
@@ -546,6 +611,7 @@ class LlamaServerBackend:
             # The slot holds the prompt and every delivered token but the last (sampled, never decoded);
             # after a cancel it may hold more, which the next prefix match trims.
             self._held = len(prompt) + max(0, len(res.tokens) - 1)
+            self._beyond = not final  # left before its end: the server may have decoded more than it sent
             if not res.stop_reason:
                 res.stop_reason = "cancelled"
             res.seconds = time.perf_counter() - t0
@@ -608,6 +674,7 @@ class LlamaServerBackend:
         dropped = self.n_past - n
         del self.tokens[n:]
         self._held = min(self._held, n)
+        self._beyond = self._beyond or dropped > 0
         return dropped
 
     def rewind(self, n: int, p0: int, data: bytes | memoryview) -> None:
@@ -621,6 +688,7 @@ class LlamaServerBackend:
         # The slot keeps its cells: a new sequence that starts the same way (the persona) reuses them.
         self.tokens = []
         self._held = 0
+        self._beyond = True
 
     # -- logits and cells: not available remotely --------------------------------------------------------
 
@@ -651,25 +719,34 @@ class LlamaServerBackend:
             raise BackendError(f"bad checkpoint name {name!r}")
         return f"{name}.bin"
 
-    def checkpoint(self, name: str) -> int:
-        """Save the slot (holding exactly ``tokens``) as ``name.bin`` under the server's --slot-save-path."""
+    def checkpoint(self, name: str, n: int | None = None) -> int:
+        """Save the slot, holding exactly ``tokens`` (its first ``n``: the slot must not hold more of them yet,
+        or a memory that cannot be cut back would evaluate them all again), as ``name.bin`` under the server's
+        --slot-save-path. The end-of-turn flush (the last sampled token, the closing) is not counted as
+        evaluated; a prefix's flush is (it reads the user's message, reported with the reply)."""
         filename = self.checkpoint_file(name)
         if not self.caps.checkpoint:
             return 0
         if not self.tokens:
             return 0
-        for _ in self._flush():
+        upto = len(self.tokens) if n is None else n
+        if not 0 < upto <= len(self.tokens):
+            raise BackendError(f"cannot save the first {upto} tokens: the sequence holds {len(self.tokens)}")
+        counted = self._eager_evaluated
+        for _ in self._flush(n=upto):
             pass
+        if n is None:
+            self._eager_evaluated = counted
         data = self._request("POST", f"/slots/{self.config.slot}?action=save", {"filename": filename},
                              what="save the conversation's slot")
         self.stats.last_save = data
         n_saved = int(data.get("n_saved", -1))
-        if n_saved != len(self.tokens):
+        if n_saved != upto:
             # Another client used the slot between our two requests: the file does not hold our sequence.
             self._checkpoints.pop(name, None)
-            raise BackendError(f"llama-server saved {n_saved} tokens instead of {len(self.tokens)}: "
+            raise BackendError(f"llama-server saved {n_saved} tokens instead of {upto}: "
                                f"is another client using slot {self.config.slot}?")
-        self._checkpoints[name] = tuple(self.tokens)
+        self._checkpoints[name] = tuple(self.tokens[:upto])
         self._last_checkpoint = name
         return int(data.get("n_written", 0))
 
@@ -694,6 +771,7 @@ class LlamaServerBackend:
 
     def _restore(self, name: str, toks: list[int]) -> bool:
         self._held = 0  # a failed restore leaves the slot empty (server-context.cpp: prompt_clear)
+        self._beyond = False
         data = self._request("POST", f"/slots/{self.config.slot}?action=restore", {"filename": self.checkpoint_file(name)},
                              what="restore the conversation's slot")
         self.stats.last_restore = data

@@ -74,7 +74,12 @@ class Capabilities:
     shift: bool  # positions can be moved down without re-evaluating (context shift)
     truncate: bool = True  # the sequence can be cut back to any position (llama_memory_seq_rm of a tail)
     ranges: bool = True  # cells of a position range can be saved alone (else only the whole sequence)
-    memory: str = "attention"  # what the probe found, for people: attention | hybrid | recurrent | whole
+    # What the probe found, for people: attention | hybrid | recurrent | whole (a llama-server, seen from
+    # outside: attention | recurrent or hybrid | sliding window).
+    memory: str = "attention"
+    # A restored checkpoint's tokens are reused by a sequence that extends it (not by a llama-server whose
+    # model has a sliding-window cache: nothing of a restored slot is reused there).
+    restore_reuse: bool = True
 
 
 @dataclass
@@ -172,9 +177,15 @@ class Backend(Protocol):
     def save_cells(self, p0: int, p1: int) -> bytes: ...
     def load_cells(self, p0: int, p1: int, data: bytes | memoryview, tokens: Sequence[int]) -> None: ...
 
+    def flush(self, n: int | None = None) -> int:
+        """Evaluate now what the engine holds back (its first ``n`` tokens): a server evaluates lazily, and
+        cuts a slot back only when a request asks. Returns the tokens it evaluated (0 for a local engine)."""
+        ...
+
     # -- checkpoints (caps.checkpoint) --
-    def checkpoint(self, name: str) -> int:
-        """Save the whole sequence under ``name`` on the engine's side; returns bytes written (0 if unknown)."""
+    def checkpoint(self, name: str, n: int | None = None) -> int:
+        """Save the sequence (its first ``n`` tokens: the engine must not hold more of it yet) under ``name``
+        on the engine's side; returns bytes written (0 if unknown)."""
         ...
 
     def restore_checkpoint(self, name: str, tokens: Sequence[int]) -> bool:

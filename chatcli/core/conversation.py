@@ -239,6 +239,10 @@ class Conversation(ConversationViews):
             reply_tokens = eng.tokens[p0:]
         stats.server_evaluated = res.n_prompt_evaluated
         stats.server_cached = res.n_prompt_cached
+        if stats.kept is not None and res.n_prompt_evaluated is not None:
+            # A reply after a rollback (regen): every prompt token the server evaluated was already in the
+            # history, so that is what the rollback really cost, whatever it cost on this side.
+            stats.reevaluated = (stats.reevaluated or 0) + res.n_prompt_evaluated
         # Time to first token as the user feels it: reading their message plus sampling the first token.
         stats.ttft = stats.prompt_seconds + res.ttft
         stats.n_generated = len(res.tokens)

@@ -173,7 +173,8 @@ def _undo(ctx: CommandContext, arg: str) -> None:
     assert n is not None
     stats = ctx.conv.undo(n)
     _warn(ctx, stats)
-    ctx.renderer.notice(f"undid {n} exchange(s): kept {stats.kept} tokens, dropped {stats.dropped}, re-evaluated 0")
+    ctx.renderer.notice(f"undid {n} exchange(s): kept {stats.kept} tokens, dropped {stats.dropped}, "
+                        f"re-evaluated {stats.reevaluated or 0}")
 
 
 @REGISTRY.register("redo", "bring back what /undo removed")
@@ -230,7 +231,7 @@ def _alt(ctx: CommandContext, arg: str) -> None:
     stats = conv.switch_alt(index)
     _warn(ctx, stats)
     ctx.renderer.notice(f"alternative {index + 1}/{len(alts)}: kept {stats.kept} tokens, evaluated {stats.n_eval} "
-                         f"reply tokens, re-evaluated 0 history tokens")
+                         f"reply tokens, re-evaluated {stats.reevaluated or 0} history tokens")
     ctx.show_last()
 
 

@@ -12,7 +12,9 @@ shift — and tells its state log through a few hooks; the log decides what to s
   checkpoint name, and the conversation's metadata records how many tokens it holds (and their hash). On
   open the checkpoint is restored if it still matches the transcript; otherwise, or for backends with
   neither capability, the context is rebuilt by evaluating the transcript's tokens (a server reuses
-  whatever common prefix its cache still has).
+  whatever common prefix its cache still has). A backend whose memory cannot be cut back (``not
+  caps.truncate``: a server running a recurrent or hybrid model) also saves a second checkpoint at the
+  regenerate point, and a rollback to that point restores it instead of evaluating the history again.
 
 What a ``CellLog`` saves follows the memory (``Capabilities``): an attention cache is cut back anywhere, so
 records only need to hold cells. A memory that cannot be cut back (recurrent or hybrid: Mamba, Qwen3.5,
@@ -629,9 +631,16 @@ def tokens_digest(tokens: Sequence[int]) -> str:
 class CheckpointLog:
     """The backend saves its whole sequence under one name per conversation; metadata says what it holds.
 
-    ``meta["checkpoint"] = {"name", "tokens", "sha256", "bytes"}``: the name the backend saved under, how
-    many tokens that save holds and a digest of them. Restoring asks the backend for exactly those tokens
-    (it refuses if its save holds anything else); the rest of the transcript is evaluated.
+    ``meta["checkpoint"] = {"name", "tokens", "sha256", "bytes", "identity"}``: the name the backend saved
+    under, how many tokens that save holds and a digest of them. Restoring asks the backend for exactly
+    those tokens (it refuses if its save holds anything else); the rest of the transcript is evaluated.
+
+    A backend that cannot cut its sequence back (``not caps.truncate``) would evaluate the whole history
+    again for a regenerate or an alternative: its cache holds the reply, which it cannot drop. So after each
+    user message it also saves ``meta["checkpoint"]["regen"]`` (same fields, name ``NAME-regen``) holding
+    the sequence *but the message's last token*: restored, the reply's request evaluates that one token and
+    samples (a save holding the whole message would not do: a llama-server must evaluate at least one
+    prompt token, and with a slot that holds exactly the prompt it cannot go back one, so it starts over).
     """
 
     def __init__(self, backend: Backend, meta: dict[str, Any], name: str) -> None:
@@ -644,10 +653,21 @@ class CheckpointLog:
         self.meta_changed = False
         self.on_saved: Callable[[], None] | None = None  # its saves live on the server: nothing to budget here
         self._saved: list[int] | None = None  # the tokens of the last checkpoint this process made
+        # The regenerate point's checkpoint ({"name", "tokens", "sha256", "bytes"}), when one was saved.
+        regen = info.get("regen") if isinstance(info, dict) else None
+        self._regen: dict[str, Any] | None = regen if isinstance(regen, dict) else None
 
     @property
     def turn_logits(self) -> tuple[int, Logits] | None:
         return None
+
+    @property
+    def _regen_points(self) -> bool:
+        """Save regenerate points: the backend saves checkpoints, cannot cut its sequence back, and reuses
+        a restored one. (A llama-server whose model has a sliding-window cache cannot cut back either, but
+        reuses nothing of a restored slot: points there would only cost a file per turn.)"""
+        caps = self.eng.caps
+        return caps.checkpoint and not caps.truncate and caps.restore_reuse
 
     def _eval(self, tokens: list[int], label: str) -> Iterator[Event]:
         t0 = time.perf_counter()
@@ -688,6 +708,7 @@ class CheckpointLog:
                 # Another model or context size behind the same name (a llama-server restarted with other
                 # flags): its saved sequence must not be loaded, the context is rebuilt from the tokens.
                 report.reason = "saved state is for another model or context size"
+                self._regen = None
             elif n > len(want) or tokens_digest(want[:n]) != info.get("sha256"):
                 report.reason = "saved state does not match the transcript"
             else:
@@ -713,7 +734,24 @@ class CheckpointLog:
         self.settle()
 
     def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats, *, defer: bool = False) -> None:
-        pass
+        eng = self.eng
+        n = eng.n_past - 1  # the regenerate point's save: all but the message's last token (see the class)
+        if not self._regen_points or n <= 0:
+            return
+        t0 = time.perf_counter()
+        name = f"{self.name}-regen"
+        try:
+            n_bytes = eng.checkpoint(name, n)
+        except BackendError as exc:
+            self._regen = None  # an older point's file may be half overwritten: never restore it
+            self.save_error = _save_failed(exc)
+            self.failures.append(self.save_error)
+        else:
+            self._regen = {"name": name, "tokens": n, "sha256": tokens_digest(eng.tokens[:n]), "bytes": n_bytes}
+        finally:
+            # Reading the message (all of it but one token) happened here: part of the time to first token.
+            stats.prompt_seconds += time.perf_counter() - t0
+        self._write_meta()
 
     def flush(self) -> None:
         pass
@@ -725,9 +763,38 @@ class CheckpointLog:
         self.settle()
 
     def rollback(self, to: int, *, persist: bool = True) -> int:
-        # The backend's own prefix reuse makes a shorter sequence free; the next settle saves it.
-        self.eng.truncate(to)
-        return 0
+        # The backend's own prefix reuse makes a shorter sequence free (the next settle saves it), unless it
+        # cannot cut back: then the regenerate point's save, when this is that point, is restored; else the
+        # backend is cut back now, so that what it costs is this rollback's and is said with it (undo, /alt,
+        # edit). To ``to - 1``: a server's slot holding exactly the next prompt would have to go back one.
+        eng = self.eng
+        eng.truncate(to)
+        if self._to_regen_point(to) or not persist or eng.caps.truncate or not eng.caps.checkpoint or to < 2:
+            return 0
+        try:
+            return eng.flush(to - 1)
+        except BackendError:
+            return 0  # the next request or save meets it again and says so
+
+    def _to_regen_point(self, to: int) -> bool:
+        """The backend (already cut back to ``to``) is at the last user message's end and its regenerate
+        point's save holds those tokens but the last: restore that, and append the last one (evaluated by
+        the reply's request); True when done. Anything else, or a failed restore, changes nothing."""
+        eng, regen = self.eng, self._regen
+        if not self._regen_points or regen is None or int(regen.get("tokens", -1)) != to - 1 or eng.n_past != to:
+            return False
+        want = list(eng.tokens)
+        n = to - 1
+        if tokens_digest(want[:n]) != regen.get("sha256"):
+            return False
+        try:
+            ok = eng.restore_checkpoint(str(regen["name"]), want[:n])
+        except BackendError:
+            ok = False  # the next request says what went wrong, if anything still does
+        if ok:
+            for _ in eng.eval_steps(want[n:]):
+                pass
+        return ok
 
     def put_back(self, tokens: list[int]) -> int:
         for _ in self.eng.eval_steps(tokens):
@@ -751,8 +818,20 @@ class CheckpointLog:
         self._saved = list(eng.tokens)
         self.meta["checkpoint"] = {"name": self.name, "tokens": eng.n_past, "sha256": tokens_digest(eng.tokens),
                                    "bytes": n_bytes, "identity": eng.identity()}
-        self.meta_changed = True
+        self._write_meta()
+
+    def _write_meta(self) -> None:
+        info = self.meta.get("checkpoint")
+        if isinstance(info, dict):
+            if self._regen is not None:
+                info["regen"] = dict(self._regen)
+            else:
+                info.pop("regen", None)
+            self.meta_changed = True
 
     def size_bytes(self) -> int:
         info = self.meta.get("checkpoint")
-        return int(info.get("bytes", 0)) if isinstance(info, dict) else 0
+        if not isinstance(info, dict):
+            return 0
+        regen = info.get("regen")
+        return int(info.get("bytes", 0)) + (int(regen.get("bytes", 0)) if isinstance(regen, dict) else 0)
