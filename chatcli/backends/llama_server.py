@@ -705,7 +705,7 @@ class LlamaServerBackend:
     def ensure_logits(self) -> int:
         return 0  # the server computes the last position's logits itself when it samples
 
-    def save_cells(self, p0: int, p1: int) -> bytes:
+    def save_cells(self, p0: int, p1: int, *, point: bool = True) -> bytes:
         raise BackendError("llama-server saves whole slots, not cell ranges")
 
     def load_cells(self, p0: int, p1: int, data: bytes | memoryview, tokens: Sequence[int]) -> None:

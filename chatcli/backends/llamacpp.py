@@ -598,17 +598,19 @@ class Engine:
         self.tokens = []
         self._drop_logits()
 
-    def save_cells(self, p0: int, p1: int) -> bytes:
+    def save_cells(self, p0: int, p1: int, *, point: bool = True) -> bytes:
         """The KV cells of positions [p0, p1) of the conversation, in llama.cpp's sequence-state format.
 
         On a memory that cannot be cut back the save also holds the state that is not cells (recurrent)
-        as it is now, so p1 must be where the sequence ends; on a whole-sequence memory p0 must be 0 too.
+        as it is now, so p1 must be where the sequence ends — unless ``point`` is False: the caller knows
+        that part is stale (cells of old turns, loaded before newer records); on a whole-sequence memory p0
+        must be 0 too.
         """
         if not 0 <= p0 <= p1 <= self.n_past:
             raise EngineError(f"bad cell range {p0}..{p1} (context holds {self.n_past})")
         if p0 == p1:
             return b""
-        if not self.can_truncate and p1 != self.n_past:
+        if not self.can_truncate and point and p1 != self.n_past:
             raise EngineError(f"this model's memory ({self.memory_kind}) can only be saved where it ends "
                               f"({self.n_past}), not at {p1}")
         if not self.ranges:

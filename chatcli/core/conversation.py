@@ -74,6 +74,7 @@ class Conversation(ConversationViews):
         self.after_save: Callable[[], str | None] | None = None
         self._pending_notices: list[Notice] = []
         self.log.on_saved = self._saved
+        self.log.replan = lambda: rebuild.segments(len(self.r.prefix_tokens), list(self.r.active), self._closing_len)
 
     # -- loading the backend (see opening.py for creating and opening) ---------------------------------
 

@@ -147,6 +147,12 @@ def _copy_state(src: Path, dst: Path, cut: int) -> int:
             parts.append(sf.encode_record(sf.TRUNCATE, n, n, b""))
         if n >= cut:
             break
+    if len(parts) > 1 and isinstance(parts[-1], bytes):
+        # The cut fell inside a record. On a memory that cannot be cut back only a record ending exactly
+        # there holds the state wanted: a whole-sequence point (SNAPSHOT from 0) serves alone.
+        whole = [r for r in res.points() if r.p0 == 0 and r.p1 == n]
+        if whole:
+            parts = [header, whole[-1]]
     if logits is not None and logits.p0 <= n:
         # Logits depend only on the tokens before p0, which the child shares: /regen right after a fork
         # samples from them instead of re-evaluating a token.

@@ -57,6 +57,9 @@ class StateLog(Protocol):
     failures: list[str]  # failures not yet reported; the conversation turns them into Notices and clears it
     meta_changed: bool  # the log changed the conversation's metadata: write it
     on_saved: Callable[[], None] | None  # called after every successful write to this machine's disk
+    # How the conversation's tokens were first batched (rebuild.segments), for evaluating part of it again
+    # bit-identically when a rollback finds no saved point (set by the conversation).
+    replan: Callable[[], list[tuple[int, int]]] | None
 
     @property
     def turn_logits(self) -> tuple[int, Logits] | None: ...
@@ -114,6 +117,11 @@ def make_state_log(backend: Backend, *, state_path: Path, identity: dict[str, An
 # A whole-sequence memory saves its whole state at every point: a compaction keeps this many (2 per turn:
 # regenerate, undo or edit reach back 4 exchanges without evaluating anything).
 WHOLE_POINTS = 8
+# A hybrid memory's records each carry a copy of the recurrent state (MBs on real models): once more than
+# twice this many points are live, the records before the newest HYBRID_POINTS are merged into one record
+# of their cells without a usable recurrent state (NOT_A_POINT), so the file stops growing by two recurrent
+# states per turn. Rolling back further than that evaluates from the start.
+HYBRID_POINTS = 16
 HEADER_BYTES = 512  # about what the header record takes (its JSON identity)
 
 
@@ -137,6 +145,7 @@ class CellLog:
         self.failures: list[str] = []
         self.meta_changed = False
         self.on_saved: Callable[[], None] | None = None
+        self.replan: Callable[[], list[tuple[int, int]]] | None = None
         self._needs_snapshot = False
         # A user message's records not written yet (see user_evaluated's ``defer``), with the record itself
         # where it had to be read out at once.
@@ -190,7 +199,11 @@ class CellLog:
                     whole = [c for c in chunks if c.end == c.record.p1]
                     chunks = chunks[:len(whole)] if whole == chunks[:len(whole)] else []
                     if self._whole:
-                        chunks = chunks[-1:] if chunks and chunks[-1].record.p0 == 0 else []
+                        # The newest point that starts at 0 (a fork's or a rollback's TRUNCATE may have cut
+                        # the newest record: an older snapshot is then the state wanted).
+                        n_live = idx.live()[2]
+                        pts = [r for r in idx.points() if r.p0 == 0 and r.p1 <= n_live]
+                        chunks = [sf.LiveChunk(pts[-1], pts[-1].p1)] if pts else []
                 for ch in chunks:
                     rec = ch.record
                     if not ms.wait_ok(rec):
@@ -211,6 +224,11 @@ class CellLog:
                         eng.truncate(ch.end)
                     loaded_bytes += rec.size
                     n_loaded += 1
+            if n_loaded and not self._cuts and not chunks[n_loaded - 1].record.is_point:
+                # Old cells without the state at their end (the record after them failed): unusable alone.
+                eng.clear()
+                n_loaded, loaded_bytes = 0, 0
+                report.reason = report.reason or "saved state incomplete"
             res = ms.result  # waits for the remaining crc checks: the scan's final answer
             if usable and res.dropped_bytes and not report.reason:
                 report.reason = f"dropped {res.dropped_bytes} bytes of a damaged state record ({res.problem})"
@@ -373,7 +391,10 @@ class CellLog:
         else:
             want = eng.tokens[:to]
             at = self._rewind(to, exact=False)
-            again = self._eval(want[at:], to)
+            # With the batching the tokens first had, so the result is bit-identical to the original.
+            for _ in rebuild.evaluate(eng, want, at, self.replan() if self.replan else [(0, to)]):
+                pass
+            again = to - at
             if again:
                 self.failures.append(f"no saved state was left at position {to}: evaluated {again} tokens from "
                                      "the nearest earlier point")
@@ -501,6 +522,9 @@ class CellLog:
             # the records it keeps. Dead records are rolled-back alternatives and, on a whole-sequence
             # memory, points older than the newest WHOLE_POINTS.
             keep = self._kept_points()
+            if not self._whole and sum(r.is_point for r in keep) > 2 * HYBRID_POINTS:
+                self._merge_old_points(keep)
+                return
             live = sum(r.size for r in keep) + HEADER_BYTES
             if st.valid_bytes + st.base_bytes - live > max(live, 1 << 20):
                 self._rewrite_points(kept=keep, added=[])
@@ -567,17 +591,32 @@ class CellLog:
         chunks, _, _ = self.state.live()
         return [c.record for c in chunks if c.end == c.record.p1]
 
-    def _rewrite_points(self, *, kept: list[sf.Record], added: list[bytes]) -> None:
+    def _merge_old_points(self, keep: list[sf.Record]) -> None:
+        """Keep the newest HYBRID_POINTS points of a hybrid memory; the cells before them become one record
+        (its recurrent part is today's, not the state at its end: flagged NOT_A_POINT)."""
+        eng = self.eng
+        seen, i = 0, len(keep)
+        while i > 0 and seen < HYBRID_POINTS:
+            i -= 1
+            seen += keep[i].is_point
+        cut = keep[i].p0
+        if cut <= 0:
+            return
+        lead = sf.encode_record(sf.CELLS, 0, cut, sf.cells_payload(eng.tokens[:cut], eng.save_cells(0, cut, point=False)),
+                                flags=sf.NOT_A_POINT)
+        self._rewrite_points(kept=keep[i:], added=[], lead=[lead])
+
+    def _rewrite_points(self, *, kept: list[sf.Record], added: list[bytes], lead: Sequence[bytes] = ()) -> None:
         """Rewrite the state file as ``kept`` records of the current file (copied, crc-checked), then
         ``added`` ones, then the logits: the points survive. On any read failure the backend's end state is
         written as one snapshot instead (the points before it are then gone: rollbacks there evaluate)."""
         self._pending = None
         try:
-            copies = [sf.encode_record(r.kind, r.p0, r.p1, sf.read_payload(self.path, r)) for r in kept]
+            copies = [sf.encode_record(r.kind, r.p0, r.p1, sf.read_payload(self.path, r), r.flags) for r in kept]
         except (OSError, sf.StateFileError):
             self._rewrite_state()
             return
-        recs = [self._header(), *copies, *added]
+        recs = [self._header(), *lead, *copies, *added]
         if self._turn_logits is not None and self._turn_logits[0] <= self.eng.n_past:
             pos, arr = self._turn_logits
             recs.append(sf.encode_record(sf.LOGITS, pos, pos, arr.astype("<f4").tobytes()))
@@ -652,6 +691,7 @@ class CheckpointLog:
         self.failures: list[str] = []
         self.meta_changed = False
         self.on_saved: Callable[[], None] | None = None  # its saves live on the server: nothing to budget here
+        self.replan: Callable[[], list[tuple[int, int]]] | None = None
         self._saved: list[int] | None = None  # the tokens of the last checkpoint this process made
         # The regenerate point's checkpoint ({"name", "tokens", "sha256", "bytes"}), when one was saved.
         regen = info.get("regen") if isinstance(info, dict) else None

@@ -61,6 +61,10 @@ _HDR = struct.Struct("<4sBBHiiQI")  # magic kind flags reserved p0 p1 length crc
 HEADER_SIZE = _HDR.size
 
 HEADER, CELLS, TRUNCATE, SNAPSHOT, LOGITS, BASE = 1, 2, 3, 4, 5, 6
+# Record flags (the header's flags byte; older versions ignore it). NOT_A_POINT: cells saved while the
+# sequence went on past p1, so the state that is not cells (a recurrent one) is not the state at p1 — a
+# compaction of old turns on a hybrid memory. Loadable as cells, never rewound to.
+NOT_A_POINT = 1
 KIND_NAMES = {HEADER: "header", CELLS: "cells", TRUNCATE: "truncate", SNAPSHOT: "snapshot", LOGITS: "logits",
               BASE: "base"}
 _MAX_PAYLOAD = 1 << 36
@@ -80,14 +84,21 @@ class Record:
     offset: int  # of the record header in the file
     length: int  # payload bytes
     file: Path | None = None  # the base file holding it (None: the state file itself)
+    flags: int = 0  # NOT_A_POINT
+
+    @property
+    def is_point(self) -> bool:
+        """Saved where the sequence ended at p1 (so on a memory that cannot be cut back its bytes hold the
+        state there), which every CELLS and SNAPSHOT record is unless flagged otherwise."""
+        return self.kind in (CELLS, SNAPSHOT) and not self.flags & NOT_A_POINT
 
     @property
     def size(self) -> int:
         return HEADER_SIZE + self.length
 
 
-def encode_record(kind: int, p0: int, p1: int, payload: bytes) -> bytes:
-    head = struct.pack("<4sBBHiiQ", MAGIC, kind, 0, 0, p0, p1, len(payload))
+def encode_record(kind: int, p0: int, p1: int, payload: bytes, flags: int = 0) -> bytes:
+    head = struct.pack("<4sBBHiiQ", MAGIC, kind, flags, 0, p0, p1, len(payload))
     crc = zlib.crc32(payload, zlib.crc32(head))
     return head + struct.pack("<I", crc) + payload
 
@@ -96,8 +107,8 @@ def records_at(raws: list[bytes], offset: int) -> tuple[list[Record], int]:
     """Index encoded records written at ``offset``: their headers, and the offset after the last one."""
     out = []
     for raw in raws:
-        _, kind, _, _, p0, p1, length, _ = _HDR.unpack_from(raw, 0)
-        out.append(Record(kind, p0, p1, offset, length))
+        _, kind, flags, _, p0, p1, length, _ = _HDR.unpack_from(raw, 0)
+        out.append(Record(kind, p0, p1, offset, length, flags=flags))
         offset += len(raw)
     return out, offset
 
@@ -179,7 +190,7 @@ class ScanResult:
         """
         pts: list[Record] = []
         for rec in self.records:
-            if rec.kind in (CELLS, SNAPSHOT):
+            if rec.is_point:
                 pts.append(rec)
             elif rec.kind == TRUNCATE:
                 pts = [r for r in pts if r.p1 <= rec.p0]
@@ -509,7 +520,7 @@ def _record_crc(buf: memoryview, rec: Record) -> int:
 def _check_record(buf: memoryview, offset: int, size: int, check_crc: bool) -> tuple[Record | None, int, str]:
     if offset + HEADER_SIZE > size:
         return None, 0, "truncated record header"
-    magic, kind, _flags, _res, p0, p1, length, crc = _HDR.unpack_from(buf, offset)
+    magic, kind, flags, _res, p0, p1, length, crc = _HDR.unpack_from(buf, offset)
     if magic != MAGIC:
         return None, 0, "bad magic" if offset else "not a chatcli state file"
     # An unknown kind is a record of a newer chatcli (same major version): the framing rules still hold.
@@ -517,7 +528,7 @@ def _check_record(buf: memoryview, offset: int, size: int, check_crc: bool) -> t
         return None, 0, "bad record header"
     if offset + HEADER_SIZE + length > size:
         return None, 0, "truncated record"
-    rec = Record(kind, p0, p1, offset, length)
+    rec = Record(kind, p0, p1, offset, length, flags=flags)
     # The header's and a BASE record's JSON is read right away: their crc is checked first, always.
     if (check_crc or kind in (HEADER, BASE)) and _record_crc(buf, rec) != crc:
         return None, 0, "checksum mismatch"
