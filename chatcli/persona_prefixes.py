@@ -14,7 +14,7 @@ from chatcli.config.settings import Paths, Settings
 from chatcli.core.events import Event, Notice
 from chatcli.core.kv import prefix
 from chatcli.core.kv.prefix import effective_n_ctx
-from chatcli.core.template import ChatTemplate
+from chatcli.core.template import ChatTemplate, read_template_file
 from chatcli.models.resolve import resolve_model
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ def prefix_status(settings: Settings, paths: Paths, persona: Persona, session: S
     if session is not None:
         if session.model is None:
             return "kept by the server"  # a llama-server holds persona prefixes in its own slot files
-        ref, backend_id, tmpl = session.model, session.engine.identity(), session.template.source
+        ref, backend_id, tmpl = session.model, session.engine.identity(), session.template.cache_key
     else:
         try:
             ref = resolve_model(settings.model)
@@ -34,7 +34,8 @@ def prefix_status(settings: Settings, paths: Paths, persona: Persona, session: S
             return "no model"
         backend_id = engine_identity(effective_n_ctx(settings.n_ctx, ref.info.context_length),
                                      kv_params_for(settings.kv_type))
-        tmpl = ChatTemplate(ref.info.chat_template).source
+        src = read_template_file(settings.chat_template) if settings.chat_template else ref.info.chat_template
+        tmpl = ChatTemplate(src, enable_thinking=settings.thinking).cache_key
     identity = prefix.state_identity(ref.identity(), backend_id)
     path = prefix.cache_path(paths.prefix_cache_dir, identity, persona.text_hash(), tmpl)
     return "cached" if path.exists() else "not cached"
@@ -47,7 +48,7 @@ def warm_prefix(session: Session, persona: Persona) -> Iterator[Event]:
     tokens = prefix.persona_prefix_tokens(engine, session.template, persona.messages())
     identity = prefix.state_identity(session.identity(), engine.identity())
     path = prefix.cache_path(session.paths.prefix_cache_dir, identity, persona.text_hash(),
-                             session.template.source)
+                             session.template.cache_key)
     _, hit = yield from prefix.load_or_build(engine, tokens, path, identity)
     yield Notice(f"{persona.name}: {len(tokens)} prefix tokens {'already cached' if hit else 'cached'}")
     engine.clear()

@@ -23,7 +23,7 @@ from chatcli.core.kv import prefix
 from chatcli.core.kv.budget import Freed, enforce, total_bytes
 from chatcli.core.kv.prefix import effective_n_ctx
 from chatcli.core.loading import create_conversation, open_conversation
-from chatcli.core.template import ChatTemplate
+from chatcli.core.template import ChatTemplate, read_template_file
 from chatcli.models.resolve import ModelRef, resolve_model
 from chatcli.units import parse_size
 
@@ -42,6 +42,27 @@ def sampling_from(settings: Settings, persona: Persona | None = None, explicit: 
         temperature=float(values["temperature"]), top_p=float(values["top_p"]),
         top_k=int(values["top_k"]), repeat_penalty=float(values["repeat_penalty"]),
     )
+
+
+def chosen_template(settings: Settings, model_source: str | None,
+                    remembered: tuple[str, str] | None = None) -> tuple[str | None, str | None]:
+    """(template source, the file it came from): a conversation's remembered template (source, file),
+    else ``settings.chat_template`` (a file), else the model's own (no file)."""
+    if remembered:
+        return remembered
+    if settings.chat_template:
+        return read_template_file(settings.chat_template), settings.chat_template
+    return model_source, None
+
+
+def template_notices(template: ChatTemplate, whose: str) -> list[str]:
+    """What to say once about the template a process renders with."""
+    out = []
+    if template.is_fallback:
+        out.append(f"{whose} has no chat template; using ChatML")
+    if template.folds_system:
+        out.append("the chat template refuses a system role: the persona is folded into the first user message")
+    return out
 
 
 @dataclass
@@ -67,7 +88,9 @@ class Session:
         model: ModelRef | None = None,
         explicit: set[str] | None = None,
         progress: Callable[[float], None] | None = None,
+        chat_template: tuple[str, str] | None = None,
     ) -> Session:
+        """``chat_template``: the (source, file) a conversation remembers (wins over ``settings``)."""
         ref = model or resolve_model(settings.model)
         notices = []
         trained = ref.info.context_length
@@ -76,20 +99,22 @@ class Session:
             notices.append(f"n_ctx {settings.n_ctx} is above the model's trained context; using {n_ctx}")
         engine = Engine(ref.path, n_ctx=n_ctx, n_threads=settings.threads or None, progress=progress,
                         kv_type=settings.kv_type)
-        tmpl_src = ref.info.chat_template
+        source, origin = chosen_template(settings, ref.info.chat_template, chat_template)
         template = ChatTemplate(
-            tmpl_src,
+            source,
             bos_token=engine.piece(engine.bos_token).decode("utf-8", "replace") if engine.bos_token >= 0 else "",
             eos_token=engine.piece(engine.eos_token).decode("utf-8", "replace") if engine.eos_token >= 0 else "",
+            enable_thinking=settings.thinking,
         )
-        if template.is_fallback:
-            notices.append("the model has no chat template; using ChatML")
+        template.origin = origin
+        notices += template_notices(template, "the model")
         ensure_private_dir(paths.data_dir)
         store = ConversationStore(paths.conversations_dir)
         return cls(settings, paths, ref, engine, template, store, set(explicit or ()), notices)
 
     @classmethod
-    def build_remote(cls, settings: Settings, paths: Paths, *, explicit: set[str] | None = None) -> Session:
+    def build_remote(cls, settings: Settings, paths: Paths, *, explicit: set[str] | None = None,
+                     chat_template: tuple[str, str] | None = None) -> Session:
         """The same objects over a llama-server (``settings.server``): the model, its chat template and its
         tokenizer are the server's; the context size is the server's slot size."""
         assert settings.server
@@ -101,10 +126,11 @@ class Session:
         def text(tok: int) -> str:
             return backend.piece(tok).decode("utf-8", "replace") if tok >= 0 else ""
 
-        template = ChatTemplate(backend.chat_template or None, bos_token=text(backend.bos_token),
-                                eos_token=text(backend.eos_token))
-        if template.is_fallback:
-            notices.append("the server's model has no chat template; using ChatML")
+        source, origin = chosen_template(settings, backend.chat_template or None, chat_template)
+        template = ChatTemplate(source, bos_token=text(backend.bos_token), eos_token=text(backend.eos_token),
+                                enable_thinking=settings.thinking)
+        template.origin = origin
+        notices += template_notices(template, "the server's model")
         ensure_private_dir(paths.data_dir)
         store = ConversationStore(paths.conversations_dir)
         return cls(settings, paths, None, backend, template, store, set(explicit or ()), notices, server=backend.url)
@@ -151,8 +177,19 @@ class Session:
             sampling=sampling_from(s, persona, self.explicit),
             seed=seed if seed is not None else (s.seed if s.seed is not None else secrets.randbits(31)),
             prefix_cache_dir=ensure_private_dir(self.paths.prefix_cache_dir),
-            max_tokens=self._max_tokens(persona), reserve=s.reserve,
+            max_tokens=self._max_tokens(persona), reserve=s.reserve, extra_meta=self.template_meta(),
         ))
+
+    def template_meta(self) -> dict[str, Any]:
+        """What a new conversation remembers of its template beyond the model: a template file used instead
+        of the model's (its text, so a later edit of the file cannot change a conversation's turns) and
+        the thinking switch. Nothing when neither is set, as before either existed."""
+        out: dict[str, Any] = {}
+        if self.template.origin is not None:
+            out["chat_template"] = {"file": self.template.origin, "source": self.template.source}
+        if self.template.enable_thinking is not None:
+            out["thinking"] = self.template.enable_thinking
+        return out
 
     def _max_tokens(self, persona: Persona | None) -> int:
         if persona is not None and "max_tokens" in dict(persona.sampling) and "max_tokens" not in self.explicit:
@@ -210,7 +247,7 @@ class Session:
             return None
         convs = list(open_convs)
         prefixes = [prefix.cache_path(self.paths.prefix_cache_dir, c.state_identity(),
-                                      str(c.meta.get("persona_hash", "")), self.template.source) for c in convs]
+                                      str(c.meta.get("persona_hash", "")), self.template.cache_key) for c in convs]
         return enforce(self.paths.conversations_dir, self.paths.prefix_cache_dir, limit,
                        keep_ids=[c.id for c in convs], keep_prefixes=prefixes)
 

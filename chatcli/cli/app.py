@@ -90,6 +90,13 @@ KvTypeOpt = Annotated[str | None, typer.Option(
     "--kv-type",
     help="KV cache type: f16, q8_0 (about half the state bytes) or q4_0. "
          "A conversation keeps its type; resuming with another rebuilds its KV.")]
+TemplateOpt = Annotated[str | None, typer.Option(
+    "--chat-template", metavar="FILE",
+    help="A Jinja chat template file to use instead of the model's own ('none' = the model's). "
+         "A conversation remembers it.")]
+ThinkingOpt = Annotated[bool | None, typer.Option(
+    "--thinking/--no-thinking",
+    help="Reasoning models: thinking on or off (the template's enable_thinking). A conversation remembers it.")]
 BudgetOpt = Annotated[str | None, typer.Option(
     "--state-budget",
     help="Disk budget for all saved KV state, e.g. 20GB, 500MB; 0/none = no limit. "
@@ -105,22 +112,22 @@ def _settings(flags: Mapping[str, object]) -> tuple[Settings, Paths, set[str]]:
 
 
 def _build_session(settings: Settings, paths: Paths, explicit: set[str], *, model_path: str | None = None,
-                   quiet: bool = False) -> Session:
+                   quiet: bool = False, chat_template: tuple[str, str] | None = None) -> Session:
     from chatcli.models.resolve import resolve_model
     from chatcli.session import Session
 
     console = err_console()
     if settings.server:
         if quiet or not sys.stderr.isatty():
-            return Session.build_remote(settings, paths, explicit=explicit)
+            return Session.build_remote(settings, paths, explicit=explicit, chat_template=chat_template)
         with console.status(f"connecting to {settings.server} …"):
-            return Session.build_remote(settings, paths, explicit=explicit)
+            return Session.build_remote(settings, paths, explicit=explicit, chat_template=chat_template)
     ref = resolve_model(model_path or settings.model)
     if quiet or not sys.stderr.isatty():
-        session = Session.build(settings, paths, model=ref, explicit=explicit)
+        session = Session.build(settings, paths, model=ref, explicit=explicit, chat_template=chat_template)
     else:
         with console.status(f"loading {ref.path.name} …"):
-            session = Session.build(settings, paths, model=ref, explicit=explicit)
+            session = Session.build(settings, paths, model=ref, explicit=explicit, chat_template=chat_template)
     return session
 
 
@@ -163,6 +170,7 @@ def talk(
     temperature: TempOpt = None, top_p: TopPOpt = None, top_k: TopKOpt = None, repeat_penalty: RepeatOpt = None,
     max_tokens: MaxTokOpt = None, reserve: ReserveOpt = None, plain: PlainOpt = None,
     kv_type: KvTypeOpt = None, state_budget: BudgetOpt = None, server: ServerOpt = None,
+    chat_template: TemplateOpt = None, thinking: ThinkingOpt = None,
 ) -> None:
     """Start a new conversation.
 
@@ -177,7 +185,8 @@ def talk(
 
     flags = dict(model=model, n_ctx=n_ctx, threads=threads, seed=seed, temperature=temperature, top_p=top_p,
                  top_k=top_k, repeat_penalty=repeat_penalty, max_tokens=max_tokens, reserve=reserve, plain=plain,
-                 persona=persona, kv_type=kv_type, state_budget=state_budget, server=server)
+                 persona=persona, kv_type=kv_type, state_budget=state_budget, server=server,
+                 chat_template=chat_template, thinking=thinking)
     with user_errors():
         settings, paths, explicit = _settings(flags)
         from chatcli.config.personas import get_persona
@@ -207,6 +216,7 @@ def resume(
     temperature: TempOpt = None, top_p: TopPOpt = None, top_k: TopKOpt = None, repeat_penalty: RepeatOpt = None,
     max_tokens: MaxTokOpt = None, reserve: ReserveOpt = None, plain: PlainOpt = None,
     kv_type: KvTypeOpt = None, state_budget: BudgetOpt = None, server: ServerOpt = None,
+    chat_template: TemplateOpt = None, thinking: ThinkingOpt = None,
 ) -> None:
     """Continue a conversation where it stopped, restoring its KV state (no re-processing).
 
@@ -216,7 +226,8 @@ def resume(
     """
     flags = dict(model=model, n_ctx=n_ctx, threads=threads, temperature=temperature, top_p=top_p, top_k=top_k,
                  repeat_penalty=repeat_penalty, max_tokens=max_tokens, reserve=reserve, plain=plain,
-                 kv_type=kv_type, state_budget=state_budget, server=server)
+                 kv_type=kv_type, state_budget=state_budget, server=server,
+                 chat_template=chat_template, thinking=thinking)
     with user_errors():
         settings, paths, explicit = _settings(flags)
         session, conv, renderer, interactive = _open(settings, paths, explicit, conv_id, model, n_ctx,
@@ -265,8 +276,19 @@ def _open(settings: Settings, paths: Paths, explicit: set[str], conv_id: str | N
     saved_kv = str((meta.get("params") or {}).get("type_k", "f16"))
     if kv_type_flag is None and saved_kv in ("f16", "q8_0", "q4_0"):
         settings.kv_type = saved_kv
+    # A conversation keeps the template it started with (and its thinking switch); only the flags or the
+    # environment change them. The config file's choice is for new conversations.
+    remembered = None
+    tmpl_meta = meta.get("chat_template")
+    if "chat_template" not in explicit:
+        settings.chat_template = None
+        if isinstance(tmpl_meta, dict) and isinstance(tmpl_meta.get("source"), str):
+            remembered = (str(tmpl_meta["source"]), str(tmpl_meta.get("file", "")))
+    if "thinking" not in explicit:
+        saved_thinking = meta.get("thinking")
+        settings.thinking = saved_thinking if isinstance(saved_thinking, bool) else None
     interactive = _interactive()
-    session = _build_session(settings, paths, explicit, model_path=model_path)
+    session = _build_session(settings, paths, explicit, model_path=model_path, chat_template=remembered)
     renderer = _renderer(settings, interactive)
     if note:
         renderer.notice(note, "warn")
@@ -323,6 +345,7 @@ def serve(
         "--api-key", help="Require 'Authorization: Bearer KEY' on every request.")] = None,
     max_tokens: MaxTokOpt = None, reserve: ReserveOpt = None,
     kv_type: KvTypeOpt = None, state_budget: BudgetOpt = None,
+    chat_template: TemplateOpt = None, thinking: ThinkingOpt = None,
 ) -> None:
     """Serve an OpenAI-compatible API whose conversations never re-ingest their history, even after a restart.
 
@@ -333,7 +356,8 @@ def serve(
     Examples: chatcli serve · chatcli serve --port 9000 --api-key $(openssl rand -hex 16)
     """
     flags = dict(host=host, port=port, model=model, n_ctx=n_ctx, threads=threads, parallel=parallel,
-                 api_key=api_key, max_tokens=max_tokens, reserve=reserve, kv_type=kv_type, state_budget=state_budget)
+                 api_key=api_key, max_tokens=max_tokens, reserve=reserve, kv_type=kv_type, state_budget=state_budget,
+                 chat_template=chat_template, thinking=thinking)
     with user_errors():
         try:
             import fastapi  # noqa: F401

@@ -113,6 +113,9 @@ class Settings:
     server_read_timeout: float = 600.0  # seconds of silence from the server before giving up
     server_api_key: str | None = None  # llama-server --api-key (better in CHATCLI_SERVER_API_KEY than in a file)
     kv_type: str = "f16"  # KV cache type of new conversations: f16 | q8_0 | q4_0
+    chat_template: str | None = None  # a Jinja chat template file used instead of the model's own
+    thinking: bool | None = None  # enable_thinking for templates that read it; None = the template's default
+    show_reasoning: bool = False  # the REPL shows a reply's reasoning in full (else folded to one line)
     state_budget: str = "20GB"  # bound on all KV state files + persona prefix cache; 0/none = no limit
     # `chatcli serve`
     host: str = "127.0.0.1"  # loopback unless told otherwise
@@ -144,6 +147,9 @@ _KINDS: dict[str, tuple[type, bool]] = {
     "server_read_timeout": (float, False),
     "server_api_key": (str, True),
     "kv_type": (str, False),
+    "chat_template": (str, True),
+    "thinking": (bool, True),
+    "show_reasoning": (bool, False),
     "state_budget": (str, False),
     "host": (str, False),
     "port": (int, False),
@@ -181,6 +187,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "server_slot": (lambda v: v >= 0, "must be 0 or more"),
     "server_connect_timeout": (lambda v: v > 0, "must be greater than 0"),
     "server_read_timeout": (lambda v: v > 0, "must be greater than 0"),
+    "chat_template": (lambda v: bool(v.strip()), "must be a file path"),
     "kv_type": (lambda v: v in KV_TYPE_NAMES, f"must be one of {', '.join(KV_TYPE_NAMES)}"),
     "state_budget": (_is_size, "must be a size such as 20GB or 500MB, or 0/none for no limit"),
     "host": (lambda v: bool(v.strip()), "must not be empty"),

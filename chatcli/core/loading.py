@@ -23,11 +23,13 @@ def create_conversation(
     store: ConversationStore, backend: Backend, template: ChatTemplate, *, persona_name: str,
     persona_messages: list[Message], persona_hash: str, identity: dict[str, Any], model_path: str,
     sampling: Sampling, seed: int, prefix_cache_dir: Path | None = None, max_tokens: int = 1024, reserve: int = 256,
+    extra_meta: dict[str, Any] | None = None,
 ) -> Iterator[Event | Conversation]:
-    """Start a conversation from a persona; yields progress, then the Conversation itself."""
+    """Start a conversation from a persona; yields progress, then the Conversation itself. ``extra_meta``:
+    more fields for its metadata (the template it was started with)."""
     meta = {
         "title": "", "persona": persona_name, "persona_hash": persona_hash, "model": {"path": model_path, **identity},
-        "params": backend.identity(), "seed": seed, "turns": 0, "tokens": 0,
+        "params": backend.identity(), "seed": seed, "turns": 0, "tokens": 0, **(extra_meta or {}),
     }
     conv = store.create(meta)
     conv.lock()
@@ -43,7 +45,7 @@ def create_conversation(
                          max_tokens=max_tokens, reserve=reserve)
         cache_file = None
         if prefix_cache_dir is not None:
-            cache_file = prefix.cache_path(prefix_cache_dir, c.state_identity(), persona_hash, template.source)
+            cache_file = prefix.cache_path(prefix_cache_dir, c.state_identity(), persona_hash, template.cache_key)
         yield from c.start(cache_file)
         return c
 

@@ -60,22 +60,35 @@ def stream_reply(backend: Backend, sampling: Sampling, draft: Draft, *, seed: in
 
 def closing_tokens(backend: Backend, template: ChatTemplate, history: list[Message], text: str,
                    reply_tokens: list[int], stop: str) -> list[int]:
-    """The tokens that close a reply as the template writes it (e.g. the "\\n" after ``<|im_end|>``)."""
-    closing = template.closing([*history, Message("assistant", text)])
-    if stop == "eog" and reply_tokens:
-        eog_text = backend.piece(reply_tokens[-1], special=True).decode("utf-8", "replace")
-        # A model may end with a token the template does not write (e.g. EOS after ChatML): then the
-        # template's whole closing still follows, so the next turn reads as the template expects.
-        if eog_text and closing.startswith(eog_text):
-            closing = closing[len(eog_text):]
-    elif stop == "stop" and reply_tokens:
-        # Stopped at a closing marker the model spelled out in ordinary pieces (its vocabulary lacks it as
-        # one token): the context already holds the marker; only what follows it is still missing.
-        marker = closing.rstrip()
-        tail = b"".join(backend.piece(t, special=True) for t in reply_tokens[-32:]).decode("utf-8", "replace")
-        if marker and tail.endswith(marker):
-            closing = closing[len(marker):]
+    """The tokens that close a reply as the template writes it (e.g. the "\\n" after ``<|im_end|>``).
+
+    What the model already wrote of the closing (its end-of-turn token, or a marker it spelled out in
+    ordinary pieces because its vocabulary lacks it as one token) is not written again. The template's
+    closing of a final message counts too: gpt-oss ends a reply with ``<|return|>`` where a turn that
+    others follow ends with ``<|end|>``, and the context keeps what the model generated. A model that ends
+    with a token the template does not write (e.g. EOS after ChatML) gets the template's whole closing,
+    so the next turn reads as the template expects.
+    """
+    msgs = [*history, Message("assistant", text)]
+    closing = template.closing(msgs)
+    if stop in ("eog", "stop") and reply_tokens:
+        # An end-of-generation token is the last one; a spelled-out marker takes a few pieces.
+        last = reply_tokens[-1:] if stop == "eog" else reply_tokens[-32:]
+        tail = b"".join(backend.piece(t, special=True) for t in last).decode("utf-8", "replace")
+        for form in (closing, template.final_closing(msgs)):
+            k = _written(tail, form)
+            if k:
+                closing = form[k:]
+                break
     return backend.tokenize(closing, add_special=False) if closing else []
+
+
+def _written(tail: str, closing: str) -> int:
+    """How much of ``closing`` the reply's ``tail`` already ends with (its first characters)."""
+    for k in range(len(closing), 0, -1):
+        if tail.endswith(closing[:k]):
+            return k
+    return 0
 
 
 def cut_stop(text: str, stops: Sequence[str]) -> str | None:

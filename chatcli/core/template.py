@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import jinja2
 from jinja2 import nodes
@@ -74,7 +74,7 @@ class _Generation(Extension):
     """``{% generation %}…{% endgeneration %}`` (transformers marks the assistant's tokens for training
     masks with it): rendering is its body, as transformers and llama.cpp do."""
 
-    tags: ClassVar[set[str]] = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 (jinja2 declares it a plain attribute)
 
     def parse(self, parser: Parser) -> list[nodes.Node]:
         next(parser.stream)
@@ -119,6 +119,7 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.enable_thinking = enable_thinking
+        self.origin: str | None = None  # where a template other than the model's came from (a file path)
         self._tags: tuple[str, str] | None = None
         self._opens: bool | None = None
         self.folds_system = False
@@ -126,6 +127,15 @@ class ChatTemplate:
         self._header: str | None = None
         self._first: str | None = None
         self._tags = self._find_reasoning_tags()
+
+    @property
+    def cache_key(self) -> str:
+        """Everything of the template that shapes a rendering: its source and the variables chatcli sets.
+        The persona prefix cache key is built from it (``kv.prefix.cache_path``); without ``enable_thinking``
+        it is the source alone, the key every earlier cache file has."""
+        if self.enable_thinking is None:
+            return self.source
+        return f"{self.source}\x00enable_thinking={self.enable_thinking}"
 
     # -- rendering ---------------------------------------------------------------------------------
 
@@ -385,6 +395,22 @@ class ChatTemplate:
         if _is_markup(marker) and marker not in out:
             out.append(marker)
         return out
+
+
+def read_template_file(path: str) -> str:
+    """The text of a chat template file (``--chat-template``); a one-line ``TemplateError`` if unreadable."""
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise TemplateError(f"cannot read the chat template {p}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise TemplateError(f"the chat template {p} is not UTF-8 text") from None
+    if not text.strip():
+        raise TemplateError(f"the chat template {p} is empty")
+    return text
 
 
 def _with_end(history: Sequence[Message]) -> list[Message]:

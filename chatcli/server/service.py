@@ -156,7 +156,7 @@ class ChatService:
         self.store = session.store
         self.index = PrefixIndex(
             session.store, index_path or session.paths.data_dir / "server" / "index.json",
-            model_identity=session.identity(), n_ctx=session.engine.n_ctx, template_source=session.template.source,
+            model_identity=session.identity(), n_ctx=session.engine.n_ctx, template_source=session.template.cache_key,
         )
         self._cond = threading.Condition()
         with self._cond:
