@@ -97,6 +97,8 @@ TemplateOpt = Annotated[str | None, typer.Option(
 ThinkingOpt = Annotated[bool | None, typer.Option(
     "--thinking/--no-thinking",
     help="Reasoning models: thinking on or off (the template's enable_thinking). A conversation remembers it.")]
+ReasoningOpt = Annotated[bool, typer.Option(
+    "--reasoning", help="Include each reply's reasoning (reasoning models), apart from its answer.")]
 BudgetOpt = Annotated[str | None, typer.Option(
     "--state-budget",
     help="Disk budget for all saved KV state, e.g. 20GB, 500MB; 0/none = no limit. "
@@ -138,7 +140,7 @@ def _renderer(settings: Settings, interactive: bool) -> Renderer:
 
     plain = bool(settings.plain) or not interactive or bool(os.environ.get("NO_COLOR"))
     console = Console(highlight=False, no_color=plain, force_terminal=None if not plain else False, soft_wrap=False)
-    return Renderer(console, plain=plain)
+    return Renderer(console, plain=plain, show_reasoning=settings.show_reasoning)
 
 
 def _run_repl(session: Session, conv: Conversation, renderer: Renderer, interactive: bool) -> int:
@@ -447,11 +449,12 @@ def gc(
 def show(
     conv_id: Annotated[str | None, typer.Argument(metavar="[ID]")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="The transcript's events as JSON.")] = False,
+    reasoning: ReasoningOpt = False,
 ) -> None:
     """Print a conversation's transcript (messages that left the model's context are marked)."""
     from chatcli.config.settings import get_paths
     from chatcli.core.files.store import ConversationStore
-    from chatcli.core.transcript import replay_events
+    from chatcli.core.transcript import message_parts, replay_events
 
     with user_errors():
         store = ConversationStore(get_paths().conversations_dir)
@@ -474,10 +477,15 @@ def show(
             ev = r.all.get(mid)
             if ev:
                 who = "you" if ev["role"] == "user" else "assistant"
-                out.print(f"[dim]{who} (left the context): {_esc(ev.get('text', ''))}[/]")
+                rsn, answer, _ = message_parts(ev)
+                if reasoning and rsn:
+                    out.print(f"[dim]{who} (left the context, reasoning): {_esc(rsn)}[/]")
+                out.print(f"[dim]{who} (left the context): {_esc(ev.get('text', '') if answer is None else answer)}[/]")
         for m in r.active:
             who = "you" if m.role == "user" else "assistant"
-            out.print(f"[bold]{who}:[/] {_esc(m.text)}")
+            if reasoning and m.reasoning:
+                out.print(f"[dim]{who} (reasoning): {_esc(m.reasoning)}[/]")
+            out.print(f"[bold]{who}:[/] {_esc(m.shown)}")
         for p in tr.problems + r.problems:
             print(f"warning: {p}", file=sys.stderr)
 
@@ -495,6 +503,7 @@ def export(
     in_context: Annotated[bool, typer.Option(
         "--in-context",
         help="Only the messages the model's context still holds (not those that left it in a context shift).")] = False,
+    reasoning: ReasoningOpt = False,
 ) -> None:
     """Write a conversation to stdout as Markdown or JSON: every message, in order (the active path
     through alternatives, edits and undos), including those that left the model's context."""
@@ -512,9 +521,9 @@ def export(
         r = replay_events(conv.read_transcript().events)
         if fmt == "json":
             # Exactly an OpenAI chat `messages` list, so it can be sent to an API or loaded as-is.
-            print(json.dumps(to_messages(r, in_context=in_context), indent=2, ensure_ascii=False))
+            print(json.dumps(to_messages(r, in_context=in_context, reasoning=reasoning), indent=2, ensure_ascii=False))
         else:
-            sys.stdout.write(to_markdown(meta, r, in_context=in_context))
+            sys.stdout.write(to_markdown(meta, r, in_context=in_context, reasoning=reasoning))
 
 
 @app.command()

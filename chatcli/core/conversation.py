@@ -31,8 +31,8 @@ from chatcli.core.events import (
 from chatcli.core.files.store import ConversationDir
 from chatcli.core.kv import budget, prefix, rebuild
 from chatcli.core.kv.log import StateLog, make_state_log
-from chatcli.core.reply import Draft, closing_tokens, make_title, reply_seed, stream_reply
-from chatcli.core.template import ChatTemplate, Message
+from chatcli.core.reply import Draft, closing_tokens, make_title, reasoning_parts, reply_seed, stream_reply
+from chatcli.core.template import ChatTemplate, Message, ReasoningStream
 from chatcli.core.transcript import ActiveMessage, Replay, Transcript, replay_events
 from chatcli.core.views import Alternative, ConversationViews
 
@@ -208,7 +208,8 @@ class Conversation(ConversationViews):
         abandoned = False
         failed: BackendError | None = None
         stream = stream_reply(eng, self.sampling, draft, seed=use_seed, max_tokens=self.max_tokens,
-                              stop_strings=self._stop_strings, turn=turn, alt=alt)
+                              stop_strings=self._stop_strings, turn=turn, alt=alt,
+                              reasoning=ReasoningStream(self.template))
         try:
             try:
                 for ev in stream:
@@ -251,8 +252,12 @@ class Conversation(ConversationViews):
         stats.stop_reason = res.stop_reason
         stats.n_eval += stats.n_prompt + len(reply_tokens)
         try:
+            parts = reasoning_parts(eng, self.template, draft.text, reply_tokens)
+        except BackendError:
+            parts = None  # a dead server cannot name the reasoning's tokens: the reply is kept whole
+        try:
             msg = self.transcript.message("assistant", draft.text, reply_tokens, p0, turn, alt=alt,
-                                          stop=res.stop_reason)
+                                          stop=res.stop_reason, parts=parts)
         except OSError:
             # Not in the transcript means not in the conversation: the context must not keep it either.
             self.log.rollback(p0, persist=False)

@@ -44,6 +44,7 @@ class ReplyStart:
 @dataclass
 class ReplyText:
     text: str
+    reasoning: bool = False  # part of the reply's reasoning (shown apart from the answer)
 
 
 @dataclass

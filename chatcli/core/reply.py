@@ -12,10 +12,11 @@ import codecs
 import hashlib
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from chatcli.core.backend import Backend, GenerationResult, Sampling
 from chatcli.core.events import Event, ReplyStart, ReplyText
-from chatcli.core.template import ChatTemplate, Message, hold_back_stops
+from chatcli.core.template import ChatTemplate, Message, ReasoningStream, hold_back_stops
 
 
 def reply_seed(conv_seed: int, turn: int, alt: int) -> int:
@@ -33,8 +34,10 @@ class Draft:
 
 
 def stream_reply(backend: Backend, sampling: Sampling, draft: Draft, *, seed: int, max_tokens: int,
-                 stop_strings: Sequence[str], turn: int, alt: int) -> Generator[Event, None, None]:
-    """Sample a reply into ``draft``, yielding its text as it comes; each token joins the backend's sequence."""
+                 stop_strings: Sequence[str], turn: int, alt: int,
+                 reasoning: ReasoningStream | None = None) -> Generator[Event, None, None]:
+    """Sample a reply into ``draft``, yielding its text as it comes; each token joins the backend's sequence.
+    With ``reasoning`` the text comes as reasoning and answer runs (``ReplyText.reasoning``), tags left out."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     # Pieces that may begin a stop string are held back until it is clear: markup is never shown.
     gen = hold_back_stops(backend.generate(sampling, seed=seed, max_tokens=max_tokens, result=draft.result,
@@ -47,7 +50,14 @@ def stream_reply(backend: Backend, sampling: Sampling, draft: Draft, *, seed: in
                 draft.text += piece
                 if cut_stop(draft.text, stop_strings) is not None:
                     break
-                yield ReplyText(piece)
+                if reasoning is None:
+                    yield ReplyText(piece)
+                    continue
+                for run, is_reasoning in reasoning.feed(piece):
+                    yield ReplyText(run, is_reasoning)
+        if reasoning is not None:
+            for run, is_reasoning in reasoning.finish():
+                yield ReplyText(run, is_reasoning)
     finally:
         close = getattr(gen, "close", None)
         if close is not None:
@@ -89,6 +99,25 @@ def _written(tail: str, closing: str) -> int:
         if tail.endswith(closing[:k]):
             return k
     return 0
+
+
+def reasoning_parts(backend: Backend, template: ChatTemplate, text: str,
+                    tokens: Sequence[int]) -> dict[str, Any] | None:
+    """A reply's reasoning and answer as separate spans over its token ids (offsets into ``tokens``), for
+    the transcript; None for a reply without reasoning. The reasoning span ends with the token that
+    completes the closing tag (the tokens are the truth: the text is not tokenized again)."""
+    reasoning, answer = template.split_reasoning(text)
+    tags = template.reasoning_tags()
+    if not reasoning or tags is None:
+        return None
+    k, seen = len(tokens), b""
+    close = tags[1].encode()
+    for i, t in enumerate(tokens):
+        seen += backend.piece(t, special=True)
+        if close in seen:
+            k = i + 1
+            break
+    return {"reasoning": {"text": reasoning, "tokens": [0, k]}, "answer": {"text": answer, "tokens": [k, len(tokens)]}}
 
 
 def cut_stop(text: str, stops: Sequence[str]) -> str | None:

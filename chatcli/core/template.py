@@ -397,6 +397,102 @@ class ChatTemplate:
         return out
 
 
+class ReasoningStream:
+    """A reply's streamed text split into reasoning and answer as it comes, for showing them apart.
+
+    ``feed`` takes each decoded piece and returns the (text, is_reasoning) runs that can be shown now: the
+    reasoning block's tags are never shown, and a piece that may be the beginning of a tag is held back
+    until it is clear. ``n_reasoning`` counts the pieces fed while reasoning (one per token as sampled).
+    """
+
+    def __init__(self, template: ChatTemplate) -> None:
+        tags = template.reasoning_tags()
+        self._open, self._close = tags or ("", "")
+        self._active = tags is not None
+        self._state = "reasoning" if template.opens_reasoning() else "start"
+        self._buf = ""
+        self.n_reasoning = 0
+
+    @property
+    def reasoning(self) -> bool:
+        """The text being produced is (still) reasoning."""
+        return self._active and self._state == "reasoning"
+
+    def feed(self, piece: str) -> list[tuple[str, bool]]:
+        if not self._active:
+            return [(piece, False)] if piece else []
+        if self._state == "reasoning":
+            self.n_reasoning += 1
+        self._buf += piece
+        return self._drain()
+
+    def finish(self) -> list[tuple[str, bool]]:
+        """What is still held back when the reply ends."""
+        rest, self._buf = self._buf, ""
+        if not rest or (self._state != "reasoning" and not rest.strip()):
+            return []
+        return [(rest, self._state == "reasoning")]
+
+    def _drain(self) -> list[tuple[str, bool]]:
+        out: list[tuple[str, bool]] = []
+        while True:
+            buf = self._buf
+            if self._state == "start":
+                s = buf.lstrip()
+                finals = (_HARMONY_FINAL,) if self._open == _HARMONY_OPEN else ()
+                if not s or any(t.startswith(s) for t in (self._open, *finals)):
+                    return out  # only blanks so far, or the beginning of a tag
+                if s.startswith(self._open):
+                    self._state, self._buf = "reasoning", s[len(self._open):]
+                    continue
+                marker = next((t for t in finals if s.startswith(t)), "")
+                self._state, self._buf = "answer", ""
+                out.append((s[len(marker):], False))
+                return out
+            if self._state == "reasoning":
+                if self._close in buf:
+                    head, self._buf = buf.split(self._close, 1)
+                    if head:
+                        out.append((head, True))
+                    self._state = "answer_start"
+                    continue
+                keep = _held_tag_start(buf, self._close)
+                if len(buf) > keep:
+                    out.append((buf[:len(buf) - keep], True))
+                    self._buf = buf[len(buf) - keep:]
+                return out
+            if self._state == "answer_start":
+                s = buf.lstrip()
+                if s:
+                    self._state, self._buf = "answer", ""
+                    out.append((s, False))
+                return out
+            self._buf = ""
+            if buf:
+                out.append((buf, False))
+            return out
+
+
+def _held_tag_start(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a beginning of ``tag`` (to hold back)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+def strip_reasoning(text: str) -> str:
+    """A reply's answer without a leading reasoning block in any of the forms llama.cpp's templates write
+    (for matching a client's copy of a reply, which usually comes back without its reasoning)."""
+    s = text.lstrip()
+    if s.startswith(_HARMONY_FINAL):
+        return s[len(_HARMONY_FINAL):]
+    for open_tag, close_tag in REASONING_TAGS:
+        if close_tag in s and (s.startswith(open_tag) or open_tag not in s.split(close_tag, 1)[0]):
+            return s.split(close_tag, 1)[1].lstrip()
+    return text
+
+
 def read_template_file(path: str) -> str:
     """The text of a chat template file (``--chat-template``); a one-line ``TemplateError`` if unreadable."""
     from pathlib import Path

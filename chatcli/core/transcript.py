@@ -32,10 +32,18 @@ class ActiveMessage:
     alt: int = 0
     stop: str = ""
     ts: float = 0.0
+    reasoning: str = ""  # a reply's reasoning, apart from its answer (same token ids: ``reasoning_tokens``)
+    answer: str | None = None  # the reply without its reasoning; None: ``text`` is all answer
+    reasoning_tokens: int = 0  # the reply's first tokens that hold its reasoning (tags included)
 
     @property
     def p1(self) -> int:
         return self.p0 + len(self.tokens)
+
+    @property
+    def shown(self) -> str:
+        """What a reader is shown as the message: the answer (the reasoning is shown apart, on request)."""
+        return self.text if self.answer is None else self.answer
 
     def as_message(self) -> Message:
         return Message(self.role, self.text)
@@ -112,14 +120,28 @@ class Replay:
         if p0 != expected:
             self.problems.append(f"message {ev.get('mid')} starts at {p0}, expected {expected}; skipped")
             return
+        reasoning, answer, n_reasoning = message_parts(ev)
         self.active.append(ActiveMessage(
             mid=int(ev["mid"]), role=str(ev["role"]), text=str(ev.get("text", "")),
             tokens=[int(t) for t in ev["tokens"]], p0=p0, turn=int(ev.get("turn", 0)),
             alt=int(ev.get("alt", 0)), stop=str(ev.get("stop", "")), ts=float(ev.get("ts", 0.0)),
+            reasoning=reasoning, answer=answer, reasoning_tokens=n_reasoning,
         ))
 
     def alternatives(self, turn: int) -> list[dict[str, Any]]:
         return [e for e in self.all.values() if e["role"] == "assistant" and int(e.get("turn", -1)) == turn]
+
+
+def message_parts(ev: dict[str, Any]) -> tuple[str, str | None, int]:
+    """A message event's (reasoning, answer, reasoning tokens). The optional ``reasoning`` and ``answer``
+    fields (``{"text", "tokens": [start, end]}``, offsets into the message's tokens) were added without a
+    version change: ``text`` keeps meaning the reply as generated, so older chatcli versions read these
+    lines as before, and lines without them are all answer."""
+    r, a = ev.get("reasoning"), ev.get("answer")
+    if not isinstance(r, dict) or not isinstance(a, dict):
+        return "", None, 0
+    span = r.get("tokens") or [0, 0]
+    return str(r.get("text", "")), str(a.get("text", "")), int(span[1]) - int(span[0])
 
 
 def replay_events(events: Sequence[dict[str, Any]]) -> Replay:
@@ -148,12 +170,15 @@ class Transcript:
         return ev
 
     def message(self, role: str, text: str, tokens: list[int], p0: int, turn: int, *, alt: int = 0,
-                stop: str = "") -> ActiveMessage:
-        """Append a message at position ``p0`` (the end of the context); returns it as now active."""
+                stop: str = "", parts: dict[str, Any] | None = None) -> ActiveMessage:
+        """Append a message at position ``p0`` (the end of the context); returns it as now active.
+        ``parts``: a reply's reasoning and answer (``reply.reasoning_parts``)."""
         ev: dict[str, Any] = {"type": "message", "mid": self.r.next_mid, "role": role, "text": text,
                               "tokens": list(tokens), "span": [p0, p0 + len(tokens)], "turn": turn, "alt": alt}
         if stop:
             ev["stop"] = stop
+        if parts:
+            ev.update(parts)
         self.append(ev)
         msg = self.r.active[-1] if self.r.active else None
         if msg is None or msg.mid != ev["mid"]:

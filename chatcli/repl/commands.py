@@ -318,7 +318,7 @@ def _copy(ctx: CommandContext, arg: str) -> None:
     replies = [m for m in ctx.conv.messages if m.role == "assistant"]
     if not replies:
         raise CommandError("no reply to copy")
-    text = replies[-1].text
+    text = replies[-1].shown
     what = "the last reply"
     if arg in ("code", "c"):
         block = _last_code_block(text)
@@ -329,6 +329,16 @@ def _copy(ctx: CommandContext, arg: str) -> None:
         raise CommandError("usage: /copy [code]")
     how = ctx.io.copy_to_clipboard(text)
     ctx.renderer.notice(f"copied {what} ({len(text)} characters, via {how})")
+
+
+@REGISTRY.register("think", "show the last reply's reasoning in full (reasoning models)")
+def _think(ctx: CommandContext, arg: str) -> None:
+    if arg:
+        raise CommandError("usage: /think")
+    replies = [m for m in ctx.conv.messages if m.role == "assistant"]
+    if not replies or not replies[-1].reasoning:
+        raise CommandError("the last reply has no reasoning")
+    ctx.renderer.reasoning(replies[-1].reasoning, replies[-1].reasoning_tokens, full=True)
 
 
 @REGISTRY.register("save", "write this conversation as Markdown (default: ./chatcli-ID.md)", args="[PATH]")

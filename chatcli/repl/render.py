@@ -182,8 +182,29 @@ class _ReplyView:
         self.text = ""
         self.committed = 0  # lines already printed for good
         self.next_frame = 0.0
+        self.reasoning = ""
+        self.n_reasoning = 0
+        self.reasoning_done = False
+
+    def add_reasoning(self, piece: str) -> None:
+        """Reasoning streams as one dim line (its token count and latest words), apart from the answer."""
+        self.reasoning += piece
+        self.n_reasoning += 1
+        now = time.monotonic()
+        if now >= self.next_frame:
+            width = max(20, min(self.console.width, self.renderer.max_width))
+            self.area.show(self.renderer.reasoning_line(self.reasoning, self.n_reasoning, width))
+            self.next_frame = time.monotonic() + FRAME_SECONDS
+
+    def end_reasoning(self, n_tokens: int | None = None) -> None:
+        """Print the reasoning above for good (folded, or in full with ``show_reasoning``), once."""
+        if self.reasoning and not self.reasoning_done:
+            self.reasoning_done = True
+            for r in self.renderer.reasoning_renderables(self.reasoning, n_tokens or self.n_reasoning):
+                self.area.print(r)
 
     def add(self, piece: str) -> None:
+        self.end_reasoning()
         self.text += piece
         now = time.monotonic()
         if now >= self.next_frame:
@@ -212,11 +233,12 @@ class Renderer:
     """Rich output for a terminal; plain text (no markup, no colour) for pipes and ``--plain``."""
 
     def __init__(self, console: Console, *, plain: bool = False, err: TextIO | None = None,
-                 max_width: int = MAX_REPLY_WIDTH) -> None:
+                 max_width: int = MAX_REPLY_WIDTH, show_reasoning: bool = False) -> None:
         self.console = console
         self.plain = plain
         self._err = err
         self.max_width = max_width
+        self.show_reasoning = show_reasoning  # a reply's reasoning in full (dim), not folded to one line
 
     @property
     def err(self) -> TextIO:
@@ -274,15 +296,24 @@ class Renderer:
         end: ReplyEnd | None = None
         out = self.console.file
         sanitize = _isatty(out)  # a model's stray escape codes must not drive the user's terminal
+        reasoning, n_reasoning, said = "", 0, False
         try:
             for ev in it:
-                if isinstance(ev, ReplyText):
+                if isinstance(ev, ReplyText) and ev.reasoning:
+                    reasoning += ev.text  # not on stdout, which holds only replies: said on stderr
+                    n_reasoning += 1
+                elif isinstance(ev, ReplyText):
+                    if reasoning and not said:
+                        said = True
+                        self.reasoning(reasoning, n_reasoning, full=self.show_reasoning)
                     out.write(_CONTROL.sub("", ev.text) if sanitize else ev.text)
                     out.flush()
                 elif isinstance(ev, ReplyEnd):
                     end = ev
                     break
         finally:
+            if reasoning and not said:  # a reply that never got past its reasoning
+                self.reasoning(reasoning, n_reasoning, full=self.show_reasoning)
             out.write("\n")  # the reply's line ends even when an error cut it short
             out.flush()
         return end
@@ -293,14 +324,18 @@ class Renderer:
         done = False
         try:
             for ev in it:
-                if isinstance(ev, ReplyText):
+                if isinstance(ev, ReplyText) and ev.reasoning:
+                    view.add_reasoning(ev.text)
+                elif isinstance(ev, ReplyText):
                     view.add(ev.text)
                 elif isinstance(ev, ReplyEnd):
                     done = True
-                    view.finish(ev.message.text)
+                    view.end_reasoning(ev.message.reasoning_tokens or None)
+                    view.finish(ev.message.shown)
                     return ev
         finally:
             if not done:
+                view.end_reasoning()
                 view.finish(view.text)  # ended without a ReplyEnd (an error): keep what was shown
         return None
 
@@ -313,6 +348,32 @@ class Renderer:
         return [_rstrip(line) for line in lines]
 
     # -- one-off output ------------------------------------------------------------------------------
+
+    def reasoning_line(self, reasoning: str, n_tokens: int, width: int) -> Text:
+        """Reasoning folded to one dim line: its size and (while it streams) its latest words."""
+        head = f"thinking · {n_tokens} tok · "
+        words = " ".join(reasoning.split())
+        room = max(0, width - len(head) - 1)
+        tail = words if len(words) <= room else "…" + words[len(words) - room + 1:]
+        return Text(head + tail, style="dim", no_wrap=True, overflow="ellipsis")
+
+    def reasoning_renderables(self, reasoning: str, n_tokens: int) -> list[Text]:
+        if self.show_reasoning:
+            return [Text(f"thinking · {n_tokens} tok", style="dim"), Text(reasoning.strip(), style="dim")]
+        return [Text(f"thinking · {n_tokens} tok · /think shows it", style="dim")]
+
+    def reasoning(self, reasoning: str, n_tokens: int, *, full: bool) -> None:
+        """A reply's reasoning outside a streaming reply: folded to one line, or in full (``/think``)."""
+        if self.plain:
+            print(f"thinking · {n_tokens} tok" + (":\n" + reasoning.strip() if full else " · /think shows it"),
+                  file=self.err)
+            return
+        if full:
+            self.console.print(Text(f"thinking · {n_tokens} tok", style="dim"))
+            self.console.print(Text(reasoning.strip(), style="dim"))
+        else:
+            for r in self.reasoning_renderables(reasoning, n_tokens):
+                self.console.print(r)
 
     def reply_text(self, text: str) -> None:
         if self.plain:
@@ -354,12 +415,14 @@ class Renderer:
         for m in shown:
             who = "you" if m.role == "user" else "assistant"
             if self.plain:
-                print(f"{who}: {m.text}", file=self.err)
+                print(f"{who}: {m.shown}", file=self.err)
             elif m.role == "user":
                 # As it looked when typed, so a resumed session reads on from where it stopped.
                 self.console.print(Text("› ", style="bold") + Text(m.text))
             else:
-                self.console.print(_Lines(self.markdown_lines(m.text), end=True))
+                if m.reasoning:
+                    self.reasoning(m.reasoning, m.reasoning_tokens, full=self.show_reasoning)
+                self.console.print(_Lines(self.markdown_lines(m.shown), end=True))
 
     def commands(self, rows: Sequence[tuple[str, str]], footer: str = "") -> None:
         """A command reference: one line per command (wrapped only where the terminal is too narrow)."""

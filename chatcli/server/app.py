@@ -165,7 +165,7 @@ def create_app(service: ChatService, *, api_key: str | None = None, limits: Serv
                 _log_done(rid, ev, ttft or time.perf_counter() - t0)
                 return JSONResponse({
                     "id": rid, "object": "chat.completion", "created": created, "model": service.model_id,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": ev.text},
+                    "choices": [{"index": 0, "message": _message(ev),
                                  "finish_reason": ev.finish_reason, "logprobs": None}],
                     "usage": _usage(ev), "chatcli": _extension(ev),
                 }, headers=headers)
@@ -283,6 +283,15 @@ def _log_done(rid: str, ev: Finished, ttft: float) -> None:
              f" forked_from={ev.forked_from}" if ev.forked_from else "")
 
 
+def _message(ev: Finished) -> dict[str, Any]:
+    """The reply as an OpenAI message; its reasoning apart, in ``reasoning_content`` (DeepSeek's field,
+    which llama-server returns too), only when there is some."""
+    out: dict[str, Any] = {"role": "assistant", "content": ev.text}
+    if ev.reasoning:
+        out["reasoning_content"] = ev.reasoning
+    return out
+
+
 async def _sse(run: _Run, rid: str, created: int, model: str, include_usage: bool, t0: float) -> AsyncIterator[dict[str, str]]:
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, str]:
         doc = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -298,7 +307,7 @@ async def _sse(run: _Run, rid: str, created: int, model: str, include_usage: boo
             if isinstance(ev, Delta):
                 if not ttft:
                     ttft = time.perf_counter() - t0
-                yield chunk({"content": ev.text})
+                yield chunk({"reasoning_content": ev.text} if ev.reasoning else {"content": ev.text})
             elif isinstance(ev, Finished):
                 finished = True
                 _log_done(rid, ev, ttft or time.perf_counter() - t0)

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from chatcli.core.template import Message
+from chatcli.core.template import Message, strip_reasoning
 
 ROLES = ("system", "user", "assistant")
 
@@ -105,10 +105,11 @@ def root_key(model_identity: dict[str, Any], n_ctx: int, template_source: str, p
 
 
 def message_key(prev: str, role: str, text: str) -> str:
-    # A reply is matched without surrounding whitespace: clients commonly strip it, and the stored tokens
-    # (what the model produced) are what the context holds either way.
+    # A reply is matched by its answer without surrounding whitespace: clients commonly strip it and send
+    # a reply back without its reasoning (or with it in reasoning_content, which is not the content), and
+    # the stored tokens (what the model produced, reasoning included) are what the context holds either way.
     if role == "assistant":
-        text = text.strip()
+        text = strip_reasoning(text).strip()
     h = hashlib.sha256()
     for part in (prev, role, text):
         h.update(part.encode("utf-8", "surrogatepass"))

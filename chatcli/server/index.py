@@ -27,7 +27,7 @@ from chatcli.core.files.store import _ID_RE, ConversationDir, ConversationStore,
 from chatcli.core.template import Message
 from chatcli.server import history
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: a reply's key is its answer (reasoning left out): keys of version 1 are recomputed
 _TRANSCRIPT = ConversationDir(Path(".")).transcript_path.name  # the file whose size and mtime say "changed"
 
 

@@ -85,6 +85,7 @@ class Started:
 @dataclass
 class Delta:
     text: str
+    reasoning: bool = False  # a piece of the reply's reasoning (``reasoning_content``), not of its answer
 
 
 @dataclass
@@ -99,6 +100,7 @@ class Finished:
     notices: list[str] = field(default_factory=list)
     shifted: int = 0  # messages that left the context during this request (context shift)
     state: str = ""  # memory | disk | fork | new (see Started)
+    reasoning: str = ""  # the reply's reasoning, returned apart from its answer (``text``)
 
     @property
     def cached_tokens(self) -> int:
@@ -266,6 +268,8 @@ class ChatService:
                 elif isinstance(ev, ReplyStart):
                     started = Started(conv.id, prep.forked_from, eng.n_past, rq.evaluated, rq.how)
                     yield started
+                elif isinstance(ev, ReplyText) and ev.reasoning:
+                    yield Delta(ev.text, reasoning=True)
                 elif isinstance(ev, ReplyText):
                     raw += ev.text
                     safe = _safe_prefix(raw, stops)
@@ -284,12 +288,13 @@ class ChatService:
             raise
         self._release(conv, rq)
         assert started is not None and end is not None
-        text = end.message.text
+        text = end.message.shown
         if text.startswith(emitted) and len(text) > len(emitted):
             yield Delta(text[len(emitted):])
         reason = "length" if end.stats.stop_reason in ("length", "context") else "stop"
         yield Finished(conv.id, prep.forked_from, text, reason, started.prompt_tokens, started.evaluated,
-                       end.stats.n_generated, notices, len(conv.r.out_of_context) - shifted0, rq.how)
+                       end.stats.n_generated, notices, len(conv.r.out_of_context) - shifted0, rq.how,
+                       end.message.reasoning)
 
     # -- steps ------------------------------------------------------------------------------------------
 
