@@ -440,7 +440,7 @@ class ReasoningStream:
             if self._state == "start":
                 s = buf.lstrip()
                 finals = (_HARMONY_FINAL,) if self._open == _HARMONY_OPEN else ()
-                if not s or any(t.startswith(s) for t in (self._open, *finals)):
+                if not s or any(t.startswith(s) and t != s for t in (self._open, *finals)):
                     return out  # only blanks so far, or the beginning of a tag
                 if s.startswith(self._open):
                     self._state, self._buf = "reasoning", s[len(self._open):]
