@@ -25,6 +25,7 @@ from chatcli.core.conversation import Replay, replay_events
 from chatcli.core.files.fsutil import atomic_write_text
 from chatcli.core.files.store import _ID_RE, ConversationDir, ConversationStore, StoreError
 from chatcli.core.template import Message
+from chatcli.core.transcript import message_parts
 from chatcli.server import history
 
 INDEX_VERSION = 2  # 2: a reply's key is its answer (reasoning left out): keys of version 1 are recomputed
@@ -64,6 +65,11 @@ class _Conv:
     n_active: int
 
 
+def _answer(ev: dict[str, Any]) -> str:
+    answer = message_parts(ev)[1]
+    return str(ev.get("text", "")) if answer is None else answer
+
+
 def conversation_keys(root: str, r: Replay) -> list[tuple[str, int, int]]:
     """(key, k, pos) for each boundary whose state the conversation holds.
 
@@ -71,8 +77,10 @@ def conversation_keys(root: str, r: Replay) -> list[tuple[str, int, int]]:
     chain; but only boundaries after them can be restored.
     """
     dropped = [r.all[mid] for mid in r.out_of_context if mid in r.all]
-    logical = [Message(str(e["role"]), str(e.get("text", ""))) for e in dropped]
-    logical += [m.as_message() for m in r.active]
+    # Replies by their answer (``history.message_key`` strips reasoning too; a reply stored without a
+    # closed reasoning block has an answer the text alone would not show).
+    logical = [Message(str(e["role"]), _answer(e)) for e in dropped]
+    logical += [Message(m.role, m.shown) for m in r.active]
     keys = history.chain(root, logical)
     out: list[tuple[str, int, int]] = []
     pos = len(r.prefix_tokens)

@@ -1,0 +1,148 @@
+"""A reasoning template on the real llama.cpp: the bundled SmolLM2 (attention KV) under Qwen3.5-4B's template
+given with ``chat_template`` (thinking on: its generation prompt opens ``<think>``, so every reply starts as
+reasoning). Talk, resume with nothing re-evaluated, regenerate evaluating nothing, the context never showing a
+reply twice; and ``serve`` continuing a 6-turn chat whose client strips the reasoning (or returns it in
+``reasoning_content``) with >= 95 % of the prompt cached from the second turn on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chatcli.config.settings import get_paths, load_settings_explicit
+from chatcli.core.conversation import Conversation
+from chatcli.core.events import ReplyEnd, ResumeReport
+from chatcli.models.resolve import resolve_model
+from chatcli.session import Session
+from tests.test_templates_all import TEMPLATE_DIR
+
+pytestmark = pytest.mark.skipif(TEMPLATE_DIR is None, reason="llama.cpp's models/templates not found")
+
+QWEN35 = "Qwen3.5-4B"
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
+    assert TEMPLATE_DIR is not None
+    home = tmp_path_factory.mktemp("tpl") / "home"
+    tmpl = home.parent / "qwen35.jinja"
+    tmpl.write_text((TEMPLATE_DIR / f"{QWEN35}.jinja").read_text())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CHATCLI_HOME", str(home))
+        flags = {"temperature": 0.0, "seed": 7, "n_ctx": 2048, "reserve": 64, "max_tokens": 24, "threads": 2,
+                 "chat_template": str(tmpl), "thinking": True}
+        settings, explicit = load_settings_explicit(flags, paths=get_paths())
+        s = Session.build(settings, get_paths(), model=resolve_model(None), explicit=explicit)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def sess(session: Session, chatcli_home: Path) -> Session:
+    from tests.drive import rebind
+
+    return rebind(session)
+
+
+def _new(session: Session) -> Conversation:
+    conv = list(session.new_conversation("alice"))[-1]
+    assert isinstance(conv, Conversation)
+    return conv
+
+
+def _say(conv: Conversation, text: str) -> ReplyEnd:
+    ends = [ev for ev in conv.send(text) if isinstance(ev, ReplyEnd)]
+    assert ends
+    return ends[-1]
+
+
+def test_talk_resume_regen_under_a_reasoning_template(sess: Session) -> None:
+    assert sess.template.opens_reasoning() and sess.template.origin
+    conv = _new(sess)
+    assert conv.meta["chat_template"]["source"] == sess.template.source and conv.meta["thinking"] is True
+    ends = [_say(conv, q) for q in ("Name a colour.", "And a fruit?", "Thanks!")]
+    for end in ends:
+        m = end.message
+        assert m.reasoning or m.answer is None  # every reply starts as reasoning under this template
+        if m.reasoning:
+            assert m.reasoning_tokens > 0 and m.text.strip().startswith(m.reasoning[:8])
+    # The context holds each user message once (nothing re-evaluated twice) and equals the transcript's tokens.
+    assert list(sess.engine.tokens) == conv.r.tokens()
+    text = b"".join(sess.engine.piece(t) for t in sess.engine.tokens).decode("utf-8", "replace")
+    for q in ("Name a colour.", "And a fruit?", "Thanks!"):
+        assert text.count(q) == 1
+    tokens = list(sess.engine.tokens)
+    cid = conv.id
+    conv.close()
+    sess.engine.clear()
+
+    events = list(sess.open_conversation(cid))
+    conv2, report = events[-1], events[-2]
+    assert isinstance(conv2, Conversation) and isinstance(report, ResumeReport)
+    assert report.reevaluated == 0 and list(sess.engine.tokens) == tokens
+
+    end = [ev for ev in conv2.regen() if isinstance(ev, ReplyEnd)][-1]
+    assert end.stats.n_prompt == 0 and not end.stats.reevaluated  # sampled from the saved logits
+    conv2.close()
+
+
+def _chat(service: Any, messages: list[dict[str, Any]]) -> Any:
+    """One request as the HTTP layer parses it (its schema drops fields it does not know)."""
+    from chatcli.server.schemas import parse_chat_request
+    from chatcli.server.service import Delta, Finished
+
+    req, _ = parse_chat_request({"model": "x", "messages": messages, "temperature": 0, "max_tokens": 24, "seed": 1},
+                                max_messages=1000, header_conversation=None)
+    deltas: list[Any] = []
+    fin = None
+    for ev in service.complete(req):
+        if isinstance(ev, Delta):
+            deltas.append(ev)
+        elif isinstance(ev, Finished):
+            fin = ev
+    assert fin is not None, "no reply"
+    return fin, deltas
+
+
+@pytest.mark.parametrize("client", ["strips-reasoning", "reasoning_content"])
+def test_serve_keeps_the_cache_when_the_client_strips_reasoning(sess: Session, client: str) -> None:
+    pytest.importorskip("fastapi")
+    from chatcli.server.service import ChatService
+
+    sess.engine.clear()
+    service = ChatService(sess, index_path=sess.paths.data_dir / "server" / "index.json")
+    try:
+        # A system prompt of a few hundred tokens, as real ones are: the share a new user message takes of
+        # the prompt is then what it is in use (with a 10-token prompt no history could be 95 % cached).
+        system = f"You are terse ({client}). " + " ".join(f"Rule {k}: answer in one short sentence." for k in range(40))
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": system}]
+        ratios, reasoned = [], 0
+        for i in range(6):
+            msgs.append({"role": "user", "content": f"Question number {i + 1}: say a word."})
+            fin, deltas = _chat(service, msgs)
+            assert "".join(d.text for d in deltas if d.reasoning).strip() == fin.reasoning  # streamed apart
+            assert "".join(d.text for d in deltas if not d.reasoning) == fin.text
+            assert "</think>" not in fin.text and "</think>" not in fin.reasoning
+            reasoned += bool(fin.reasoning)
+            if i:
+                ratios.append(fin.cached_tokens / fin.prompt_tokens)
+                # Only the new user message was evaluated, with its markup (user header, end of turn, assistant
+                # header and the opened think block, ~13 tokens in SmolLM2's vocabulary): the stored
+                # conversation matched. A miss would evaluate the previous reply again (24 tokens) or all.
+                n_user = len(sess.engine.tokenize(msgs[-1]["content"], add_special=False))
+                assert fin.evaluated <= n_user + 16 and fin.forked_from is None, (fin.evaluated, n_user)
+            # The client keeps the answer only: the reasoning is dropped, or sent back in reasoning_content
+            # as DeepSeek's API convention has it (not part of the content).
+            reply: dict[str, Any] = {"role": "assistant", "content": fin.text}
+            if client == "reasoning_content":
+                reply["reasoning_content"] = fin.reasoning
+            msgs.append(reply)
+        assert reasoned >= 1  # the case at hand: the stored replies hold reasoning the client does not send
+        assert min(ratios) >= 0.95, ratios
+        print(client, "cached from turn 2:", [f"{r:.3f}" for r in ratios])
+    finally:
+        service.close()
