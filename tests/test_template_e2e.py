@@ -146,3 +146,34 @@ def test_serve_keeps_the_cache_when_the_client_strips_reasoning(sess: Session, c
         print(client, "cached from turn 2:", [f"{r:.3f}" for r in ratios])
     finally:
         service.close()
+
+
+def test_cli_chat_template_is_remembered_and_a_bad_file_is_one_line(tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from chatcli.cli.app import app
+
+    assert TEMPLATE_DIR is not None
+    runner = CliRunner()
+    tmpl = tmp_path / "qwen35.jinja"
+    tmpl.write_text((TEMPLATE_DIR / f"{QWEN35}.jinja").read_text())
+    greedy = ["--temperature", "0", "--max-tokens", "12", "--n-ctx", "1024"]
+    r = runner.invoke(app, ["talk", "--chat-template", str(tmpl), "--thinking", *greedy], input="Hi there\n")
+    assert r.exit_code == 0, (r.stdout, r.stderr)
+    assert "thinking · " in r.stderr and "</think>" not in r.stdout  # the reasoning on stderr, folded
+    shown = runner.invoke(app, ["show", "--json"])
+    meta = json.loads(shown.stdout)["meta"]
+    assert meta["chat_template"]["file"] == str(tmpl) and meta["thinking"] is True
+    tmpl.unlink()  # resume needs the remembered text, not the file
+    r = runner.invoke(app, ["resume", *greedy[:4]], input="More\n")
+    assert r.exit_code == 0, (r.stdout, r.stderr)
+    assert "re-evaluated 0 tokens" in r.stderr
+    exported = json.loads(runner.invoke(app, ["export", "--format", "json", "--reasoning"]).stdout)
+    assert [m["role"] for m in exported][-4:] == ["user", "assistant", "user", "assistant"]
+    assert any("reasoning_content" in m for m in exported)
+
+    r = runner.invoke(app, ["talk", "--chat-template", str(tmp_path / "nope.jinja")], input="hi\n")
+    assert r.exit_code != 0 and r.stderr.count("\n") == 1 and "cannot read the chat template" in r.stderr
+    assert "Traceback" not in r.stderr
