@@ -189,3 +189,29 @@ def test_incremental_context(name: str, system: bool, think: bool) -> None:
         return text
 
     assert without(ctx) == without(full), f"\ncontext {ctx!r}\nfull    {full!r}"
+
+
+def test_a_template_refusing_a_system_role_gets_the_persona_in_the_first_user_message() -> None:
+    if TEMPLATE_DIR is None:
+        pytest.skip("llama.cpp's models/templates not found")
+    from chatcli.session import template_notices
+
+    t = _template("google-gemma-2-2b-it")
+    assert t.folds_system
+    ctx, _ = converse(t, system=True, think=False)
+    assert "<start_of_turn>user\nSYSPROMPT\n\nQUESTION1<end_of_turn>" in ctx and ctx.count("SYSPROMPT") == 1
+    assert any("refuses a system role" in n for n in template_notices(t, "the model"))
+    assert not _template("Qwen3.5-4B").folds_system  # it refuses a conversation without a user message only
+
+
+def test_qwen35_persona_prefix_needs_no_user_message_of_its_own() -> None:
+    """Qwen3.5 raises "No user query found" on a persona alone: the prefix is cut from a rendering that has
+    one, and the first turn continues it exactly."""
+    if TEMPLATE_DIR is None:
+        pytest.skip("llama.cpp's models/templates not found")
+    t = _template("Qwen3.5-4B")
+    persona = [Message("system", "S"), Message("assistant", "Hello!")]
+    head = t.prefix(persona)
+    assert head.endswith("Hello!<|im_end|>\n") and "user" not in head
+    full = t.render([*persona, Message("user", "Q")], add_generation_prompt=True)
+    assert head + t.user_turn(persona, "Q") == full
