@@ -62,6 +62,8 @@ def template_notices(template: ChatTemplate, whose: str) -> list[str]:
         out.append(f"{whose} has no chat template; using ChatML")
     if template.folds_system:
         out.append("the chat template refuses a system role: the persona is folded into the first user message")
+    if template.drops_greeting:
+        out.append("the chat template refuses a greeting before the first user message: the model does not see it")
     return out
 
 

@@ -215,3 +215,23 @@ def test_qwen35_persona_prefix_needs_no_user_message_of_its_own() -> None:
     assert head.endswith("Hello!<|im_end|>\n") and "user" not in head
     full = t.render([*persona, Message("user", "Q")], add_generation_prompt=True)
     assert head + t.user_turn(persona, "Q") == full
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_persona_with_a_greeting(name: str) -> None:
+    """REPL personas end with a greeting (an assistant message before any user one). Templates that insist on
+    alternation (Mistral, Gemma 2) refuse it: the model then does not see it, and every other one sees it once."""
+    t = _template(name)
+    persona = [Message("system", "SYSPROMPT"), Message("assistant", "GREETING")]
+    hist = list(persona)
+    ctx = t.prefix(persona)
+    for i in (1, 2):
+        ctx += t.user_turn(hist, f"QUESTION{i}")
+        hist += [Message("user", f"QUESTION{i}"), Message("assistant", f"ANSWER{i}")]
+        ctx += f"ANSWER{i}" + t.closing(hist)
+    assert ctx.count("GREETING") == (0 if t.drops_greeting else 1)
+    for w in ("SYSPROMPT", "QUESTION1", "ANSWER1", "QUESTION2", "ANSWER2"):
+        assert ctx.count(w) == 1, (w, ctx)
+    assert t.drops_greeting == (name in {"Mistral-Small-3.2-24B-Instruct-2506", "google-gemma-2-2b-it",
+                                         "mistralai-Ministral-3-14B-Reasoning-2512",
+                                         "mistralai-Mistral-Nemo-Instruct-2407"})

@@ -123,7 +123,9 @@ class ChatTemplate:
         self._tags: tuple[str, str] | None = None
         self._opens: bool | None = None
         self.folds_system = False
+        self.drops_greeting = False
         self.folds_system = self._refuses_system()
+        self.drops_greeting = self._refuses_greeting()
         self._header: str | None = None
         self._first: str | None = None
         self._tags = self._find_reasoning_tags()
@@ -141,6 +143,8 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> str:
         msgs = _fold_system(messages) if self.folds_system else list(messages)
+        if self.drops_greeting:
+            msgs = _without_greeting(msgs)
         dicts = [self._as_dict(m) for m in msgs]
         extra: dict[str, Any] = {}
         if self.enable_thinking is not None:
@@ -177,6 +181,30 @@ class ChatTemplate:
             return {"role": m.role, "content": answer}
         return {"role": m.role, "content": answer, "reasoning_content": reasoning, "thinking": reasoning}
 
+    def _visible(self, messages: Sequence[Message]) -> list[Message]:
+        """The messages the model sees: a refused greeting left out (so the sentinels go where they show)."""
+        return _without_greeting(messages) if self.drops_greeting else list(messages)
+
+    def _refuses_greeting(self) -> bool:
+        """A template that insists on user/assistant alternation (Mistral, Gemma 2) refuses a persona's
+        greeting, an assistant message before any user message: the model then does not see it (the user
+        still does), rather than no conversation starting at all."""
+        try:
+            self.render([Message("system", "s"), Message("assistant", "g"), Message("user", "u")],
+                        add_generation_prompt=True)
+            return False
+        except TemplateError:
+            pass
+        self.drops_greeting = True
+        try:
+            self.render([Message("system", "s"), Message("assistant", "g"), Message("user", "u")],
+                        add_generation_prompt=True)
+            return True
+        except TemplateError:
+            return False
+        finally:
+            self.drops_greeting = False
+
     def _refuses_system(self) -> bool:
         """A template that raises on a system message but renders the same chat without one (Gemma 2):
         then the persona is folded into the first user message (``folds_system``)."""
@@ -200,6 +228,7 @@ class ChatTemplate:
         without one, Qwen3.5: "No user query found"), and cut at the end of the last persona message's
         closing.
         """
+        persona = self._visible(persona)
         if not persona:
             return ""
         text = self.render([*_with_end(persona), Message("user", _S_NEXT)], add_generation_prompt=True)
@@ -218,6 +247,7 @@ class ChatTemplate:
         ``history`` is everything the context already holds (persona included), each message closed as
         ``closing`` says. The text is what the template writes after the last content, minus that closing.
         """
+        history = self._visible(history)
         if not history:
             return self.render([Message("user", user_text)], add_generation_prompt=True)
         hist = self._without_repeated_system(history)
@@ -233,6 +263,7 @@ class ChatTemplate:
     def closing(self, history: Sequence[Message]) -> str:
         """What the template writes after the content of the last message when the conversation goes on
         (e.g. ``<|im_end|>\\n``): evaluated right after a reply, so each message owns its rendering."""
+        history = self._visible(history)
         if not history:
             return ""
         hist = self._without_repeated_system(history)
@@ -246,6 +277,7 @@ class ChatTemplate:
         """What the template writes after the last message's content when it ends the rendering (gpt-oss
         ends a final answer with ``<|return|>``, the token the model generates, where a turn that others
         follow ends with ``<|end|>``); "" when it cannot render the history alone."""
+        history = self._visible(history)
         if not history:
             return ""
         try:
@@ -513,6 +545,18 @@ def _with_end(history: Sequence[Message]) -> list[Message]:
     """``history`` with the end sentinel after the last message's content."""
     last = history[-1]
     return [*history[:-1], Message(last.role, last.content + _S_END)]
+
+
+def _without_greeting(messages: Sequence[Message]) -> list[Message]:
+    """Assistant messages before the first user message left out (a greeting the template refuses)."""
+    out: list[Message] = []
+    seen_user = False
+    for m in messages:
+        seen_user = seen_user or m.role == "user"
+        if m.role == "assistant" and not seen_user:
+            continue
+        out.append(m)
+    return out
 
 
 def _fold_system(messages: Sequence[Message]) -> list[Message]:
