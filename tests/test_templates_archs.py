@@ -25,8 +25,8 @@ from tests.test_templates_all import TEMPLATE_DIR
 
 pytestmark = pytest.mark.skipif(TEMPLATE_DIR is None, reason="llama.cpp's models/templates not found")
 
-# (template, fixture architecture, memory): the pairs issue #21 names. The hybrid ones needed rollback points
-# (issue #20, landed); gpt-oss's sliding-window attention still does not resume (see SWA_RESUME).
+# (template, fixture architecture, memory): the pairs issue #21 names. The hybrid ones need rollback points and
+# gpt-oss's sliding-window cache a restore of its own (issue #20).
 CASES = [
     ("openai-gpt-oss-120b", "gpt-oss", "sliding-window attention"),
     ("Qwen3.5-4B", "qwen35", "hybrid"),
@@ -34,11 +34,6 @@ CASES = [
     ("ibm-granite-granite-4.0", "granitehybrid", "hybrid"),
     ("NVIDIA-Nemotron-3-Nano-30B-A3B-BF16", "nemotron_h", "hybrid"),
 ]
-# Measured before any template is involved (the fixture under ChatML fails the same way): a resumed gpt-oss
-# conversation finds only the last window's cells in its state file ("saved cells cover 101..133, expected
-# 0..133") and re-evaluates everything. The KV log is issue #20's; strict, so this flips when it is fixed.
-SWA_RESUME = pytest.mark.xfail(strict=True, reason="issue #20: gpt-oss's sliding-window KV is saved as its "
-                                                   "window only, so resume re-evaluates the conversation")
 N_CTX = 256
 MAX_TOKENS = 6
 
@@ -62,11 +57,9 @@ def case_session(request: pytest.FixtureRequest, arch_fixtures: ArchFixtures,
 
 
 @pytest.fixture
-def sess(case_session: tuple[Session, str], chatcli_home: Path, request: pytest.FixtureRequest) -> Session:
+def sess(case_session: tuple[Session, str], chatcli_home: Path) -> Session:
     from tests.drive import rebind
 
-    if case_session[1] == "sliding-window attention" and request.function.__name__ == "test_talk_resume_regen":
-        request.applymarker(SWA_RESUME)
     return rebind(case_session[0])
 
 
