@@ -177,3 +177,51 @@ def test_cli_chat_template_is_remembered_and_a_bad_file_is_one_line(tmp_path: Pa
     r = runner.invoke(app, ["talk", "--chat-template", str(tmp_path / "nope.jinja")], input="hi\n")
     assert r.exit_code != 0 and r.stderr.count("\n") == 1 and "cannot read the chat template" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_http_reasoning_content_in_message_and_stream(tmp_path: Path) -> None:
+    """`chatcli serve --chat-template FILE --thinking` over HTTP: the reply's reasoning in
+    ``message.reasoning_content`` and in the stream's ``delta.reasoning_content``, the answer in ``content``."""
+    pytest.importorskip("fastapi")
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.test_server import free_port, request
+
+    assert TEMPLATE_DIR is not None
+    tmpl = tmp_path / "qwen35.jinja"
+    tmpl.write_text((TEMPLATE_DIR / f"{QWEN35}.jinja").read_text())
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATCLI_")}
+    root = Path(__file__).resolve().parent.parent
+    env.update(CHATCLI_HOME=str(tmp_path / "home"), PYTHONPATH=str(root) + os.pathsep + env.get("PYTHONPATH", ""))
+    log = (tmp_path / "serve.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "chatcli", "serve", "--port", str(port), "--n-ctx", "1024",
+                             "--threads", "2", "--max-tokens", "16", "--chat-template", str(tmpl), "--thinking"],
+                            env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            try:
+                if request(port, "GET", "/health", timeout=2).status_code == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        body = {"messages": [{"role": "user", "content": "Name a colour."}], "temperature": 0, "max_tokens": 16}
+        r = request(port, "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        msg = r.json()["choices"][0]["message"]
+        assert r.status_code == 200 and msg["reasoning_content"] and "<think>" not in msg["content"]
+        r = request(port, "POST", "/v1/chat/completions", json.dumps({**body, "stream": True, "seed": 5}),
+                    {"Content-Type": "application/json"})
+        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.text.splitlines()
+                  if line.startswith("data: {") and '"choices": []' not in line and "choices" in line]
+        reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+        assert reasoning.strip() and all("<think>" not in d.get("content", "") for d in deltas)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
