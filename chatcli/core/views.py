@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from chatcli.core.events import ContextUsage, SessionStats, TurnStats
 from chatcli.core.export import exchange_counts, to_markdown
 from chatcli.core.template import Message
-from chatcli.core.transcript import ActiveMessage, Replay, Transcript
+from chatcli.core.transcript import ActiveMessage, Replay, Transcript, message_parts
 
 if TYPE_CHECKING:
     from chatcli.core.backend import Backend, Logits
@@ -106,7 +106,7 @@ class ConversationViews:
         if last is None or last.role != "assistant":
             return []
         alts = sorted(self.r.alternatives(last.turn), key=lambda e: int(e.get("alt", 0)))
-        return [Alternative(i, int(e["mid"]), str(e.get("text", "")), len(e.get("tokens", [])),
+        return [Alternative(i, int(e["mid"]), _answer(e), len(e.get("tokens", [])),
                             int(e["mid"]) == last.mid) for i, e in enumerate(alts)]
 
     @property
@@ -131,3 +131,9 @@ class ConversationViews:
 
     def to_markdown(self) -> str:
         return to_markdown(self.meta, self.r)
+
+
+def _answer(ev: dict[str, Any]) -> str:
+    """A reply event's text as shown: its answer, the reasoning apart."""
+    answer = message_parts(ev)[1]
+    return str(ev.get("text", "")) if answer is None else answer

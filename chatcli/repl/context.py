@@ -100,7 +100,10 @@ class CommandContext:
         """Print the last reply again (after /redo or /alt changed it)."""
         msgs = self.conv.messages
         if msgs and msgs[-1].role == "assistant":
-            self.renderer.reply_text(msgs[-1].text)
+            if msgs[-1].reasoning:
+                self.renderer.reasoning(msgs[-1].reasoning, msgs[-1].reasoning_tokens,
+                                        full=self.renderer.show_reasoning)
+            self.renderer.reply_text(msgs[-1].shown)
 
 
 __all__ = ["ChatConversation", "ChatIO", "CommandContext"]
