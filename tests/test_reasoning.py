@@ -134,3 +134,16 @@ def test_thinking_is_part_of_the_cache_key() -> None:
     src = (TEMPLATE_DIR / "Qwen3.5-4B.jinja").read_text() if TEMPLATE_DIR else "{{ x }}"
     keys = {ChatTemplate(src, enable_thinking=v).cache_key for v in (None, True, False)}
     assert len(keys) == 3 and ChatTemplate(src).cache_key == src  # unset: the key earlier caches have
+
+
+def test_think_command_shows_the_last_reasoning_in_full() -> None:
+    from tests.test_repl import FakeConversation, drive
+
+    conv = FakeConversation(replies=["Blue."])
+    _, out, _ = drive("/think\r\x04", conv)
+    assert "error: the last reply has no reasoning" in out
+    conv = FakeConversation(replies=["Blue."])
+    _, _, _ = drive("colour?\r\x04", conv)
+    conv._r.active[-1].reasoning, conv._r.active[-1].reasoning_tokens = "first red, then blue", 6
+    _, out, _ = drive("/think\r\x04", conv)
+    assert "thinking · 6 tok" in out and "first red, then blue" in out
