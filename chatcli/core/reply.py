@@ -112,8 +112,11 @@ def reasoning_parts(backend: Backend, template: ChatTemplate, text: str,
         return None
     k, seen = len(tokens), b""
     close = tags[1].encode()
-    for i, t in enumerate(tokens):
-        seen += backend.piece(t, special=True)
+    # A remote backend renders a list in one request (``pieces``); one request per token would not do.
+    batch = getattr(backend, "pieces", None)
+    pieces = batch(list(tokens)) if callable(batch) else [backend.piece(t, special=True) for t in tokens]
+    for i, piece in enumerate(pieces):
+        seen += piece
         if close in seen:
             k = i + 1
             break
