@@ -479,7 +479,8 @@ class ReasoningStream:
                     continue
                 marker = next((t for t in finals if s.startswith(t)), "")
                 self._state, self._buf = "answer", ""
-                out.append((s[len(marker):], False))
+                # No reasoning: the text as it came (its leading blanks too), as the stored reply has it.
+                out.append((s[len(marker):] if marker else buf, False))
                 return out
             if self._state == "reasoning":
                 if self._close in buf:
