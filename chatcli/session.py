@@ -6,7 +6,9 @@ same engine (one context per process, never re-created).
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+import sqlite3
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
@@ -18,9 +20,10 @@ from chatcli.core.backend import Sampling
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import Event, Notice, ResumeReport
 from chatcli.core.files.fsutil import ensure_private_dir
+from chatcli.core.files.index import IndexUnavailable
 from chatcli.core.files.store import ConversationStore
 from chatcli.core.kv import prefix
-from chatcli.core.kv.budget import Freed, enforce, total_bytes
+from chatcli.core.kv.budget import Freed, enforce, prefix_bytes, scan_usage, total_bytes
 from chatcli.core.kv.prefix import effective_n_ctx
 from chatcli.core.loading import create_conversation, open_conversation
 from chatcli.core.template import ChatTemplate, read_template_file
@@ -245,13 +248,37 @@ class Session:
         limit = parse_size(self.settings.state_budget)
         if limit is None:
             return None
-        if total_bytes(self.paths.conversations_dir, self.paths.prefix_cache_dir) <= limit:
-            return None
         convs = list(open_convs)
+        total = self._running_total(convs)
+        if total <= limit:
+            return None
         prefixes = [prefix.cache_path(self.paths.prefix_cache_dir, c.state_identity(),
                                       str(c.meta.get("persona_hash", "")), self.template.cache_key) for c in convs]
-        return enforce(self.paths.conversations_dir, self.paths.prefix_cache_dir, limit,
-                       keep_ids=[c.id for c in convs], keep_prefixes=prefixes)
+        freed = enforce(self.paths.conversations_dir, self.paths.prefix_cache_dir, limit,
+                        keep_ids=[c.id for c in convs], keep_prefixes=prefixes)
+        index = self.store.index
+        if index is not None:
+            # The rescan (over budget: rare) is also when the running total is set right again, whatever
+            # wrote state files behind the index's back (another chatcli version, a copy).
+            with contextlib.suppress(sqlite3.Error, IndexUnavailable):
+                usage = scan_usage(self.paths.conversations_dir, None)
+                index.set_all_files((i.conv_id, [(d, n, sz) for (d, n), sz in i.inodes])
+                                    for i in usage.items if i.conv_id is not None)
+        return freed
+
+    def _running_total(self, convs: list[Conversation]) -> int:
+        """Bytes of all KV state: the index's running total, updated with the open conversations' files
+        (constant cost per turn, however many conversations there are), plus the persona prefix files
+        (a few). Without an index, every folder is listed."""
+        index = self.store.index
+        if index is not None:
+            try:
+                for c in convs:
+                    index.note_state(c.dir)
+                return index.state_total() + prefix_bytes(self.paths.prefix_cache_dir)
+            except (sqlite3.Error, IndexUnavailable):
+                pass
+        return total_bytes(self.paths.conversations_dir, self.paths.prefix_cache_dir)
 
     def close(self) -> None:
         self.engine.close()

@@ -404,17 +404,51 @@ def fork(
 
 
 @app.command("ls")
-def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
-    """List conversations, most recent first.
+def list_cmd(
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    limit: Annotated[int | None, typer.Option("--limit", "-n", min=1,
+                                              help="Show the N most recent (default 50).")] = None,
+    show_all: Annotated[bool, typer.Option("--all", "-a", help="Show every conversation.")] = False,
+    grep: Annotated[str | None, typer.Option("--grep", help="Only conversations with a message matching TEXT "
+                                             "(every word; see `chatcli search`).")] = None,
+) -> None:
+    """List conversations, most recent first (the 50 most recent unless --limit N or --all).
 
     "turns" counts every exchange of the conversation; "in_context" those the model's context still holds
     (fewer once old exchanges left it in a context shift). A "from" column (api / cli) appears once some
     conversation was made through `chatcli serve`.
     """
-    from chatcli.cli.listing import list_conversations
+    from chatcli.cli.listing import DEFAULT_LIMIT, list_conversations
 
     with user_errors():
-        list_conversations(as_json=as_json)
+        if show_all and limit is not None:
+            raise CliError("--all and --limit exclude each other", EXIT_USAGE)
+        list_conversations(as_json=as_json, limit=None if show_all else (limit or DEFAULT_LIMIT), grep=grep)
+
+
+@app.command()
+def search(
+    text: Annotated[str, typer.Argument(help="Words to find (all of them; the last may be a prefix).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    persona: Annotated[str | None, typer.Option("--persona", help="Only conversations of this persona.")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="Only conversations whose model name contains this.")] = None,
+    since: Annotated[str | None, typer.Option("--since", help="Only messages from this date on (YYYY-MM-DD).")] = None,
+    until: Annotated[str | None, typer.Option("--until", help="Only messages before this date (YYYY-MM-DD).")] = None,
+    api: Annotated[bool | None, typer.Option("--api/--no-api", help="Only API conversations / only the others.")] = None,
+    reasoning: Annotated[bool, typer.Option("--reasoning", help="Also search the replies' reasoning.")] = False,
+    limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="At most N hits.")] = 20,
+) -> None:
+    """Search every conversation's messages (SQLite FTS5), best match first.
+
+    Each hit gives the conversation, its title, the exchange and a snippet, and how to continue there:
+    `chatcli resume ID` or `chatcli fork ID --at N`. Example: chatcli search "binary tree" --since 2026-01-01
+    """
+    from chatcli.cli.searching import print_hits, run_search
+
+    with user_errors():
+        hits = run_search(text, persona=persona, model=model, since=since, until=until, api=api,
+                          reasoning=reasoning, limit=limit)
+        print_hits(hits, as_json=as_json, query=text)
 
 
 @app.command()

@@ -15,30 +15,96 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+DEFAULT_LIMIT = 50  # `ls` shows the most recent ones; `--all` or `--limit N` for more
 
-def list_conversations(*, as_json: bool) -> None:
-    """Print the list. Core errors propagate: the caller maps them to one line (chatcli.cli.errors)."""
+
+def list_conversations(*, as_json: bool, limit: int | None = DEFAULT_LIMIT, grep: str | None = None) -> None:
+    """Print the list (``limit`` None: all). Core errors propagate: the caller maps them to one line
+    (chatcli.cli.errors)."""
     # Only what listing needs: the transcript replay (and jinja2 behind it) only for a conversation whose
     # metadata summary is missing or stale; never rich (sizes come from chatcli.units, not the renderer).
     from chatcli.config.settings import get_paths
-    from chatcli.core.files.migrations import FormatError
     from chatcli.core.files.store import ConversationStore
-    from chatcli.units import format_size
+    from chatcli.core.kv.budget import prefix_bytes
 
-    store = ConversationStore(get_paths().conversations_dir)
+    paths = get_paths()
+    store = ConversationStore(paths.conversations_dir)
+    index = store.index
+    if index is None:  # no usable index (read-only data dir, say): every folder is read
+        rows, problems, n, n_warm = _rows_from_folders(store, grep)
+        n_all = len(rows)
+        state_total = None
+        if limit is not None:
+            rows = rows[:limit]
+    else:
+        index.reconcile(progress=_progress)
+        ids = index.matching_ids(grep) if grep is not None else None
+        found = index.rows(limit=limit, ids=ids)
+        found = index.check_rows(found, lambda cid: _replay_counts(store, cid))
+        rows = [r.as_listing() for r in found]
+        problems = index.problems()
+        n, n_warm = index.count()
+        n_all = len(ids) if ids is not None else n
+        state_total = index.state_total() + prefix_bytes(paths.prefix_cache_dir)
+        for notice in index.notices:
+            print(f"note: {notice}", file=sys.stderr)
+    for problem in problems:
+        print(f"warning: {problem}", file=sys.stderr)
+    if as_json:
+        print(json.dumps(rows, indent=2, ensure_ascii=False))
+        return
+    if not rows:
+        print("no conversations yet: start one with `chatcli talk`" if grep is None else f"no conversation mentions {grep!r}")
+        return
+    _print_rows(rows)
+    out = sys.stdout if sys.stdout.isatty() else sys.stderr
+    if len(rows) < n_all:
+        print(f"… {n_all - len(rows)} older not shown (--all, or --limit N)", file=out)
+    # The total goes to stderr when stdout is a pipe: scripts read one row per conversation.
+    print(_usage_line(n, n_warm, state_total), file=out)
+
+
+def _progress(done: int, total: int) -> None:
+    """The index being (re)built: a counter on a terminal's stderr, nothing on a pipe."""
+    if sys.stderr.isatty():
+        end = "\n" if done == total else ""
+        print(f"\rindexing conversations: {done}/{total}", end=end, file=sys.stderr, flush=True)
+
+
+def _replay_counts(store: Any, cid: str) -> tuple[tuple[int, int], list[int]] | None:
+    """(exchanges, in context) replayed from the transcript (the truth), with the stamp they describe."""
+    from chatcli.core.export import exchange_counts
+    from chatcli.core.files.migrations import FormatError
+    from chatcli.core.transcript import replay_events
+
+    conv = store.dir(cid)
+    stamp = conv.transcript_stamp()
+    try:
+        return exchange_counts(replay_events(conv.read_transcript().events)), stamp
+    except FormatError:
+        return None
+
+
+def _rows_from_folders(store: Any, grep: str | None) -> tuple[list[dict[str, Any]], list[str], int, int]:
+    """`ls` without the index: every meta.json read (what `ls` did before the index)."""
+    from chatcli.core.files.migrations import FormatError
+
     rows = []
     problems: list[str] = []
     for conv, meta in store.list(problems):
         counts = conv.cached_counts(meta)
         if counts is None:
-            from chatcli.core.export import exchange_counts
-            from chatcli.core.transcript import replay_events
-
+            got = _replay_counts(store, conv.id)
+            if got is None:
+                problems.append(f"conversation {conv.id}: its transcript is unreadable")
+                continue
+            counts = got[0]
+        if grep is not None:
             try:
-                # The transcript is the truth (meta.json's summary is a cache of it, written after it).
-                counts = exchange_counts(replay_events(conv.read_transcript().events))
-            except FormatError as exc:
-                problems.append(str(exc))
+                text = "\n".join(str(e.get("text", "")) for e in conv.read_transcript().events)
+            except FormatError:
+                continue
+            if grep.lower() not in text.lower():
                 continue
         turns, in_context = counts
         state_bytes = conv.state_size()
@@ -56,14 +122,12 @@ def list_conversations(*, as_json: bool) -> None:
             rows[-1]["server"] = server
             rows[-1]["state_bytes"] = int(ck.get("bytes", 0)) if isinstance(ck, dict) else 0
             rows[-1]["warm"] = bool(rows[-1]["state_bytes"])
-    for problem in problems:
-        print(f"warning: {problem}", file=sys.stderr)
-    if as_json:
-        print(json.dumps(rows, indent=2, ensure_ascii=False))
-        return
-    if not rows:
-        print("no conversations yet: start one with `chatcli talk`")
-        return
+    return rows, problems, len(rows), sum(1 for r in rows if r["warm"])
+
+
+def _print_rows(rows: list[dict[str, Any]]) -> None:
+    from chatcli.units import format_size
+
     for r in rows:
         r["state"] = format_size(r["state_bytes"])
         r["kv"] = f"warm {r['kv_type']}" if r["warm"] else "cold"
@@ -84,18 +148,17 @@ def list_conversations(*, as_json: bool) -> None:
         for line in format_columns(*_screen_columns(rows, columns), shutil.get_terminal_size().columns,
                                    bold_header=not os.environ.get("NO_COLOR")):
             print(line)
-    # The total goes to stderr when stdout is a pipe: scripts read one row per conversation.
-    print(_usage_line(len(rows), sum(1 for r in rows if r["warm"])), file=sys.stdout if sys.stdout.isatty() else sys.stderr)
 
 
-def _usage_line(n: int, n_warm: int) -> str:
+def _usage_line(n: int, n_warm: int, state_total: int | None) -> str:
     """The total under `ls`: warm/cold counts, the bytes of all state, and the budget they are held to."""
     from chatcli.config.settings import SettingsError, get_paths, load_settings
     from chatcli.core.kv.budget import scan_usage
     from chatcli.units import format_size, parse_size
 
     paths = get_paths()
-    usage = scan_usage(paths.conversations_dir, paths.prefix_cache_dir)
+    if state_total is None:
+        state_total = scan_usage(paths.conversations_dir, paths.prefix_cache_dir).total
     try:
         limit = parse_size(load_settings(paths=paths).state_budget)
         budget = f" of a {format_size(limit)} budget" if limit is not None else ", no budget"
@@ -104,7 +167,7 @@ def _usage_line(n: int, n_warm: int) -> str:
     # One line of an 80-column terminal. The total includes the persona prefix cache (the budget covers
     # it too; `chatcli personas` lists it).
     return (f"{n} conversation{'' if n == 1 else 's'}: {n_warm} warm, {n - n_warm} cold · KV state "
-            f"{format_size(usage.total)}{budget}")
+            f"{format_size(state_total)}{budget}")
 
 
 def _screen_columns(rows: list[dict[str, Any]], columns: list[str]) -> tuple[list[dict[str, Any]], list[str]]:

@@ -18,13 +18,15 @@ import os
 import re
 import secrets
 import shutil
+import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from chatcli.core.files import migrations
-from chatcli.core.files.fsutil import append_line_durably, atomic_write_text, ensure_private_dir, fsync_dir
+from chatcli.core.files.fsutil import append_durably, atomic_write_text, ensure_private_dir, fsync_dir
+from chatcli.core.files.index import Index, IndexUnavailable
 from chatcli.core.files.migrations import META_VERSION, TRANSCRIPT_VERSION, FormatError
 from chatcli.core.kv import records
 
@@ -62,10 +64,24 @@ def _is_version(v: object) -> bool:
 class ConversationDir:
     """Files of one conversation."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, index: Index | None = None) -> None:
         self.path = path
         self.id = path.name
         self._lock_fd: int | None = None
+        # Told after every durable write (transcript first, index after); None: nothing to tell.
+        self.index = index
+
+    def _tell(self, what: str, *args: Any) -> None:
+        """Pass a write on to the index. Its failure never fails the write: the files are the truth, and
+        the index re-reads a folder whose stamps disagree with its row."""
+        if self.index is None:
+            return
+        try:
+            getattr(self.index, what)(self, *args)
+        except (sqlite3.Error, IndexUnavailable, OSError) as exc:
+            msg = f"index not updated ({exc}): it is re-read from the folders later"
+            if msg not in self.index.notices:
+                self.index.notices.append(msg)
 
     @property
     def meta_path(self) -> Path:
@@ -109,6 +125,7 @@ class ConversationDir:
     def write_meta(self, meta: dict[str, Any]) -> None:
         meta = {**meta, "format": META_VERSION}
         atomic_write_text(self.meta_path, json.dumps(meta, indent=2, sort_keys=True, ensure_ascii=False))
+        self._tell("note_meta", meta)
 
     # -- summary: what `chatcli ls` shows without replaying the transcript ----------------------------
 
@@ -141,7 +158,9 @@ class ConversationDir:
 
     def append_event(self, event: dict[str, Any]) -> None:
         record = {"v": TRANSCRIPT_VERSION, "ts": now(), **event}
-        append_line_durably(self.transcript_path, json.dumps(record, ensure_ascii=False, separators=(",", ":")))
+        data = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+        append_durably(self.transcript_path, data)
+        self._tell("note_append", data)
 
     def read_transcript(self) -> TranscriptRead:
         out = TranscriptRead()
@@ -224,6 +243,7 @@ class ConversationDir:
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._lock_fd = fd
         self._remove_stale_temp_files()
+        self._tell("note_open")
 
     def _remove_stale_temp_files(self) -> None:
         # Only the lock holder writes here, so a temp file of an atomic write that exists now was left by a
@@ -236,6 +256,7 @@ class ConversationDir:
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
+            self._tell("note_close")
             try:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             finally:
@@ -248,12 +269,35 @@ class ConversationDir:
         except FileNotFoundError:
             return 0
 
+    def state_changed(self) -> None:
+        """The state file was written (appended, rewritten, removed): the index updates its sizes."""
+        self._tell("note_state")
+
 
 class ConversationStore:
     """All conversations under one data dir."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, indexed: bool = True) -> None:
         self.root = root
+        self._indexed = indexed
+        self._index: Index | None = None
+
+    @property
+    def index(self) -> Index | None:
+        """The SQLite cache of these folders (``<data>/index.sqlite``), opened on first use; None when this
+        store runs without one (or it cannot be opened: then everything reads the folders)."""
+        if self._index is None and self._indexed:
+            index = Index(self.root)
+            try:
+                index.db()
+            except (sqlite3.Error, IndexUnavailable, OSError):
+                self._indexed = False
+                return None
+            self._index = index
+        return self._index
+
+    def dir(self, cid: str) -> ConversationDir:
+        return ConversationDir(self.root / cid, self.index)
 
     def _ensure_root(self) -> None:
         ensure_private_dir(self.root)
@@ -273,7 +317,7 @@ class ConversationStore:
             except FileExistsError:
                 continue
             fsync_dir(self.root)
-            conv = ConversationDir(path)
+            conv = self.dir(cid)
             # A summary copied from another conversation (a fork's parent) describes another transcript.
             fresh = {k: v for k, v in meta.items() if k != "summary"}
             conv.write_meta({**fresh, "id": cid, "created": now(), "updated": now()})
@@ -288,26 +332,43 @@ class ConversationStore:
     def resolve(self, ref: str | None) -> ConversationDir:
         """An id, a unique prefix of one, or (None) the most recently updated conversation."""
         if ref is None:
-            convs = self.list()
-            if not convs:
-                raise StoreError("no conversations yet: start one with `chatcli talk`")
-            return convs[0][0]
+            return self._most_recent()
         self.validate_id(ref)
-        ids = self.ids()
-        if ref in ids:
-            return ConversationDir(self.root / ref)
-        matches = [i for i in ids if i.startswith(ref)]
+        if (self.root / ref).is_dir():  # a whole id: no listing of the other folders
+            return self.dir(ref)
+        try:
+            with os.scandir(self.root) as it:
+                matches = sorted(e.name for e in it if e.name.startswith(ref) and _ID_RE.match(e.name) and e.is_dir())
+        except FileNotFoundError:
+            matches = []
         if not matches:
             raise StoreError(f"no conversation {ref!r} (see `chatcli ls`)")
         if len(matches) > 1:
             raise StoreError(f"{ref!r} is ambiguous: {', '.join(matches[:8])}")
-        return ConversationDir(self.root / matches[0])
+        return self.dir(matches[0])
+
+    def _most_recent(self) -> ConversationDir:
+        index = self.index
+        if index is not None:
+            try:
+                index.reconcile()
+                rows = index.rows(limit=1)
+            except (sqlite3.Error, IndexUnavailable):
+                rows = None
+            if rows is not None:
+                if not rows:
+                    raise StoreError("no conversations yet: start one with `chatcli talk`")
+                return self.dir(rows[0].id)
+        convs = self.list()
+        if not convs:
+            raise StoreError("no conversations yet: start one with `chatcli talk`")
+        return convs[0][0]
 
     def list(self, problems: list[str] | None = None) -> list[tuple[ConversationDir, dict[str, Any]]]:
         """Conversations whose metadata is readable; why the others are left out goes to ``problems``."""
         out = []
         for cid in self.ids():
-            conv = ConversationDir(self.root / cid)
+            conv = self.dir(cid)
             try:
                 meta = conv.read_meta()
             except (StoreError, FormatError) as exc:
@@ -325,3 +386,8 @@ class ConversationStore:
         finally:
             conv.unlock()
         fsync_dir(self.root)
+        if self.index is not None:
+            try:
+                self.index.note_removed(conv.id)
+            except (sqlite3.Error, IndexUnavailable):
+                pass  # the next reconcile sees the folder gone

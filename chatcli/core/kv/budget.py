@@ -204,6 +204,21 @@ def total_bytes(conversations_dir: Path, prefix_dir: Path | None) -> int:
     return sum(seen.values())
 
 
+def prefix_bytes(prefix_dir: Path | None) -> int:
+    """Bytes of the persona prefix files (a few per model): the part of the total the index does not keep."""
+    seen: dict[_Inode, int] = {}
+    if prefix_dir is None or not prefix_dir.is_dir():
+        return 0
+    for entry in os.scandir(prefix_dir):
+        if entry.name.endswith(".kv"):
+            try:
+                st = entry.stat()
+            except FileNotFoundError:
+                continue
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
+
+
 # -- eviction ------------------------------------------------------------------------------------
 
 
@@ -311,5 +326,6 @@ def was_evicted(meta: dict[str, object]) -> bool:
 
 
 __all__ = [
-    "DEFAULT_BUDGET", "Freed", "StateItem", "Usage", "enforce", "scan_usage", "total_bytes", "was_evicted",
+    "DEFAULT_BUDGET", "Freed", "StateItem", "Usage", "enforce", "prefix_bytes", "scan_usage", "total_bytes",
+    "was_evicted",
 ]

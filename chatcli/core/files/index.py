@@ -1,0 +1,754 @@
+"""The index: an SQLite cache of the conversation folders (``<data>/index.sqlite``).
+
+What it holds: one row per conversation with what ``chatcli ls`` shows, the state files' inodes and sizes
+(the budget's running total, each inode once), every message's text for full-text search (FTS5; reasoning
+in a column of its own, searched only when asked), and rows other indexes keep here (the server's prefix
+index). The folders and transcripts stay the truth: everything here can be rebuilt from them.
+
+How it stays true:
+- every chatcli process writes through ``ConversationDir``, which tells the index after the file is
+  durable (transcript first, index after: a message is searchable as soon as its line is written);
+- ``reconcile`` compares each folder's mtime (one ``stat`` per folder: a meta.json rewrite, a state
+  rewrite or eviction, a copied or removed folder all change it) with the row and re-reads what changed;
+  a conversation open in a process that died (its ``open_pid`` is gone: a crash, a SIGKILL between a
+  transcript line and its index row) is re-read too; the transcript's indexed bytes are checked by their
+  crc32, so a hand edit anywhere in it re-indexes the whole conversation;
+- a missing, truncated, corrupt or newer-version index file is rebuilt (``notices`` says so in one line);
+  a locked one (another process holding a long write beyond the busy timeout) is skipped for that write,
+  and the row is re-read later because its stamps disagree.
+
+Several processes use it at once: WAL mode (readers never block the writer), a busy timeout, and every
+update is one ``BEGIN IMMEDIATE`` transaction that re-checks the row's stamps before extending them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sqlite3
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from chatcli.core.files.store import ConversationDir
+
+SCHEMA_VERSION = 1
+FILE_NAME = "index.sqlite"
+BUSY_TIMEOUT_S = 5.0
+_ID_RE = re.compile(r"^[a-z0-9]{1,32}$")  # the store's rule for a conversation folder (store._ID_RE)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS info(key TEXT PRIMARY KEY, value);
+CREATE TABLE IF NOT EXISTS convs(
+    id TEXT PRIMARY KEY,
+    dir_mtime INTEGER NOT NULL,       -- the folder's mtime (ns) when this row was read from it
+    ok INTEGER NOT NULL,              -- 0: the folder is unusable (problem says why)
+    problem TEXT NOT NULL DEFAULT '',
+    title TEXT NOT NULL DEFAULT '', persona TEXT NOT NULL DEFAULT '', model TEXT NOT NULL DEFAULT '',
+    source TEXT NOT NULL DEFAULT '', server TEXT NOT NULL DEFAULT '', kv_type TEXT NOT NULL DEFAULT 'f16',
+    tokens INTEGER NOT NULL DEFAULT 0, updated REAL NOT NULL DEFAULT 0, created REAL NOT NULL DEFAULT 0,
+    checkpoint_bytes INTEGER NOT NULL DEFAULT 0,
+    turns INTEGER NOT NULL DEFAULT 0, in_context INTEGER NOT NULL DEFAULT 0,
+    counts_size INTEGER NOT NULL DEFAULT -1, counts_mtime INTEGER NOT NULL DEFAULT -1,  -- transcript they count
+    tx_size INTEGER NOT NULL DEFAULT 0, tx_mtime INTEGER NOT NULL DEFAULT 0,  -- transcript as indexed
+    tx_crc INTEGER NOT NULL DEFAULT 0,     -- crc32 of the transcript's first tx_size bytes
+    state_bytes INTEGER NOT NULL DEFAULT 0,
+    open_pid INTEGER,                      -- the process that has it open (a dead one: re-read it)
+    seq INTEGER NOT NULL DEFAULT 0         -- bumped by every change: others follow changes by it
+);
+CREATE INDEX IF NOT EXISTS convs_updated ON convs(updated DESC);
+CREATE INDEX IF NOT EXISTS convs_seq ON convs(seq);
+CREATE INDEX IF NOT EXISTS convs_open ON convs(open_pid) WHERE open_pid IS NOT NULL;
+CREATE TABLE IF NOT EXISTS files(conv TEXT NOT NULL, dev INTEGER NOT NULL, ino INTEGER NOT NULL,
+    size INTEGER NOT NULL, PRIMARY KEY(conv, dev, ino)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS inodes(dev INTEGER NOT NULL, ino INTEGER NOT NULL, size INTEGER NOT NULL,
+    refs INTEGER NOT NULL, PRIMARY KEY(dev, ino)) WITHOUT ROWID;
+CREATE VIRTUAL TABLE IF NOT EXISTS hits USING fts5(
+    text, reasoning, conv UNINDEXED, mid UNINDEXED, role UNINDEXED, ts UNINDEXED,
+    tokenize = 'unicode61 remove_diacritics 2');
+CREATE TABLE IF NOT EXISTS extra(name TEXT NOT NULL, conv TEXT NOT NULL, value TEXT NOT NULL,
+    PRIMARY KEY(name, conv)) WITHOUT ROWID;
+"""
+
+
+class IndexUnavailable(Exception):
+    """The index could not be used for this operation (locked past the busy timeout)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One conversation as the index knows it (what ``ls`` shows)."""
+
+    id: str
+    title: str
+    persona: str
+    model: str
+    source: str
+    server: str
+    kv_type: str
+    tokens: int
+    updated: float
+    turns: int
+    in_context: int
+    state_bytes: int
+
+    def as_listing(self) -> dict[str, Any]:
+        """The row in ``chatcli ls --json``'s shape."""
+        out: dict[str, Any] = {
+            "id": self.id, "title": self.title, "persona": self.persona, "turns": self.turns,
+            "in_context": self.in_context, "tokens": self.tokens, "state_bytes": self.state_bytes,
+            "updated": self.updated, "warm": self.state_bytes > 0, "kv_type": self.kv_type,
+            "from": "api" if self.source == "api" else "",
+        }
+        if self.server:
+            out["server"] = self.server
+        return out
+
+
+_ROW_COLS = ("id, title, persona, model, source, server, kv_type, tokens, updated, turns, in_context, "
+             "CASE WHEN server != '' THEN checkpoint_bytes ELSE state_bytes END")
+
+
+@dataclass(frozen=True)
+class Hit:
+    """One message that matched a search."""
+
+    conv: str
+    mid: int
+    role: str
+    ts: float
+    snippet: str  # the matched words between HIGHLIGHT markers
+    in_reasoning: bool
+    title: str
+    persona: str
+    model: str
+    source: str
+
+
+HIGHLIGHT = ("\x02", "\x03")  # around matched words in a snippet: front ends turn them into bold or «»
+
+
+@dataclass(frozen=True)
+class SearchFilters:
+    persona: str | None = None
+    model: str | None = None  # a substring of the model's name
+    since: float | None = None  # message time, seconds since the epoch
+    until: float | None = None
+    api: bool | None = None  # True: only API conversations; False: only the others
+    reasoning: bool = False  # also search reasoning text
+
+
+def fts_query(text: str) -> str:
+    """The user's words as an FTS5 query: every word must occur (as a prefix for the last one), quotes
+    doubled, so no input is FTS5 syntax (``AND``, ``*``, ``:`` …) and none is an error."""
+    words = re.findall(r"\w+", text, re.UNICODE)
+    if not words:
+        return ""
+    parts = ['"' + w.replace('"', '""') + '"' for w in words]
+    parts[-1] += "*"
+    return " ".join(parts)
+
+
+def _message_fields(ev: dict[str, Any]) -> tuple[str, str] | None:
+    """(message text, reasoning text) of a transcript event, None for events that hold no message.
+
+    Reasoning is the reply's thinking span when the transcript records one (``reasoning`` as a string, or
+    ``spans`` with kind "reasoning"); without those fields all of the text is message text."""
+    if ev.get("type") != "message":
+        return None
+    text = str(ev.get("text", ""))
+    reasoning = ev.get("reasoning")
+    parts = [reasoning] if isinstance(reasoning, str) else []
+    spans = ev.get("spans")
+    if isinstance(spans, list):
+        answer: list[str] = []
+        for s in spans:
+            if isinstance(s, dict) and isinstance(s.get("text"), str):
+                (parts if s.get("kind") == "reasoning" else answer).append(s["text"])
+        if parts and answer:
+            text = "".join(answer)
+    return text, "\n".join(parts)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Index:
+    """The SQLite cache of one conversations folder. Core code: it never prints; ``notices`` collects the
+    one-line reports (index rebuilt, repaired) for a front end to show."""
+
+    def __init__(self, conversations_dir: Path, path: Path | None = None) -> None:
+        self.root = conversations_dir
+        self.path = path if path is not None else conversations_dir.parent / FILE_NAME
+        self.notices: list[str] = []
+        self._db: sqlite3.Connection | None = None
+        self.rebuilt = False  # this process created the index afresh: reconcile reads every folder
+
+    # -- the connection ------------------------------------------------------------------------------
+
+    def db(self) -> sqlite3.Connection:
+        if self._db is None:
+            self._db = self._open()
+        return self._db
+
+    def _open(self) -> sqlite3.Connection:
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        existed = self.path.exists() and self.path.stat().st_size > 0
+        try:
+            db = self._connect()
+            version = self._check(db)
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                raise IndexUnavailable(f"index {self.path} is locked by another process") from None
+            return self._rebuild(f"unreadable ({exc})")
+        except sqlite3.DatabaseError as exc:
+            return self._rebuild(f"damaged ({exc})")
+        if version is None:
+            if existed:
+                db.close()
+                return self._rebuild("incomplete")
+            self.rebuilt = True
+            self._init(db)
+        elif version > SCHEMA_VERSION:
+            db.close()
+            return self._rebuild(f"from a newer chatcli (schema {version}, this one reads {SCHEMA_VERSION})")
+        elif version < SCHEMA_VERSION:
+            db.close()
+            return self._rebuild(f"from an older chatcli (schema {version})")
+        return db
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode: a power loss may lose the last commits, never corrupt; the folders are the truth
+        # and the stamps re-read whatever the index missed.
+        db.execute("PRAGMA synchronous=NORMAL")
+        return db
+
+    @staticmethod
+    def _check(db: sqlite3.Connection) -> int | None:
+        db.execute("PRAGMA quick_check(1)").fetchone()
+        names = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if "info" not in names:
+            return None
+        row = db.execute("SELECT value FROM info WHERE key='schema'").fetchone()
+        if row is None or not isinstance(row[0], int):
+            return None
+        version: int = row[0]
+        if version == SCHEMA_VERSION and not {"convs", "files", "inodes", "hits", "extra"} <= names:
+            return None
+        if version == SCHEMA_VERSION:
+            quick = db.execute("PRAGMA quick_check").fetchone()
+            if quick is None or quick[0] != "ok":
+                raise sqlite3.DatabaseError(str(quick[0]) if quick else "quick_check failed")
+        return version
+
+    def _init(self, db: sqlite3.Connection) -> None:
+        with self._tx(db):
+            db.executescript("SAVEPOINT s;" + _SCHEMA + "RELEASE s;")
+            db.execute("INSERT OR REPLACE INTO info VALUES('schema', ?)", (SCHEMA_VERSION,))
+            db.execute("INSERT OR REPLACE INTO info VALUES('state_total', 0)")
+            db.execute("INSERT OR REPLACE INTO info VALUES('seq', 0)")
+
+    def _rebuild(self, why: str) -> sqlite3.Connection:
+        """Start over: the index is only a cache of the folders, which ``reconcile`` reads back."""
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            try:
+                os.unlink(f"{self.path}{suffix}")
+            except FileNotFoundError:
+                pass
+        self.notices.append(f"index {why}: rebuilt from the conversation folders")
+        db = self._connect()
+        self.rebuilt = True
+        self._init(db)
+        return db
+
+    class _tx:
+        """``BEGIN IMMEDIATE`` … ``COMMIT`` (rolled back on any error): one writer at a time across processes."""
+
+        def __init__(self, db: sqlite3.Connection) -> None:
+            self.db = db
+
+        def __enter__(self) -> sqlite3.Connection:
+            self.db.execute("BEGIN IMMEDIATE")
+            return self.db
+
+        def __exit__(self, exc_type: object, *rest: object) -> None:
+            if exc_type is None:
+                self.db.execute("COMMIT")
+            else:
+                self.db.execute("ROLLBACK")
+
+    def write(self) -> _tx:
+        return Index._tx(self.db())
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    def _next_seq(self, db: sqlite3.Connection) -> int:
+        db.execute("UPDATE info SET value = value + 1 WHERE key='seq'")
+        row = db.execute("SELECT value FROM info WHERE key='seq'").fetchone()
+        return int(row[0])
+
+    # -- keeping rows true -----------------------------------------------------------------------------
+
+    def reconcile(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Re-read every folder the index disagrees with; returns how many were re-read.
+
+        One ``stat`` per folder plus one query: at 10,000 conversations a few tens of ms when nothing
+        changed. ``progress(done, total)`` is called while many folders are read (a rebuild)."""
+        db = self.db()
+        known = dict(db.execute("SELECT id, dir_mtime FROM convs").fetchall())
+        seen: dict[str, int] = {}
+        try:
+            with os.scandir(self.root) as it:
+                for ent in it:
+                    if _ID_RE.match(ent.name):
+                        try:
+                            st = ent.stat()
+                        except OSError:
+                            continue
+                        if ent.is_dir():
+                            seen[ent.name] = st.st_mtime_ns
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        todo = [cid for cid, m in seen.items() if known.get(cid) != m]
+        gone = [cid for cid in known if cid not in seen]
+        for cid, pid in db.execute("SELECT id, open_pid FROM convs WHERE open_pid IS NOT NULL").fetchall():
+            if cid in seen and cid not in todo and not _pid_alive(int(pid)):
+                todo.append(cid)  # its process died with the conversation open: lines may be unindexed
+        if gone:
+            with self.write() as w:
+                for cid in gone:
+                    self._forget(w, cid)
+        done = 0
+        for cid in todo:
+            self.refresh(cid)
+            done += 1
+            if progress is not None and len(todo) >= 200 and (done % 100 == 0 or done == len(todo)):
+                progress(done, len(todo))
+        if (todo or gone) and not self.rebuilt and len(todo) + len(gone) > 0:
+            self._note_repair(len(todo), len(gone), known)
+        return len(todo) + len(gone)
+
+    def _note_repair(self, changed: int, gone: int, known: dict[str, int]) -> None:
+        """Folders changed outside chatcli's own writes are normal (another version, a copy, a hand edit);
+        only say something when many were re-read, so a routine `ls` after an edit stays quiet."""
+        if changed + gone >= 200:
+            self.notices.append(f"index: re-read {changed} changed and dropped {gone} removed conversation folder(s)")
+
+    def refresh(self, cid: str) -> None:
+        """Read one conversation's folder into its row (meta, counts, state files, transcript text)."""
+        from chatcli.core.files.migrations import FormatError
+        from chatcli.core.files.store import ConversationDir, StoreError
+
+        conv = ConversationDir(self.root / cid)
+        try:
+            dir_mtime = conv.path.stat().st_mtime_ns
+        except OSError:
+            with self.write() as w:
+                self._forget(w, cid)
+            return
+        problem = ""
+        meta: dict[str, Any] = {}
+        try:
+            meta = conv.read_meta()
+        except (StoreError, FormatError) as exc:
+            problem = str(exc)
+        with self.write() as w:
+            row = w.execute("SELECT tx_size, tx_crc, counts_size, counts_mtime FROM convs WHERE id=?",
+                            (cid,)).fetchone()
+            seq = self._next_seq(w)
+            if row is None:
+                w.execute("INSERT INTO convs(id, dir_mtime, ok, seq) VALUES(?, 0, 0, ?)", (cid, seq))
+                row = (0, 0, -1, -1)
+            self._read_transcript(w, conv, int(row[0]), int(row[1]), meta, problem)
+            w.execute("UPDATE convs SET dir_mtime=?, ok=?, problem=?, seq=? WHERE id=?",
+                      (dir_mtime, 0 if problem else 1, problem, seq, cid))
+            if meta:
+                self._set_meta(w, cid, meta)
+            self._set_files(w, cid, self._stat_files(conv))
+            pid = w.execute("SELECT open_pid FROM convs WHERE id=?", (cid,)).fetchone()[0]
+            if pid is not None and not _pid_alive(int(pid)):
+                # Read back now: a dead holder must not make every later reconcile re-read the folder.
+                w.execute("UPDATE convs SET open_pid=NULL WHERE id=?", (cid,))
+
+    def _read_transcript(self, w: sqlite3.Connection, conv: ConversationDir, size0: int, crc0: int,
+                         meta: dict[str, Any], problem: str) -> None:
+        """Index the transcript's lines past what is indexed; all of it if the indexed part changed."""
+        try:
+            raw = conv.transcript_path.read_bytes()
+            st = conv.transcript_path.stat()
+        except OSError:
+            raw, st = b"", None
+        end = raw.rfind(b"\n") + 1  # a torn last line is left for when it is whole
+        if size0 > end or zlib.crc32(raw[:size0]) != crc0:
+            w.execute("DELETE FROM hits WHERE conv=?", (conv.id,))
+            size0 = 0
+        crc = zlib.crc32(raw[size0:end], zlib.crc32(raw[:size0]) if size0 else 0)
+        for line in raw[size0:end].split(b"\n"):
+            self._index_line(w, conv.id, line)
+        w.execute("UPDATE convs SET tx_size=?, tx_mtime=?, tx_crc=? WHERE id=?",
+                  (end, st.st_mtime_ns if st is not None else 0, crc, conv.id))
+        # The counts come from the metadata's summary when it describes this transcript; otherwise they
+        # stay unknown (counts_size -1) until a front end replays the transcript (``set_counts``): replaying
+        # is the transcript module's job, a layer above this one.
+        counts = conv.cached_counts(meta) if meta and not problem else None
+        if counts is None:
+            w.execute("UPDATE convs SET counts_size=-1, counts_mtime=-1 WHERE id=?", (conv.id,))
+        else:
+            stamp = conv.transcript_stamp()
+            w.execute("UPDATE convs SET turns=?, in_context=?, counts_size=?, counts_mtime=? WHERE id=?",
+                      (counts[0], counts[1], stamp[0], stamp[1], conv.id))
+
+    def set_counts(self, cid: str, counts: tuple[int, int], stamp: list[int]) -> None:
+        """Exchange counts a front end derived from the transcript whose (size, mtime) is ``stamp``."""
+        with self.write() as w:
+            w.execute("UPDATE convs SET turns=?, in_context=?, counts_size=?, counts_mtime=? WHERE id=?",
+                      (counts[0], counts[1], stamp[0], stamp[1], cid))
+
+    @staticmethod
+    def _index_line(w: sqlite3.Connection, cid: str, line: bytes) -> None:
+        if not line.strip():
+            return
+        try:
+            ev = json.loads(line.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            return  # the store reports unreadable lines when the conversation is read
+        if not isinstance(ev, dict):
+            return
+        fields = _message_fields(ev)
+        if fields is None:
+            return
+        try:
+            mid = int(ev.get("mid", -1))
+            ts = float(ev.get("ts", 0) or 0)
+        except (TypeError, ValueError):
+            return
+        w.execute("INSERT INTO hits(text, reasoning, conv, mid, role, ts) VALUES(?, ?, ?, ?, ?, ?)",
+                  (fields[0], fields[1], cid, mid, str(ev.get("role", "")), ts))
+
+    @staticmethod
+    def _set_meta(w: sqlite3.Connection, cid: str, meta: dict[str, Any]) -> None:
+        model = meta.get("model") if isinstance(meta.get("model"), dict) else {}
+        assert isinstance(model, dict)
+        params = meta.get("params") if isinstance(meta.get("params"), dict) else {}
+        assert isinstance(params, dict)
+        ck = meta.get("checkpoint")
+        ck_bytes = int(ck.get("bytes", 0) or 0) if isinstance(ck, dict) else 0
+
+        def num(v: object) -> float:
+            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+
+        w.execute("UPDATE convs SET title=?, persona=?, model=?, source=?, server=?, kv_type=?, tokens=?, "
+                  "updated=?, created=?, checkpoint_bytes=? WHERE id=?",
+                  (str(meta.get("title", "") or ""), str(meta.get("persona", "") or ""),
+                   str(model.get("name", "") or model.get("model", "") or ""),
+                   "api" if meta.get("source") == "api" else "", str(model.get("server", "") or ""),
+                   str(params.get("type_k", "f16")), int(num(meta.get("tokens"))), num(meta.get("updated")),
+                   num(meta.get("created")), ck_bytes, cid))
+
+    # -- the state files' running total ----------------------------------------------------------------
+
+    @staticmethod
+    def _stat_files(conv: ConversationDir) -> list[tuple[int, int, int]]:
+        return Index._stat_files_at(conv.path)
+
+    @staticmethod
+    def _stat_files_at(folder: Path) -> list[tuple[int, int, int]]:
+        """(dev, ino, size) of the conversation's state file and the base files it links."""
+        out: dict[tuple[int, int], int] = {}
+        names = ["state.kv"]
+        try:
+            names += [n for n in os.listdir(folder) if n.startswith("state.base-") and n.endswith(".kv")]
+        except OSError:
+            return []
+        for n in names:
+            try:
+                st = os.stat(folder / n)
+            except OSError:
+                continue
+            out[(st.st_dev, st.st_ino)] = st.st_size
+        return [(d, i, s) for (d, i), s in out.items()]
+
+    @staticmethod
+    def _set_files(w: sqlite3.Connection, cid: str, files: Iterable[tuple[int, int, int]]) -> None:
+        """Make the conversation's files these, keeping ``state_total`` = bytes of distinct inodes."""
+        new = {(d, i): s for d, i, s in files}
+        old = {(d, i): s for d, i, s in w.execute("SELECT dev, ino, size FROM files WHERE conv=?", (cid,))}
+        delta = 0
+        for key in old.keys() - new.keys():
+            w.execute("DELETE FROM files WHERE conv=? AND dev=? AND ino=?", (cid, *key))
+            refs, size = w.execute("SELECT refs, size FROM inodes WHERE dev=? AND ino=?", key).fetchone() or (1, 0)
+            if refs <= 1:
+                w.execute("DELETE FROM inodes WHERE dev=? AND ino=?", key)
+                delta -= size
+            else:
+                w.execute("UPDATE inodes SET refs=refs-1 WHERE dev=? AND ino=?", key)
+        for key, size in new.items():
+            cur = w.execute("SELECT size FROM inodes WHERE dev=? AND ino=?", key).fetchone()
+            if key not in old:
+                w.execute("INSERT INTO files VALUES(?, ?, ?, ?)", (cid, *key, size))
+                if cur is None:
+                    w.execute("INSERT INTO inodes VALUES(?, ?, ?, 1)", (*key, size))
+                    delta += size
+                    continue
+                w.execute("UPDATE inodes SET refs=refs+1 WHERE dev=? AND ino=?", key)
+            elif old[key] != size:
+                w.execute("UPDATE files SET size=? WHERE conv=? AND dev=? AND ino=?", (size, cid, *key))
+            if cur is not None and cur[0] != size:
+                w.execute("UPDATE inodes SET size=? WHERE dev=? AND ino=?", (size, *key))
+                delta += size - cur[0]
+        if delta:
+            w.execute("UPDATE info SET value = value + ? WHERE key='state_total'", (delta,))
+        w.execute("UPDATE convs SET state_bytes=? WHERE id=?", (sum(new.values()), cid))
+
+    def _forget(self, w: sqlite3.Connection, cid: str) -> None:
+        self._set_files(w, cid, ())
+        w.execute("DELETE FROM hits WHERE conv=?", (cid,))
+        w.execute("DELETE FROM convs WHERE id=?", (cid,))
+        w.execute("DELETE FROM extra WHERE conv=?", (cid,))
+        self._next_seq(w)
+
+    def state_total(self) -> int:
+        """Bytes of all conversations' state files (each inode once), as of the last writes."""
+        row = self.db().execute("SELECT value FROM info WHERE key='state_total'").fetchone()
+        return int(row[0]) if row else 0
+
+    def set_all_files(self, items: Iterable[tuple[str, Iterable[tuple[int, int, int]]]]) -> None:
+        """Replace every conversation's files with a full scan's (the budget's rescan repairs drift)."""
+        with self.write() as w:
+            w.execute("DELETE FROM files")
+            w.execute("DELETE FROM inodes")
+            w.execute("UPDATE info SET value=0 WHERE key='state_total'")
+            w.execute("UPDATE convs SET state_bytes=0")
+            for cid, files in items:
+                if w.execute("SELECT 1 FROM convs WHERE id=?", (cid,)).fetchone():
+                    self._set_files(w, cid, files)
+
+    # -- hooks: ConversationDir calls these after its own durable writes --------------------------------
+
+    def note_append(self, conv: ConversationDir, data: bytes) -> None:
+        """``data`` (whole lines) was just appended to the transcript: index them, or re-read the folder if
+        the row does not end where the append started (a line written by a process that died, say)."""
+        try:
+            st = conv.transcript_path.stat()
+        except OSError:
+            return
+        before = st.st_size - len(data)
+        with self.write() as w:
+            row = w.execute("SELECT tx_size, tx_crc FROM convs WHERE id=?", (conv.id,)).fetchone()
+            if row is not None and int(row[0]) == st.st_size:
+                return  # another process's reconcile indexed it already
+            if row is None or int(row[0]) != before:
+                stale = True
+            else:
+                stale = False
+                for line in data.split(b"\n"):
+                    self._index_line(w, conv.id, line)
+                w.execute("UPDATE convs SET tx_size=?, tx_mtime=?, tx_crc=?, seq=? WHERE id=?",
+                          (st.st_size, st.st_mtime_ns, zlib.crc32(data, int(row[1])), self._next_seq(w), conv.id))
+        if stale:
+            self.refresh(conv.id)
+
+    def note_meta(self, conv: ConversationDir, meta: dict[str, Any]) -> None:
+        """meta.json was just rewritten: its fields, the counts of its summary, the state files' sizes."""
+        try:
+            dir_mtime = conv.path.stat().st_mtime_ns
+        except OSError:
+            return
+        with self.write() as w:
+            row = w.execute("SELECT tx_size FROM convs WHERE id=?", (conv.id,)).fetchone()
+            if row is None:
+                stale = True
+            else:
+                stale = False
+                self._set_meta(w, conv.id, meta)
+                s = meta.get("summary")
+                if isinstance(s, dict) and isinstance(s.get("transcript"), list) and len(s["transcript"]) == 2:
+                    w.execute("UPDATE convs SET turns=?, in_context=?, counts_size=?, counts_mtime=? WHERE id=?",
+                              (int(s.get("exchanges", 0)), int(s.get("in_context", 0)),
+                               int(s["transcript"][0]), int(s["transcript"][1]), conv.id))
+                self._set_files(w, conv.id, self._stat_files(conv))
+                w.execute("UPDATE convs SET dir_mtime=?, ok=1, problem='', seq=? WHERE id=?",
+                          (dir_mtime, self._next_seq(w), conv.id))
+        if stale:
+            self.refresh(conv.id)
+
+    def note_state(self, conv: ConversationDir) -> int:
+        """The conversation's state files changed size: update them; returns the new running total."""
+        with self.write() as w:
+            if w.execute("SELECT 1 FROM convs WHERE id=?", (conv.id,)).fetchone():
+                self._set_files(w, conv.id, self._stat_files(conv))
+        return self.state_total()
+
+    def note_open(self, conv: ConversationDir) -> None:
+        """A process took the conversation's lock: make its row true now (it may be the one a crash left
+        behind) and remember who has it, so a death before its next write is noticed by ``reconcile``."""
+        row = self.db().execute("SELECT dir_mtime, tx_size, tx_crc FROM convs WHERE id=?", (conv.id,)).fetchone()
+        try:
+            dir_mtime = conv.path.stat().st_mtime_ns
+            size = conv.transcript_path.stat().st_size
+        except OSError:
+            dir_mtime, size = -1, 0
+        if row is None or int(row[0]) != dir_mtime or int(row[1]) != size:
+            self.refresh(conv.id)
+        with self.write() as w:
+            w.execute("UPDATE convs SET open_pid=? WHERE id=?", (os.getpid(), conv.id))
+
+    def note_close(self, conv: ConversationDir) -> None:
+        with self.write() as w:
+            w.execute("UPDATE convs SET open_pid=NULL WHERE id=? AND open_pid=?", (conv.id, os.getpid()))
+
+    def note_removed(self, cid: str) -> None:
+        with self.write() as w:
+            self._forget(w, cid)
+
+    # -- reading ---------------------------------------------------------------------------------------
+
+    def count(self) -> tuple[int, int]:
+        """(conversations, warm ones) among the usable rows."""
+        row = self.db().execute("SELECT COUNT(*), COALESCE(SUM(CASE WHEN (CASE WHEN server != '' THEN "
+                                "checkpoint_bytes ELSE state_bytes END) > 0 THEN 1 ELSE 0 END), 0) "
+                                "FROM convs WHERE ok=1").fetchone()
+        return int(row[0]), int(row[1])
+
+    def problems(self) -> list[str]:
+        return [str(r[0]) for r in self.db().execute("SELECT problem FROM convs WHERE ok=0 ORDER BY id")]
+
+    def rows(self, limit: int | None = None, ids: Iterable[str] | None = None) -> list[Row]:
+        """Usable conversations, most recently updated first."""
+        sql = f"SELECT {_ROW_COLS} FROM convs WHERE ok=1"
+        args: list[Any] = []
+        if ids is not None:
+            id_list = list(ids)
+            sql += f" AND id IN ({','.join('?' * len(id_list))})"
+            args += id_list
+        sql += " ORDER BY updated DESC, id"
+        if limit is not None:
+            sql += " LIMIT ?"
+            args.append(limit)
+        return [Row(*r) for r in self.db().execute(sql, args)]
+
+    def check_rows(self, rows: list[Row], counter: Callable[[str], tuple[tuple[int, int], list[int]] | None],
+                   ) -> list[Row]:
+        """The rows about to be shown, each checked against its files (a few stats) and re-read where they
+        disagree: a transcript grown or a state file written by another version, a crash mid-turn.
+        ``counter(id)`` replays a transcript into (exchange counts, the stamp they describe) when the
+        metadata's summary does not describe the transcript (None: unreadable, left out)."""
+        changed = False
+        db = self.db()
+        for r in rows:
+            row = db.execute("SELECT tx_size, tx_mtime, counts_size, counts_mtime, state_bytes, server FROM convs "
+                             "WHERE id=?", (r.id,)).fetchone()
+            if row is None:
+                continue
+            folder = self.root / r.id
+            try:
+                tx = os.stat(folder / "transcript.jsonl")
+                stamp = (tx.st_size, tx.st_mtime_ns)
+            except OSError:
+                stamp = (0, 0)
+            files = self._stat_files_at(folder)
+            if stamp[0] != int(row[0]) or (not row[5] and sum(s for _, _, s in files) != int(row[4])):
+                self.refresh(r.id)
+                changed = True
+                row = db.execute("SELECT tx_size, tx_mtime, counts_size, counts_mtime FROM convs WHERE id=?",
+                                 (r.id,)).fetchone()
+                if row is None:
+                    continue
+            if (int(row[2]), int(row[3])) != stamp:
+                got = counter(r.id)
+                if got is None:
+                    with self.write() as w:
+                        w.execute("UPDATE convs SET ok=0, problem=? WHERE id=?",
+                                  (f"conversation {r.id}: its transcript is unreadable", r.id))
+                else:
+                    self.set_counts(r.id, *got)
+                changed = True
+        if not changed:
+            return rows
+        fresh = {r.id: r for r in self.rows(ids=[r.id for r in rows])}
+        return [fresh[r.id] for r in rows if r.id in fresh]
+
+    def search(self, text: str, filters: SearchFilters = SearchFilters(), limit: int = 20) -> list[Hit]:
+        """Messages matching every word of ``text`` (the last one as a prefix), best first (bm25)."""
+        q = fts_query(text)
+        if not q:
+            return []
+        match = q if filters.reasoning else "text : (" + q + ")"
+        sql = ["SELECT h.conv, h.mid, h.role, h.ts, snippet(hits, 0, ?, ?, '…', 12), "
+               "snippet(hits, 1, ?, ?, '…', 12), c.title, c.persona, c.model, c.source, "
+               "instr(highlight(hits, 0, ?, ''), ?) > 0 "
+               "FROM hits h JOIN convs c ON c.id = h.conv WHERE hits MATCH ? AND c.ok=1"]
+        args: list[Any] = [*HIGHLIGHT, *HIGHLIGHT, HIGHLIGHT[0], HIGHLIGHT[0], match]
+        if filters.persona is not None:
+            sql.append("AND c.persona = ?")
+            args.append(filters.persona)
+        if filters.model is not None:
+            sql.append("AND instr(lower(c.model), lower(?)) > 0")
+            args.append(filters.model)
+        if filters.since is not None:
+            sql.append("AND h.ts >= ?")
+            args.append(filters.since)
+        if filters.until is not None:
+            sql.append("AND h.ts < ?")
+            args.append(filters.until)
+        if filters.api is not None:
+            sql.append("AND c.source = 'api'" if filters.api else "AND c.source != 'api'")
+        sql.append("ORDER BY rank LIMIT ?")
+        args.append(limit)
+        out = []
+        for conv, mid, role, ts, snip_text, snip_reason, title, persona, model, source, in_text in \
+                self.db().execute(" ".join(sql), args):
+            in_reasoning = not in_text
+            out.append(Hit(str(conv), int(mid), str(role), float(ts or 0),
+                           str(snip_reason if in_reasoning else snip_text), in_reasoning, str(title),
+                           str(persona), str(model), str(source)))
+        return out
+
+    def matching_ids(self, text: str, reasoning: bool = False) -> set[str]:
+        """Conversations with a message matching ``text`` (``ls --grep``)."""
+        q = fts_query(text)
+        if not q:
+            return set()
+        match = q if reasoning else "text : (" + q + ")"
+        return {str(r[0]) for r in self.db().execute("SELECT DISTINCT conv FROM hits WHERE hits MATCH ?", (match,))}
+
+    def changed_since(self, seq: int) -> tuple[int, list[str]]:
+        """(the current change number, conversations changed after ``seq``, removed ones included)."""
+        db = self.db()
+        now = int(db.execute("SELECT value FROM info WHERE key='seq'").fetchone()[0])
+        if now == seq:
+            return now, []
+        return now, [str(r[0]) for r in db.execute("SELECT id FROM convs WHERE seq > ?", (seq,))]
+
+    def ids(self) -> set[str]:
+        return {str(r[0]) for r in self.db().execute("SELECT id FROM convs")}
+
+    # -- rows other indexes keep here (the server's prefix index) --------------------------------------
+
+    def extra(self, name: str) -> Iterator[tuple[str, str]]:
+        yield from ((str(c), str(v)) for c, v in self.db().execute(
+            "SELECT conv, value FROM extra WHERE name=?", (name,)).fetchall())
+
+    def put_extra(self, name: str, values: Iterable[tuple[str, str | None]]) -> None:
+        with self.write() as w:
+            for cid, value in values:
+                if value is None:
+                    w.execute("DELETE FROM extra WHERE name=? AND conv=?", (name, cid))
+                else:
+                    w.execute("INSERT OR REPLACE INTO extra VALUES(?, ?, ?)", (name, cid, value))
