@@ -70,6 +70,7 @@ CREATE TABLE IF NOT EXISTS inodes(dev INTEGER NOT NULL, ino INTEGER NOT NULL, si
 CREATE VIRTUAL TABLE IF NOT EXISTS hits USING fts5(
     text, reasoning, conv UNINDEXED, mid UNINDEXED, role UNINDEXED, ts UNINDEXED,
     tokenize = 'unicode61 remove_diacritics 2');
+CREATE TABLE IF NOT EXISTS removed(conv TEXT PRIMARY KEY, seq INTEGER NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS extra(name TEXT NOT NULL, conv TEXT NOT NULL, value TEXT NOT NULL,
     PRIMARY KEY(name, conv)) WITHOUT ROWID;
 """
@@ -246,7 +247,7 @@ class Index:
         if row is None or not isinstance(row[0], int):
             return None
         version: int = row[0]
-        if version == SCHEMA_VERSION and not {"convs", "files", "inodes", "hits", "extra"} <= names:
+        if version == SCHEMA_VERSION and not {"convs", "files", "inodes", "hits", "extra", "removed"} <= names:
             return None
         if version == SCHEMA_VERSION:
             quick = db.execute("PRAGMA quick_check").fetchone()
@@ -521,7 +522,7 @@ class Index:
         w.execute("DELETE FROM hits WHERE conv=?", (cid,))
         w.execute("DELETE FROM convs WHERE id=?", (cid,))
         w.execute("DELETE FROM extra WHERE conv=?", (cid,))
-        self._next_seq(w)
+        w.execute("INSERT OR REPLACE INTO removed VALUES(?, ?)", (cid, self._next_seq(w)))
 
     def state_total(self) -> int:
         """Bytes of all conversations' state files (each inode once), as of the last writes."""
@@ -734,7 +735,12 @@ class Index:
         now = int(db.execute("SELECT value FROM info WHERE key='seq'").fetchone()[0])
         if now == seq:
             return now, []
-        return now, [str(r[0]) for r in db.execute("SELECT id FROM convs WHERE seq > ?", (seq,))]
+        return now, [str(r[0]) for r in db.execute(
+            "SELECT id FROM convs WHERE seq > ? UNION SELECT conv FROM removed WHERE seq > ?", (seq, seq))]
+
+    def stamps(self) -> dict[str, tuple[int, int]]:
+        """Each conversation's transcript (size, mtime) as last indexed."""
+        return {str(c): (int(a), int(b)) for c, a, b in self.db().execute("SELECT id, tx_size, tx_mtime FROM convs")}
 
     def ids(self) -> set[str]:
         return {str(r[0]) for r in self.db().execute("SELECT id FROM convs")}
