@@ -443,12 +443,22 @@ def search(
     Each hit gives the conversation, its title, the exchange and a snippet, and how to continue there:
     `chatcli resume ID` or `chatcli fork ID --at N`. Example: chatcli search "binary tree" --since 2026-01-01
     """
-    from chatcli.cli.searching import print_hits, run_search
+    from chatcli.config.settings import get_paths
+    from chatcli.core.files.store import ConversationStore
+    from chatcli.core.search import hit_lines, hits_json, run_search
 
     with user_errors():
-        hits = run_search(text, persona=persona, model=model, since=since, until=until, api=api,
-                          reasoning=reasoning, limit=limit)
-        print_hits(hits, as_json=as_json, query=text)
+        hits, notices = run_search(text, ConversationStore(get_paths().conversations_dir), persona=persona,
+                                   model=model, since=since, until=until, api=api, reasoning=reasoning, limit=limit)
+        for notice in notices:
+            print(f"note: {notice}", file=sys.stderr)
+        if as_json:
+            print(hits_json(hits))
+        elif not hits:
+            print(f"nothing matches {text!r}")
+        else:
+            for line in hit_lines(hits, bold=sys.stdout.isatty() and not os.environ.get("NO_COLOR")):
+                print(line)
 
 
 @app.command()

@@ -354,4 +354,12 @@ def _save(ctx: CommandContext, arg: str) -> None:
     ctx.renderer.notice(f"saved {ctx.conv.n_exchanges} exchange(s) to {path}")
 
 
+@REGISTRY.register("search", "search every conversation's messages (`chatcli search` for filters)", args="TEXT")
+def _search(ctx: CommandContext, arg: str) -> None:
+    if not arg.strip():
+        raise CommandError("usage: /search TEXT")
+    lines = ctx.search(arg)
+    ctx.renderer.notice("\n".join(lines) if lines else f"nothing matches {arg!r}")
+
+
 __all__ = ["REGISTRY", "CommandError", "ConversationError", "ReplExit", "UnknownCommand", "dispatch"]

@@ -95,6 +95,7 @@ class CommandContext:
     run_reply: Callable[[Iterator[Event]], None]  # render a streamed reply; Ctrl-C stops it
     personas: Callable[[], Mapping[str, Persona]]
     switch_persona: Callable[[str], None]  # start a new conversation; this one is saved and closed
+    search: Callable[[str], list[str]] = lambda text: []  # the lines `chatcli search TEXT` would print
 
     def show_last(self) -> None:
         """Print the last reply again (after /redo or /alt changed it)."""

@@ -30,6 +30,7 @@ from chatcli.core.conversation import Conversation
 from chatcli.core.events import ConversationError, Event, Progress, ResumeReport
 from chatcli.core.files.fsutil import ensure_private_dir
 from chatcli.core.opening import split_opening
+from chatcli.core.search import hit_lines, run_search
 from chatcli.core.template import TemplateError
 from chatcli.repl.commands import REGISTRY, CommandError, ReplExit, UnknownCommand, dispatch
 from chatcli.repl.context import ChatConversation, ChatIO, CommandContext
@@ -397,7 +398,13 @@ class Repl:
     def command_context(self) -> CommandContext:
         """What a slash command may use (made per command: /persona replaces the conversation)."""
         return CommandContext(conv=self.conv, renderer=self.renderer, io=self.io, run_reply=self.run_reply,
-                              personas=self.session.personas, switch_persona=self.switch_persona)
+                              personas=self.session.personas, switch_persona=self.switch_persona,
+                              search=self.search)
+
+    def search(self, text: str) -> list[str]:
+        """`/search TEXT`: the hits as `chatcli search` prints them (snippets without terminal codes)."""
+        hits, notices = run_search(text, self.session.store, limit=10)
+        return [*notices, *hit_lines(hits, bold=False)]
 
     def switch_persona(self, name: str) -> None:
         """Start a new conversation from persona ``name``; the current one is saved and closed."""

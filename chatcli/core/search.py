@@ -1,4 +1,4 @@
-"""`chatcli search` and the REPL's `/search`: hits from the index, with where each one is and how to go on.
+"""Search for `chatcli search` and the REPL's `/search`: index hits, where each one is and how to go on.
 
 The index finds the messages (SQLite FTS5); the exchange a hit belongs to is counted here, by replaying the
 hit's transcript (the truth), as `ls` counts turns and `fork --at` takes them, so a hit after an edit or a
@@ -8,7 +8,6 @@ hit's transcript (the truth), as `ls` counts turns and `fork --at` takes them, s
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
@@ -48,25 +47,21 @@ def _date(text: str | None, what: str) -> float | None:
         raise StoreError(f"{what}: {text!r} is not a date (YYYY-MM-DD, or YYYY-MM-DDTHH:MM)") from None
 
 
-def run_search(text: str, *, persona: str | None = None, model: str | None = None, since: str | None = None,
-               until: str | None = None, api: bool | None = None, reasoning: bool = False, limit: int = 20,
-               store: ConversationStore | None = None) -> list[Found]:
-    """The hits for ``text``, best first; a message written a moment ago (its transcript line) is found."""
-    from chatcli.config.settings import get_paths
-
+def run_search(text: str, store: ConversationStore, *, persona: str | None = None, model: str | None = None,
+               since: str | None = None, until: str | None = None, api: bool | None = None,
+               reasoning: bool = False, limit: int = 20) -> tuple[list[Found], list[str]]:
+    """The hits for ``text``, best first, and the index's notices (rebuilt, repaired) for the front end
+    to show. A message written a moment ago (its transcript line) is found."""
     if not text.strip():
         raise StoreError("search: give some words to find")
     filters = SearchFilters(persona=persona, model=model, since=_date(since, "--since"),
                             until=_date(until, "--until"), api=api, reasoning=reasoning)
-    store = store or ConversationStore(get_paths().conversations_dir)
     index = store.index
     if index is None:
         raise StoreError(f"search needs the index, which cannot be opened ({store.root.parent / 'index.sqlite'})")
     index.reconcile()
-    for notice in index.notices:
-        print(f"note: {notice}", file=sys.stderr)
-    index.notices.clear()
-    return [_place(store, h) for h in index.search(text, filters, limit)]
+    notices, index.notices[:] = list(index.notices), []
+    return [_place(store, h) for h in index.search(text, filters, limit)], notices
 
 
 def _place(store: ConversationStore, hit: Hit) -> Found:
@@ -105,20 +100,11 @@ def _clean(text: str) -> str:
     return "".join(ch if ch in HIGHLIGHT or ch >= " " or ch == "\n" else " " for ch in text)
 
 
-def print_hits(hits: list[Found], *, as_json: bool, query: str) -> None:
-    if as_json:
-        rows: list[dict[str, Any]] = []
-        for h in hits:
-            d = asdict(h)
-            d["snippet"] = h.snippet.replace(HIGHLIGHT[0], "«").replace(HIGHLIGHT[1], "»")
-            d["continue"] = h.how_to_continue()
-            rows.append(d)
-        print(json.dumps(rows, indent=2, ensure_ascii=False))
-        return
-    if not hits:
-        print(f"nothing matches {query!r}")
-        return
-    import os
-
-    for line in hit_lines(hits, bold=sys.stdout.isatty() and not os.environ.get("NO_COLOR")):
-        print(line)
+def hits_json(hits: list[Found]) -> str:
+    rows: list[dict[str, Any]] = []
+    for h in hits:
+        d = asdict(h)
+        d["snippet"] = h.snippet.replace(HIGHLIGHT[0], "«").replace(HIGHLIGHT[1], "»")
+        d["continue"] = h.how_to_continue()
+        rows.append(d)
+    return json.dumps(rows, indent=2, ensure_ascii=False)
