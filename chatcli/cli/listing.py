@@ -29,25 +29,14 @@ def list_conversations(*, as_json: bool, limit: int | None = DEFAULT_LIMIT, grep
 
     paths = get_paths()
     store = ConversationStore(paths.conversations_dir)
-    index = store.index
-    if index is None:  # no usable index (read-only data dir, say): every folder is read
+    got = _rows_from_index(store, limit, grep, prefix_bytes(paths.prefix_cache_dir))
+    if got is None:  # no usable index (locked past the busy timeout, a read-only data dir): read every folder
         rows, problems, n, n_warm = _rows_from_folders(store, grep)
-        n_all = len(rows)
-        state_total = None
+        n_all, state_total = len(rows), None
         if limit is not None:
             rows = rows[:limit]
     else:
-        index.reconcile(progress=_progress)
-        ids = index.matching_ids(grep) if grep is not None else None
-        found = index.rows(limit=limit, ids=ids)
-        found = index.check_rows(found, lambda cid: _replay_counts(store, cid))
-        rows = [r.as_listing() for r in found]
-        problems = index.problems()
-        n, n_warm = index.count()
-        n_all = len(ids) if ids is not None else n
-        state_total = index.state_total() + prefix_bytes(paths.prefix_cache_dir)
-        for notice in index.notices:
-            print(f"note: {notice}", file=sys.stderr)
+        rows, problems, n, n_warm, n_all, state_total = got
     for problem in problems:
         print(f"warning: {problem}", file=sys.stderr)
     if as_json:
@@ -62,6 +51,31 @@ def list_conversations(*, as_json: bool, limit: int | None = DEFAULT_LIMIT, grep
         print(f"… {n_all - len(rows)} older not shown (--all, or --limit N)", file=out)
     # The total goes to stderr when stdout is a pipe: scripts read one row per conversation.
     print(_usage_line(n, n_warm, state_total), file=out)
+
+
+def _rows_from_index(store: Any, limit: int | None, grep: str | None, prefix_total: int,
+                     ) -> tuple[list[dict[str, Any]], list[str], int, int, int, int] | None:
+    import sqlite3
+
+    from chatcli.core.files.index import IndexUnavailable
+
+    index = store.index
+    if index is None:
+        return None
+    try:
+        index.reconcile(progress=_progress)
+        ids = index.matching_ids(grep) if grep is not None else None
+        found = index.rows(limit=limit, ids=ids)
+        found = index.check_rows(found, lambda cid: _replay_counts(store, cid))
+        n, n_warm = index.count()
+        out = ([r.as_listing() for r in found], index.problems(), n, n_warm, len(ids) if ids is not None else n,
+               index.state_total() + prefix_total)
+    except (sqlite3.Error, IndexUnavailable) as exc:
+        index.notices.append(f"index unusable ({exc}): listing from the folders")
+        out = None
+    for notice in index.notices:
+        print(f"note: {notice}", file=sys.stderr)
+    return out
 
 
 def _progress(done: int, total: int) -> None:

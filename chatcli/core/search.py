@@ -8,11 +8,12 @@ hit's transcript (the truth), as `ls` counts turns and `fork --at` takes them, s
 from __future__ import annotations
 
 import json
+import sqlite3
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
-from chatcli.core.files.index import HIGHLIGHT, Hit, SearchFilters
+from chatcli.core.files.index import HIGHLIGHT, Hit, IndexUnavailable, SearchFilters
 from chatcli.core.files.store import ConversationStore, StoreError
 
 
@@ -59,9 +60,13 @@ def run_search(text: str, store: ConversationStore, *, persona: str | None = Non
     index = store.index
     if index is None:
         raise StoreError(f"search needs the index, which cannot be opened ({store.root.parent / 'index.sqlite'})")
-    index.reconcile()
+    try:
+        index.reconcile()
+        hits = index.search(text, filters, limit)
+    except (sqlite3.Error, IndexUnavailable) as exc:
+        raise StoreError(f"search: the index is unusable right now ({exc}); try again") from None
     notices, index.notices[:] = list(index.notices), []
-    return [_place(store, h) for h in index.search(text, filters, limit)], notices
+    return [_place(store, h) for h in hits], notices
 
 
 def _place(store: ConversationStore, hit: Hit) -> Found:

@@ -1,0 +1,321 @@
+"""The SQLite index (issue #23): a cache of the folders that `ls`, search, the budget and the server read.
+
+Conversations are written by hand through the store (these are policy tests: no model), so each test says
+exactly what the transcript holds. Every fault test compares what the index answers after the fault with
+what the folders say, and checks the one line that was said.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from chatcli.config.settings import get_paths
+from chatcli.core.files.index import Index, SearchFilters, fts_query
+from chatcli.core.files.store import ConversationDir, ConversationStore
+from chatcli.core.kv.budget import total_bytes
+from chatcli.core.search import run_search
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _store() -> ConversationStore:
+    return ConversationStore(get_paths().conversations_dir)
+
+
+def _conv(store: ConversationStore, title: str, user: str, reply: str, *, persona: str = "alice",
+          source: str | None = None, reasoning: str | None = None) -> ConversationDir:
+    meta = {"title": title, "persona": persona, "model": {"name": "SmolLM2 test"}, "seed": 1}
+    if source:
+        meta["source"] = source
+    conv = store.create(meta)
+    conv.append_event({"type": "prefix", "persona": persona, "messages": [{"role": "system", "content": "S"}],
+                       "tokens": [1, 2, 3], "span": [0, 3]})
+    conv.append_event({"type": "message", "mid": 0, "role": "user", "text": user, "tokens": [4, 5],
+                       "span": [3, 5], "turn": 0})
+    ev = {"type": "message", "mid": 1, "role": "assistant", "text": reply, "tokens": [6, 7], "span": [5, 7],
+          "turn": 0}
+    if reasoning is not None:
+        ev["reasoning"] = reasoning
+    conv.append_event(ev)
+    return conv
+
+
+def _say(conv: ConversationDir, mid: int, user: str, reply: str) -> None:
+    p = 3 + 2 * mid
+    conv.append_event({"type": "message", "mid": mid, "role": "user", "text": user, "tokens": [4, 5],
+                       "span": [p, p + 2], "turn": mid})
+    conv.append_event({"type": "message", "mid": mid + 1, "role": "assistant", "text": reply, "tokens": [6, 7],
+                       "span": [p + 2, p + 4], "turn": mid})
+
+
+def _ls(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "chatcli", "ls", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=subprocess.DEVNULL)
+
+
+def _ls_json(*args: str) -> list[dict[str, object]]:
+    proc = _ls("--json", *args)
+    assert proc.returncode == 0, proc.stderr
+    rows: list[dict[str, object]] = json.loads(proc.stdout)
+    return rows
+
+
+def _ids(hits: list[object]) -> list[str]:
+    return sorted({h.id for h in hits})  # type: ignore[attr-defined]
+
+
+def _index_path() -> Path:
+    return get_paths().data_dir / "index.sqlite"
+
+
+def test_ls_is_most_recent_first_with_limit_and_all(chatcli_home: Path) -> None:
+    store = _store()
+    made = [_conv(store, f"t{i}", f"question {i}", f"answer {i}").id for i in range(5)]
+    time.sleep(0.01)
+    conv = store.resolve(made[1])
+    conv.write_meta({**conv.read_meta(), "updated": time.time() + 5})  # the most recent now
+    rows = _ls_json()
+    assert [r["id"] for r in rows] == [made[1], made[4], made[3], made[2], made[0]]
+    assert [r["turns"] for r in rows] == [1] * 5
+    assert [r["id"] for r in _ls_json("--limit", "2")] == [made[1], made[4]]
+    assert len(_ls_json("--all")) == 5
+    piped = _ls("--limit", "2")
+    assert len(piped.stdout.splitlines()) == 2 and "3 older not shown" in piped.stderr
+
+
+def test_a_message_is_searchable_as_soon_as_its_line_is_written(chatcli_home: Path) -> None:
+    store = _store()
+    conv = _conv(store, "gardens", "tell me about roses", "roses need sun")
+    hits, notices = run_search("roses", store)
+    assert notices == []
+    assert _ids(hits) == [conv.id] and {h.role for h in hits} == {"user", "assistant"}
+    _say(conv, 2, "and tulips?", "tulips like cold winters")
+    hits, _ = run_search("tulip", _store())  # a new process's view: the prefix "tulip" matches "tulips"
+    assert {(h.id, h.exchange, h.role) for h in hits} == {(conv.id, 2, "user"), (conv.id, 2, "assistant")}
+    assert all("\x02tulips\x03" in h.snippet for h in hits)
+    # Forking at the last exchange is resuming; an earlier one says how to fork there.
+    first = next(h for h in run_search("roses sun", store)[0])
+    assert first.exchange == 1 and first.how_to_continue() == f"chatcli resume {conv.id}  ·  chatcli fork {conv.id} --at 1"
+
+
+def test_search_filters_and_reasoning(chatcli_home: Path) -> None:
+    store = _store()
+    a = _conv(store, "a", "what is a monad", "a monoid in the category", reasoning="the user wants burritos")
+    b = _conv(store, "b", "monad please", "sure", persona="bob", source="api")
+    assert _ids(run_search("monad", store)[0]) == sorted([a.id, b.id])
+    assert _ids(run_search("monad", store, persona="bob")[0]) == [b.id]
+    assert _ids(run_search("monad", store, api=True)[0]) == [b.id]
+    assert _ids(run_search("monad", store, api=False)[0]) == [a.id]
+    assert _ids(run_search("monad", store, model="smollm2")[0]) == sorted([a.id, b.id])
+    assert run_search("monad", store, model="llama")[0] == []
+    assert run_search("monad", store, since="2999-01-01")[0] == []
+    # Reasoning is not message text: found only when asked, and the hit says so.
+    assert run_search("burritos", store)[0] == []
+    hits, _ = run_search("burritos", store, reasoning=True)
+    assert _ids(hits) == [a.id] and hits[0].in_reasoning
+    index = _store().index
+    assert index is not None
+    assert {h.conv for h in index.search("category", SearchFilters())} == {a.id}
+
+
+@pytest.mark.parametrize("text", ['AND OR NOT', 'a"b', "col:umn*", "(", "NEAR(x y)", "^start", "-"])
+def test_no_input_is_fts_syntax(chatcli_home: Path, text: str) -> None:
+    store = _store()
+    _conv(store, "x", "plain words here", "more words")
+    hits, _ = run_search(text, store)  # no FTS5 syntax error: every word is quoted
+    words = {w.lower() for w in fts_query(text).replace('"', " ").replace("*", " ").split()}
+    assert bool(hits) == bool(words & {"plain", "words", "here", "more"})
+
+
+def test_ls_grep(chatcli_home: Path) -> None:
+    store = _store()
+    a = _conv(store, "a", "the quick brown fox", "jumps")
+    _conv(store, "b", "lazy dog", "sleeps")
+    assert [r["id"] for r in _ls_json("--grep", "brown fox")] == [a.id]
+
+
+def _snapshot() -> list[dict[str, object]]:
+    return sorted(_ls_json("--all"), key=lambda r: str(r["id"]))
+
+
+@pytest.mark.parametrize("fault", ["deleted", "truncated", "corrupted", "newer", "garbage"])
+def test_a_damaged_index_is_rebuilt_and_nothing_is_lost(chatcli_home: Path, fault: str) -> None:
+    store = _store()
+    convs = [_conv(store, f"t{i}", f"needle{i} question", f"answer {i}") for i in range(4)]
+    store.index.close()  # type: ignore[union-attr]
+    before = _snapshot()
+    path = _index_path()
+    db = sqlite3.connect(path)  # checkpointed, so the damage below is in the main file
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    db.close()
+    size = path.stat().st_size
+    if fault == "deleted":
+        path.unlink()
+    elif fault == "truncated":
+        with path.open("r+b") as fh:
+            fh.truncate(size // 3)
+    elif fault == "corrupted":
+        with path.open("r+b") as fh:  # every page after the first overwritten: the schema survives, data does not
+            fh.seek(4096)
+            fh.write(os.urandom(size - 4096))
+    elif fault == "newer":
+        db = sqlite3.connect(path)
+        db.execute("UPDATE info SET value=99 WHERE key='schema'")
+        db.commit()
+        db.close()
+    else:
+        path.write_bytes(b"not a database at all" * 100)
+    proc = _ls("--all", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(json.loads(proc.stdout), key=lambda r: str(r["id"])) == before
+    said = [line for line in proc.stderr.splitlines() if line.startswith("note: index")]
+    if fault != "deleted":  # a missing index is simply made (first use, or removed on purpose): nothing to say
+        assert len(said) == 1 and "rebuilt" in said[0], proc.stderr
+    hits, _ = run_search("needle2", _store())
+    assert _ids(hits) == [convs[2].id]
+
+
+def test_a_locked_index_falls_back_to_the_folders(chatcli_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = _store()
+    conv = _conv(store, "t", "hello", "world")
+    store.index.close()  # type: ignore[union-attr]
+    before = _snapshot()
+    holder = sqlite3.connect(_index_path(), isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # another process in a long write
+    try:
+        monkeypatch.setattr("chatcli.core.files.index.BUSY_TIMEOUT_S", 0.2)
+        conv.write_meta({**conv.read_meta(), "title": "renamed while locked"})  # the truth is written anyway
+        proc = _ls("--all", "--json")
+        assert proc.returncode == 0, proc.stderr
+        rows = json.loads(proc.stdout)
+        assert [r["title"] for r in rows] == ["renamed while locked"]
+        assert "listing from the folders" in proc.stderr
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    after = _snapshot()  # unlocked: the index re-reads the folder whose meta changed behind it
+    assert [r["title"] for r in after] == ["renamed while locked"]
+    assert [{k: v for k, v in r.items() if k != "title"} for r in after] == \
+           [{k: v for k, v in r.items() if k != "title"} for r in before]
+
+
+KILLED = """
+import os, signal, sys
+from chatcli.config.settings import get_paths
+from chatcli.core.files.index import Index
+from chatcli.core.files.store import ConversationStore
+conv = ConversationStore(get_paths().conversations_dir).resolve(sys.argv[1])
+conv.lock()
+def die(self, *args):  # the transcript line is durable; the index write never happens
+    os.kill(os.getpid(), signal.SIGKILL)
+Index.note_append = die
+conv.append_event({"type": "message", "mid": 2, "role": "user", "text": "zebra crossing", "tokens": [4, 5],
+                   "span": [7, 9], "turn": 1})
+"""
+
+
+def test_sigkill_between_the_transcript_and_the_index_is_repaired(chatcli_home: Path) -> None:
+    store = _store()
+    conv = _conv(store, "t", "hello", "world")
+    proc = subprocess.run([sys.executable, "-c", KILLED, conv.id], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert b"zebra crossing" in conv.transcript_path.read_bytes()
+    hits, _ = run_search("zebra", _store())  # a new process: its reconcile finds the dead holder's row
+    assert [(h.id, h.exchange) for h in hits] == [(conv.id, 2)]
+    assert [r["turns"] for r in _ls_json()] == [2]
+
+
+def test_copied_and_removed_folders(chatcli_home: Path) -> None:
+    import shutil
+
+    store = _store()
+    conv = _conv(store, "orig", "kangaroo facts", "they hop")
+    copy = conv.path.parent / "copied1"
+    shutil.copytree(conv.path, copy)
+    hits, _ = run_search("kangaroo", _store())
+    assert _ids(hits) == sorted([conv.id, "copied1"])
+    shutil.rmtree(conv.path)
+    hits, _ = run_search("kangaroo", _store())
+    assert _ids(hits) == ["copied1"]
+    assert [r["id"] for r in _ls_json()] == ["copied1"]
+
+
+def test_a_hand_edit_is_reindexed(chatcli_home: Path) -> None:
+    store = _store()
+    conv = _conv(store, "t", "original words", "reply")
+    text = conv.transcript_path.read_text("utf-8").replace("original words", "edited phrase")
+    tmp = conv.path / "t.tmp"
+    tmp.write_text(text, "utf-8")
+    os.replace(tmp, conv.transcript_path)  # as editors save: a new file renamed over the old
+    store2 = _store()
+    assert _ids(run_search("edited", store2)[0]) == [conv.id]
+    assert run_search("original", store2)[0] == []
+
+
+def test_the_budget_total_runs_without_rescans_and_counts_shared_inodes_once(chatcli_home: Path) -> None:
+    store = _store()
+    a = _conv(store, "a", "x", "y")
+    b = _conv(store, "b", "x", "y")
+    a.state_path.write_bytes(b"a" * 1000)
+    a.state_changed()
+    b.state_path.write_bytes(b"b" * 300)
+    os.link(a.state_path, b.path / "state.base-abc.kv")  # a fork's shared base: one inode, two names
+    b.state_changed()
+    paths = get_paths()
+    assert store.index.state_total() == total_bytes(paths.conversations_dir, None) == 1300  # type: ignore[union-attr]
+    with a.state_path.open("ab") as fh:
+        fh.write(b"a" * 500)
+    a.state_changed()
+    assert store.index.state_total() == total_bytes(paths.conversations_dir, None) == 1800  # type: ignore[union-attr]
+    store.remove(a)  # the base link in b keeps the inode's bytes
+    assert store.index.state_total() == total_bytes(paths.conversations_dir, None) == 1800  # type: ignore[union-attr]
+    (b.path / "state.base-abc.kv").unlink()
+    b.state_changed()
+    assert store.index.state_total() == total_bytes(paths.conversations_dir, None) == 300  # type: ignore[union-attr]
+
+
+WRITER = """
+import sys
+from chatcli.config.settings import get_paths
+from chatcli.core.files.store import ConversationStore
+store = ConversationStore(get_paths().conversations_dir)
+conv = store.resolve(sys.argv[1])
+conv.lock()
+for i in range(2, 2 + 2 * int(sys.argv[2]), 2):
+    p = 3 + 2 * i
+    conv.append_event({"type": "message", "mid": i, "role": "user", "text": f"word{sys.argv[3]} {i}",
+                       "tokens": [4, 5], "span": [p, p + 2], "turn": i})
+    conv.append_event({"type": "message", "mid": i + 1, "role": "assistant", "text": "ok", "tokens": [6, 7],
+                       "span": [p + 2, p + 4], "turn": i})
+    conv.write_meta({**conv.read_meta(), "title": f"at {i}"})
+conv.unlock()
+"""
+
+
+def test_several_processes_at_once(chatcli_home: Path) -> None:
+    store = _store()
+    convs = [_conv(store, f"c{i}", "start", "ok") for i in range(3)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, c.id, "30", chr(ord("a") + i)], env=env,
+                              stderr=subprocess.PIPE, text=True) for i, c in enumerate(convs)]
+    for _ in range(5):  # readers reconcile while the writers write
+        run_search("worda", _store())
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    index = Index(get_paths().conversations_dir)
+    for i, c in enumerate(convs):
+        hits = index.search(f"word{chr(ord('a') + i)}", limit=1000)
+        assert len(hits) == 30 and {h.conv for h in hits} == {c.id}
+    rows = {r["id"]: r for r in _ls_json()}
+    assert all(rows[c.id]["turns"] == 31 and rows[c.id]["title"] == "at 60" for c in convs)
