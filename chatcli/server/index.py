@@ -35,6 +35,7 @@ from chatcli.core.transcript import message_parts
 from chatcli.server import history
 
 INDEX_VERSION = 2  # 2: a reply's key is its answer (reasoning left out): keys of version 1 are recomputed
+RECONCILE_EVERY = 60.0  # seconds between two looks at every folder (~30 ms at 10,000 conversations)
 _TRANSCRIPT = ConversationDir(Path(".")).transcript_path.name  # the file whose size and mtime say "changed"
 
 
@@ -121,6 +122,7 @@ class PrefixIndex:
         self._changed: set[str] = set()  # conversations whose row is not saved yet
         self._saved_at = 0.0
         self._seq: int | None = None  # the SQLite index's change number this index has caught up with
+        self._reconciled_at = -RECONCILE_EVERY
         self._load()
 
     # -- keys ----------------------------------------------------------------------------------------
@@ -155,11 +157,13 @@ class PrefixIndex:
 
     # -- maintenance -----------------------------------------------------------------------------------
 
-    def refresh(self, *, save: bool = True) -> None:
+    def refresh(self, *, save: bool = True, full: bool = False) -> None:
         """Re-read conversations whose transcript changed since they were indexed; forget deleted ones.
 
         Runs before every request. With the SQLite index only the conversations changed since the last
-        call are looked at (a query, then a stat each); the first call reconciles the whole directory.
+        call are looked at (a query, then a stat each): chatcli processes tell the index of every write.
+        The whole directory (one stat per folder: changes made behind chatcli's back) is reconciled at the
+        first call, when ``full``, and at most every ``RECONCILE_EVERY`` seconds otherwise.
         ``save=False`` leaves saving the index to after the reply.
         """
         shared = self.store.index
@@ -167,6 +171,9 @@ class PrefixIndex:
             self._refresh_all()
         else:
             try:
+                if full or time.monotonic() - self._reconciled_at >= RECONCILE_EVERY:
+                    shared.reconcile()
+                    self._reconciled_at = time.monotonic()
                 self._refresh_changed(shared)
             except (sqlite3.Error, IndexUnavailable):
                 self._refresh_all()
@@ -175,7 +182,6 @@ class PrefixIndex:
 
     def _refresh_changed(self, shared: Index) -> None:
         if self._seq is None:
-            shared.reconcile()
             seq, _ = shared.changed_since(-1)
             stamps = shared.stamps()
             for cid in list(self._convs):
