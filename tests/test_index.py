@@ -178,8 +178,7 @@ def test_a_damaged_index_is_rebuilt_and_nothing_is_lost(chatcli_home: Path, faul
     assert proc.returncode == 0, proc.stderr
     assert sorted(json.loads(proc.stdout), key=lambda r: str(r["id"])) == before
     said = [line for line in proc.stderr.splitlines() if line.startswith("note: index")]
-    if fault != "deleted":  # a missing index is simply made (first use, or removed on purpose): nothing to say
-        assert len(said) == 1 and "rebuilt" in said[0], proc.stderr
+    assert len(said) == 1 and ("built from 4 conversation" if fault == "deleted" else "rebuilt") in said[0], proc.stderr
     hits, _ = run_search("needle2", _store())
     assert _ids(hits) == [convs[2].id]
 

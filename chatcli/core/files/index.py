@@ -353,16 +353,22 @@ class Index:
                 for cid in gone:
                     self._forget(w, cid)
         done = 0
-        for cid in todo:
-            self.refresh(cid)
-            done += 1
-            if progress is not None and len(todo) >= 200 and (done % 100 == 0 or done == len(todo)):
+        for start in range(0, len(todo), 200):  # a transaction per 200 folders: a rebuild commits 50× less
+            with self.write() as w:
+                for cid in todo[start:start + 200]:
+                    self._refresh(w, cid)
+            done = min(start + 200, len(todo))
+            if progress is not None and len(todo) >= 200:
                 progress(done, len(todo))
-        if (todo or gone) and not self.rebuilt and len(todo) + len(gone) > 0:
-            self._note_repair(len(todo), len(gone), known)
+        if self.rebuilt:
+            if todo and not self.notices:  # made afresh while folders exist: it was deleted (or never made)
+                self.notices.append(f"index missing: built from {len(todo)} conversation folder(s)")
+            self.rebuilt = False
+        elif todo or gone:
+            self._note_repair(len(todo), len(gone))
         return len(todo) + len(gone)
 
-    def _note_repair(self, changed: int, gone: int, known: dict[str, int]) -> None:
+    def _note_repair(self, changed: int, gone: int) -> None:
         """Folders changed outside chatcli's own writes are normal (another version, a copy, a hand edit);
         only say something when many were re-read, so a routine `ls` after an edit stays quiet."""
         if changed + gone >= 200:
@@ -370,6 +376,10 @@ class Index:
 
     def refresh(self, cid: str) -> None:
         """Read one conversation's folder into its row (meta, counts, state files, transcript text)."""
+        with self.write() as w:
+            self._refresh(w, cid)
+
+    def _refresh(self, w: sqlite3.Connection, cid: str) -> None:
         from chatcli.core.files.migrations import FormatError
         from chatcli.core.files.store import ConversationDir, StoreError
 
@@ -377,8 +387,7 @@ class Index:
         try:
             dir_mtime = conv.path.stat().st_mtime_ns
         except OSError:
-            with self.write() as w:
-                self._forget(w, cid)
+            self._forget(w, cid)
             return
         problem = ""
         meta: dict[str, Any] = {}
@@ -386,23 +395,22 @@ class Index:
             meta = conv.read_meta()
         except (StoreError, FormatError) as exc:
             problem = str(exc)
-        with self.write() as w:
-            row = w.execute("SELECT tx_size, tx_crc, counts_size, counts_mtime FROM convs WHERE id=?",
-                            (cid,)).fetchone()
-            seq = self._next_seq(w)
-            if row is None:
-                w.execute("INSERT INTO convs(id, dir_mtime, ok, seq) VALUES(?, 0, 0, ?)", (cid, seq))
-                row = (0, 0, -1, -1)
-            self._read_transcript(w, conv, int(row[0]), int(row[1]), meta, problem)
-            w.execute("UPDATE convs SET dir_mtime=?, ok=?, problem=?, seq=? WHERE id=?",
-                      (dir_mtime, 0 if problem else 1, problem, seq, cid))
-            if meta:
-                self._set_meta(w, cid, meta)
-            self._set_files(w, cid, self._stat_files(conv))
-            pid = w.execute("SELECT open_pid FROM convs WHERE id=?", (cid,)).fetchone()[0]
-            if pid is not None and not _pid_alive(int(pid)):
-                # Read back now: a dead holder must not make every later reconcile re-read the folder.
-                w.execute("UPDATE convs SET open_pid=NULL WHERE id=?", (cid,))
+        row = w.execute("SELECT tx_size, tx_crc, counts_size, counts_mtime FROM convs WHERE id=?",
+                        (cid,)).fetchone()
+        seq = self._next_seq(w)
+        if row is None:
+            w.execute("INSERT INTO convs(id, dir_mtime, ok, seq) VALUES(?, 0, 0, ?)", (cid, seq))
+            row = (0, 0, -1, -1)
+        self._read_transcript(w, conv, int(row[0]), int(row[1]), meta, problem)
+        w.execute("UPDATE convs SET dir_mtime=?, ok=?, problem=?, seq=? WHERE id=?",
+                  (dir_mtime, 0 if problem else 1, problem, seq, cid))
+        if meta:
+            self._set_meta(w, cid, meta)
+        self._set_files(w, cid, self._stat_files(conv))
+        pid = w.execute("SELECT open_pid FROM convs WHERE id=?", (cid,)).fetchone()[0]
+        if pid is not None and not _pid_alive(int(pid)):
+            # Read back now: a dead holder must not make every later reconcile re-read the folder.
+            w.execute("UPDATE convs SET open_pid=NULL WHERE id=?", (cid,))
 
     def _read_transcript(self, w: sqlite3.Connection, conv: ConversationDir, size0: int, crc0: int,
                          meta: dict[str, Any], problem: str) -> None:
@@ -577,8 +585,11 @@ class Index:
                 stale = False
                 for line in data.split(b"\n"):
                     self._index_line(w, conv.id, line)
-                w.execute("UPDATE convs SET tx_size=?, tx_mtime=?, tx_crc=?, seq=? WHERE id=?",
-                          (st.st_size, st.st_mtime_ns, zlib.crc32(data, int(row[1])), self._next_seq(w), conv.id))
+                # The folder's mtime too: the first line creates the file (a new entry in the folder). The
+                # writer holds the conversation's lock, so no one else changed the folder meanwhile.
+                w.execute("UPDATE convs SET tx_size=?, tx_mtime=?, tx_crc=?, seq=?, dir_mtime=? WHERE id=?",
+                          (st.st_size, st.st_mtime_ns, zlib.crc32(data, int(row[1])), self._next_seq(w),
+                           self._dir_mtime(conv), conv.id))
         if stale:
             self.refresh(conv.id)
 
@@ -611,7 +622,16 @@ class Index:
         with self.write() as w:
             if w.execute("SELECT 1 FROM convs WHERE id=?", (conv.id,)).fetchone():
                 self._set_files(w, conv.id, self._stat_files(conv))
+                # A new or rewritten (renamed) state file changes the folder: its writer holds the lock.
+                w.execute("UPDATE convs SET dir_mtime=? WHERE id=?", (self._dir_mtime(conv), conv.id))
         return self.state_total()
+
+    @staticmethod
+    def _dir_mtime(conv: ConversationDir) -> int:
+        try:
+            return conv.path.stat().st_mtime_ns
+        except OSError:
+            return -1
 
     def note_open(self, conv: ConversationDir) -> None:
         """A process took the conversation's lock: make its row true now (it may be the one a crash left
@@ -624,8 +644,9 @@ class Index:
             dir_mtime, size = -1, 0
         if row is None or int(row[0]) != dir_mtime or int(row[1]) != size:
             self.refresh(conv.id)
-        with self.write() as w:
-            w.execute("UPDATE convs SET open_pid=? WHERE id=?", (os.getpid(), conv.id))
+        with self.write() as w:  # the lock file may have just been made: the folder's mtime changed
+            w.execute("UPDATE convs SET open_pid=?, dir_mtime=? WHERE id=?",
+                      (os.getpid(), self._dir_mtime(conv), conv.id))
 
     def note_close(self, conv: ConversationDir) -> None:
         with self.write() as w:

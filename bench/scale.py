@@ -1,0 +1,284 @@
+"""Issue #23's table: what each operation costs with 10, 1k, 10k and 100k conversations, before and after.
+
+    python -m bench.scale --before /path/to/a/worktree/of/main --sizes 10,1000,10000,100000 --reps 3
+
+One real conversation is made with `chatcli talk` (the bundled model), then copied into one data directory
+that grows from size to size (new ids; the copies' `updated` times spread over a year; 10 % warm). The warm
+copies hard-link the original's `state.kv` (100k real copies would take tens of GB; chatcli counts an
+inode once, before and after alike), except the conversations an operation writes to, which get their own
+copy. Both trees run against the same directory, alternating which goes first (A B B A …), so a change of
+the shared machine's load hits both; the load average is recorded with every size.
+
+Measured, each as a whole process where the user would wait for one:
+- `chatcli ls` into a pipe;
+- `chatcli resume ID` + one turn (4 tokens), piped;
+- `chatcli serve` until `GET /health` answers, then one API request continuing a conversation;
+- the per-turn file work besides the model, in-process (2 transcript lines, meta.json, the state budget's
+  check twice, as `Session` does per turn): what must stay flat as conversations accumulate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+CHATCLI = [sys.executable, "-m", "chatcli"]
+ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"
+
+TURN_WORK = r"""
+import json, os, statistics, sys, time
+from chatcli.config.settings import get_paths
+from chatcli.core.files.store import ConversationStore
+from chatcli.core.kv import budget
+paths = get_paths()
+store = ConversationStore(paths.conversations_dir)
+conv = store.resolve(sys.argv[1])
+conv.lock()
+meta = conv.read_meta()
+index = getattr(store, "index", None)
+def check():
+    if index is not None:  # after: what Session._running_total does
+        index.note_state(conv)
+        return index.state_total() + budget.prefix_bytes(paths.prefix_cache_dir)
+    return budget.total_bytes(paths.conversations_dir, paths.prefix_cache_dir)  # before
+times = []
+for i in range(int(sys.argv[2])):
+    t = time.perf_counter()
+    conv.append_event({"type": "note", "text": f"bench {i}"})
+    check()
+    conv.append_event({"type": "note", "text": f"bench reply {i}"})
+    check()
+    conv.write_meta({**meta, "updated": time.time()})
+    times.append((time.perf_counter() - t) * 1000)
+conv.unlock()
+print(json.dumps({"median_ms": statistics.median(times[1:]), "index": index is not None}))
+"""
+
+
+def run(tree: Path, home: Path, args: list[str], *, stdin: str | None = None, timeout: float = 600) -> float:
+    env = {**os.environ, "PYTHONPATH": str(tree), "CHATCLI_HOME": str(home), "NO_COLOR": "1"}
+    t = time.perf_counter()
+    proc = subprocess.run([*CHATCLI, *args], input=stdin, capture_output=True, text=True, env=env, timeout=timeout,
+                          cwd=tree)
+    dt = time.perf_counter() - t
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tree.name}: chatcli {' '.join(args)} failed: {proc.stderr[-500:]}")
+    return dt
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve(tree: Path, home: Path, conv: str) -> tuple[float, float]:
+    """(seconds until /health answers, seconds for one request continuing ``conv``)."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(tree), "CHATCLI_HOME": str(home), "NO_COLOR": "1"}
+    messages = json.loads(subprocess.run([*CHATCLI, "export", conv, "--format", "json"], capture_output=True,
+                                         text=True, env=env, check=True, cwd=tree).stdout)
+    t = time.perf_counter()
+    proc = subprocess.Popen([*CHATCLI, "serve", "--port", str(port), "--max-tokens", "4"], env=env, cwd=tree,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{tree.name}: serve exited: {proc.stderr.read()[-500:] if proc.stderr else ''}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.02)
+        ready = time.perf_counter() - t
+        body = json.dumps({"messages": [*messages, {"role": "user", "content": "One more word?"}],
+                           "temperature": 0, "max_tokens": 4}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        t = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=300) as r:
+            r.read()
+        request = time.perf_counter() - t
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return ready, request
+
+
+def turn_work(tree: Path, home: Path, conv: str, n: int = 15) -> float:
+    env = {**os.environ, "PYTHONPATH": str(tree), "CHATCLI_HOME": str(home)}
+    out = subprocess.run([sys.executable, "-c", TURN_WORK, conv, str(n)], capture_output=True, text=True,
+                         env=env, check=True, timeout=900, cwd=tree).stdout
+    return float(json.loads(out.strip().splitlines()[-1])["median_ms"])
+
+
+class Corpus:
+    """A data directory grown by copies of one real conversation."""
+
+    def __init__(self, home: Path, source: Path) -> None:
+        self.root = home / "data" / "conversations"
+        self.source = source
+        self.meta = json.loads((source / "meta.json").read_text())
+        self.transcript = (source / "transcript.jsonl").read_bytes()
+        self.n = len([p for p in self.root.iterdir() if p.is_dir()])
+        self.targets: list[str] = []
+        self._serial = 0
+
+    def _id(self) -> str:
+        self._serial += 1
+        n, out = self._serial, ""
+        for _ in range(7):
+            n, r = divmod(n, len(ALPHABET))
+            out += ALPHABET[r]
+        return "b" + out  # never an id chatcli's 6-letter ids could take
+
+    def add(self, count: int, *, now: float) -> None:
+        for _ in range(count):
+            cid = self._id()
+            d = self.root / cid
+            d.mkdir(mode=0o700)
+            warm = self.n % 10 == 0
+            updated = now - 365 * 86400 * ((self.n * 7919) % 1000) / 1000  # spread over a year
+            meta = {**self.meta, "id": cid, "title": f"copy {self.n}", "updated": updated, "created": updated}
+            (d / "meta.json").write_text(json.dumps(meta))
+            (d / "transcript.jsonl").write_bytes(self.transcript)
+            st = os.stat(d / "transcript.jsonl")  # the summary ties the counts to this copy's transcript
+            meta["summary"] = {**meta.get("summary", {}), "transcript": [st.st_size, st.st_mtime_ns]}
+            (d / "meta.json").write_text(json.dumps(meta))
+            if warm:
+                os.link(self.source / "state.kv", d / "state.kv")
+            self.n += 1
+
+    def target(self) -> str:
+        """A warm conversation of its own (state copied, not linked): resume and serve write to it."""
+        cid = self._id()
+        shutil.copytree(self.source, self.root / cid)
+        meta = {**self.meta, "id": cid, "title": "bench target", "updated": time.time() - 10 * 365 * 86400}
+        (self.root / cid / "meta.json").write_text(json.dumps(meta))
+        self.n += 1
+        return cid
+
+
+def make_source(tree: Path, home: Path) -> Path:
+    run(tree, home, ["talk", "--temperature", "0", "--max-tokens", "16"], stdin="Name a fruit, in one word.\n")
+    (folder,) = [p for p in (home / "data" / "conversations").iterdir() if p.is_dir()]
+    return folder
+
+
+def load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", type=Path, required=True, help="a worktree of main before the index")
+    ap.add_argument("--after", type=Path, default=REPO)
+    ap.add_argument("--sizes", default="10,1000,10000,100000")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/chatcli-scale"))
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scale")
+    a = ap.parse_args()
+    trees = {"before": a.before.resolve(), "after": a.after.resolve()}
+    shutil.rmtree(a.work, ignore_errors=True)
+    home = a.work / "home"
+    source_home = a.work / "source"
+    source = make_source(trees["after"], source_home)
+    (home / "data" / "conversations").mkdir(parents=True)
+    corpus = Corpus(home, source)
+    results: list[dict[str, Any]] = []
+    for size in [int(s) for s in a.sizes.split(",")]:
+        targets = {name: [corpus.target() for _ in range(a.reps)] for name in trees}
+        corpus.add(max(0, size - corpus.n), now=time.time())
+        t = time.perf_counter()
+        run(trees["after"], home, ["ls"], timeout=3600)  # the index catches up with the new copies (not timed below)
+        catch_up = time.perf_counter() - t
+        row: dict[str, Any] = {"size": corpus.n, "load_start": load(), "index_catch_up_s": catch_up}
+        samples: dict[str, dict[str, list[float]]] = {n: {} for n in trees}
+        for rep in range(a.reps):
+            order = list(trees) if rep % 2 == 0 else list(reversed(trees))
+            for name in order:
+                tree, s = trees[name], samples[name]
+                s.setdefault("ls", []).append(run(tree, home, ["ls"]))
+                cid = targets[name][rep]
+                s.setdefault("resume_turn", []).append(run(tree, home, [
+                    "resume", cid, "--temperature", "0", "--max-tokens", "4"], stdin="One word please.\n"))
+                ready, request = serve(tree, home, cid)
+                s.setdefault("serve_ready", []).append(ready)
+                s.setdefault("request", []).append(request)
+                s.setdefault("turn_files_ms", []).append(turn_work(tree, home, cid))
+                print(f"size {corpus.n} rep {rep} {name}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in s.items()),
+                      flush=True)
+        for name in trees:
+            row[name] = {k: statistics.median(v) for k, v in samples[name].items()}
+            row[name + "_all"] = samples[name]
+        row["load_end"] = load()
+        results.append(row)
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+        write_report(results, a.out)
+    shutil.rmtree(a.work, ignore_errors=True)
+
+
+COLUMNS = [("ls", "`chatcli ls`", "s"), ("resume_turn", "`resume` + 1 turn", "s"),
+           ("serve_ready", "`serve` until /health", "s"), ("request", "one API request", "s"),
+           ("turn_files_ms", "per-turn file work", "ms")]
+
+
+def write_report(results: list[dict[str, Any]], out: Path) -> None:
+    lines = ["# Ten thousand conversations (issue #23): before and after the index", "",
+             "`python -m bench.scale` — medians of the reps, both trees against the same data directory, "
+             "alternating order. Whole processes except the last column (in-process: 2 transcript lines, "
+             "meta.json and the budget check twice, as every turn does besides the model).", "",
+             "| conversations | " + " | ".join(f"{t} before → after" for _, t, _ in COLUMNS) + " | load (1/5/15 min) |",
+             "|---:|" + "---:|" * len(COLUMNS) + "---|"]
+    for r in results:
+        cells = []
+        for key, _, unit in COLUMNS:
+            b, a = r["before"][key], r["after"][key]
+            fmt = "{:.1f}" if unit == "ms" else "{:.2f}"
+            cells.append(f"{fmt.format(b)} → **{fmt.format(a)}** {unit}")
+        lines.append(f"| {r['size']:,} | " + " | ".join(cells) + f" | {r['load_start']} → {r['load_end']} |")
+    lines += ["", "The index catching up with the copies added for each size (`ls`, first run after them): " +
+              ", ".join(f"{r['size']:,}: {r['index_catch_up_s']:.1f} s" for r in results) + ".", ""]
+    out.with_suffix(".md").write_text("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, len(COLUMNS), figsize=(4 * len(COLUMNS), 3.6))
+    sizes = [r["size"] for r in results]
+    for ax, (key, title, unit) in zip(axes, COLUMNS, strict=True):
+        for name, style in (("before", "o--"), ("after", "o-")):
+            ax.plot(sizes, [r[name][key] for r in results], style, label=name)
+        ax.set_xscale("log")
+        ax.set_title(title.replace("`", ""), fontsize=9)
+        ax.set_xlabel("conversations")
+        ax.set_ylabel(unit)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+
+
+if __name__ == "__main__":
+    main()
