@@ -6,7 +6,6 @@ same engine (one context per process, never re-created).
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 import sqlite3
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from chatcli.core.files.fsutil import ensure_private_dir
 from chatcli.core.files.index import IndexUnavailable
 from chatcli.core.files.store import ConversationStore
 from chatcli.core.kv import prefix
-from chatcli.core.kv.budget import Freed, enforce, prefix_bytes, scan_usage, total_bytes
+from chatcli.core.kv.budget import Freed, enforce, prefix_bytes, resync_index, total_bytes
 from chatcli.core.kv.prefix import effective_n_ctx
 from chatcli.core.loading import create_conversation, open_conversation
 from chatcli.core.template import ChatTemplate, read_template_file
@@ -256,14 +255,9 @@ class Session:
                                       str(c.meta.get("persona_hash", "")), self.template.cache_key) for c in convs]
         freed = enforce(self.paths.conversations_dir, self.paths.prefix_cache_dir, limit,
                         keep_ids=[c.id for c in convs], keep_prefixes=prefixes)
-        index = self.store.index
-        if index is not None:
-            # The rescan (over budget: rare) is also when the running total is set right again, whatever
-            # wrote state files behind the index's back (another chatcli version, a copy).
-            with contextlib.suppress(sqlite3.Error, IndexUnavailable):
-                usage = scan_usage(self.paths.conversations_dir, None)
-                index.set_all_files((i.conv_id, [(d, n, sz) for (d, n), sz in i.inodes])
-                                    for i in usage.items if i.conv_id is not None)
+        # The rescan (over budget: rare) is also when the running total is set right again, whatever
+        # wrote state files behind the index's back (another chatcli version, a copy).
+        resync_index(self.store.index, self.paths.conversations_dir)
         return freed
 
     def _running_total(self, convs: list[Conversation]) -> int:

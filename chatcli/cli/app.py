@@ -473,7 +473,8 @@ def gc(
     re-evaluating its transcript. Example: chatcli gc --budget 2GB
     """
     from chatcli.config.settings import get_paths
-    from chatcli.core.kv.budget import enforce
+    from chatcli.core.files.store import ConversationStore
+    from chatcli.core.kv.budget import enforce, resync_index
     from chatcli.units import SizeError, parse_size
 
     with user_errors():
@@ -486,6 +487,7 @@ def gc(
         except SizeError as exc:
             raise CliError(f"--budget: {exc}", EXIT_USAGE) from None
         freed = enforce(paths.conversations_dir, paths.prefix_cache_dir, limit)
+        resync_index(ConversationStore(paths.conversations_dir).index, paths.conversations_dir)
         print(freed.summary())
 
 

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from chatcli.core.files.index import Index, IndexUnavailable
 from chatcli.core.files.store import ConversationDir, LockedError, StoreError
 from chatcli.units import format_size
 
@@ -219,6 +221,19 @@ def prefix_bytes(prefix_dir: Path | None) -> int:
     return sum(seen.values())
 
 
+def resync_index(index: Index | None, conversations_dir: Path) -> None:
+    """Set the index's state files (and so its running total) from a full scan: after an eviction, the
+    rare time the budget rescans anyway, whatever wrote state files behind the index's back is counted."""
+    if index is None:
+        return
+    try:
+        usage = scan_usage(conversations_dir, None)
+        index.set_all_files((i.conv_id, [(d, n, sz) for (d, n), sz in i.inodes])
+                            for i in usage.items if i.conv_id is not None)
+    except (sqlite3.Error, IndexUnavailable):
+        pass  # the running total stays as it was: the next rescan sets it
+
+
 # -- eviction ------------------------------------------------------------------------------------
 
 
@@ -326,6 +341,6 @@ def was_evicted(meta: dict[str, object]) -> bool:
 
 
 __all__ = [
-    "DEFAULT_BUDGET", "Freed", "StateItem", "Usage", "enforce", "prefix_bytes", "scan_usage", "total_bytes",
-    "was_evicted",
+    "DEFAULT_BUDGET", "Freed", "StateItem", "Usage", "enforce", "prefix_bytes", "resync_index", "scan_usage",
+    "total_bytes", "was_evicted",
 ]
