@@ -318,3 +318,27 @@ def test_several_processes_at_once(chatcli_home: Path) -> None:
         assert len(hits) == 30 and {h.conv for h in hits} == {c.id}
     rows = {r["id"]: r for r in _ls_json()}
     assert all(rows[c.id]["turns"] == 31 and rows[c.id]["title"] == "at 60" for c in convs)
+
+
+def test_threads_of_one_process_share_the_index(chatcli_home: Path) -> None:
+    """The server's requests run in threads over one store (one SQLite connection): no write is lost."""
+    import threading
+
+    store = _store()
+    convs = [_conv(store, f"c{i}", "start", "ok") for i in range(4)]
+    for c in convs:
+        c.lock()
+
+    def write(conv: ConversationDir, tag: str) -> None:
+        for i in range(2, 42, 2):
+            _say(conv, i, f"thread{tag} {i}", "ok")
+
+    threads = [threading.Thread(target=write, args=(c, chr(ord("a") + i))) for i, c in enumerate(convs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert store.index is not None and store.index.notices == []
+    for i, c in enumerate(convs):
+        assert len(store.index.search(f"thread{chr(ord('a') + i)}", limit=100)) == 20
+        c.unlock()

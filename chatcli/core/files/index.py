@@ -27,6 +27,7 @@ import json
 import os
 import re
 import sqlite3
+import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -195,6 +196,7 @@ class Index:
         self.notices: list[str] = []
         self._db: sqlite3.Connection | None = None
         self.rebuilt = False  # this process created the index afresh: reconcile reads every folder
+        self._lock = threading.RLock()
 
     # -- the connection ------------------------------------------------------------------------------
 
@@ -289,23 +291,34 @@ class Index:
         return db
 
     class _tx:
-        """``BEGIN IMMEDIATE`` … ``COMMIT`` (rolled back on any error): one writer at a time across processes."""
+        """``BEGIN IMMEDIATE`` … ``COMMIT`` (rolled back on any error): one writer at a time across processes,
+        and across the threads of this one (the server's requests share the connection)."""
 
-        def __init__(self, db: sqlite3.Connection) -> None:
+        def __init__(self, db: sqlite3.Connection, lock: threading.RLock) -> None:
             self.db = db
+            self.lock = lock
+            self.outer = False
 
         def __enter__(self) -> sqlite3.Connection:
-            self.db.execute("BEGIN IMMEDIATE")
+            self.lock.acquire()
+            try:
+                self.outer = not self.db.in_transaction
+                if self.outer:
+                    self.db.execute("BEGIN IMMEDIATE")
+            except BaseException:
+                self.lock.release()
+                raise
             return self.db
 
         def __exit__(self, exc_type: object, *rest: object) -> None:
-            if exc_type is None:
-                self.db.execute("COMMIT")
-            else:
-                self.db.execute("ROLLBACK")
+            try:
+                if self.outer:
+                    self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+            finally:
+                self.lock.release()
 
     def write(self) -> _tx:
-        return Index._tx(self.db())
+        return Index._tx(self.db(), self._lock)
 
     def close(self) -> None:
         if self._db is not None:
