@@ -342,3 +342,14 @@ def test_threads_of_one_process_share_the_index(chatcli_home: Path) -> None:
     for i, c in enumerate(convs):
         assert len(store.index.search(f"thread{chr(ord('a') + i)}", limit=100)) == 20
         c.unlock()
+
+
+def test_ls_flags_take_the_fast_path_and_others_go_to_typer() -> None:
+    from chatcli.cli.entry import _fast_ls
+
+    assert _fast_ls(["ls"]) == (False, 50)
+    assert _fast_ls(["ls", "--json", "--all"]) == (True, None)
+    assert _fast_ls(["ls", "--limit", "7"]) == (False, 7)
+    for argv in (["ls", "--limit"], ["ls", "--limit", "0"], ["ls", "--all", "--limit", "3"], ["ls", "--grep", "x"],
+                 ["ls", "--help"], ["ls", "--json", "--json"], ["show"]):
+        assert _fast_ls(argv) is None, argv

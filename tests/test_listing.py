@@ -107,7 +107,7 @@ def test_the_fast_path_fails_in_one_line(chatcli_home: Path, monkeypatch: pytest
     from chatcli.cli.entry import main
     from chatcli.core.files.store import StoreError
 
-    def broken(*, as_json: bool) -> None:
+    def broken(**_: object) -> None:
         raise StoreError("the store is unreadable")
 
     monkeypatch.setattr(chatcli.cli.listing, "list_conversations", broken)
