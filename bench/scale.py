@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -67,15 +68,29 @@ print(json.dumps({"median_ms": statistics.median(times[1:]), "index": index is n
 """
 
 
+def environment(tree: Path, home: Path) -> dict[str, str]:
+    # Bytecode is cached as in any installation (an environment with PYTHONDONTWRITEBYTECODE set would
+    # compile every module on every run: ~0.3 s of a loaded 2-core machine, before and after alike).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    return {**env, "PYTHONPATH": str(tree), "CHATCLI_HOME": str(home), "NO_COLOR": "1"}
+
+
 def run(tree: Path, home: Path, args: list[str], *, stdin: str | None = None, timeout: float = 600) -> float:
-    env = {**os.environ, "PYTHONPATH": str(tree), "CHATCLI_HOME": str(home), "NO_COLOR": "1"}
+    return run_cpu(tree, home, args, stdin=stdin, timeout=timeout)[0]
+
+
+def run_cpu(tree: Path, home: Path, args: list[str], *, stdin: str | None = None,
+            timeout: float = 600) -> tuple[float, float]:
+    """(wall seconds, CPU seconds user + system) of one whole chatcli process."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
-    proc = subprocess.run([*CHATCLI, *args], input=stdin, capture_output=True, text=True, env=env, timeout=timeout,
-                          cwd=tree)
+    proc = subprocess.run([*CHATCLI, *args], input=stdin, capture_output=True, text=True,
+                          env=environment(tree, home), timeout=timeout, cwd=tree)
     dt = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise RuntimeError(f"{tree.name}: chatcli {' '.join(args)} failed: {proc.stderr[-500:]}")
-    return dt
+    return dt, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def free_port() -> int:
@@ -87,7 +102,7 @@ def free_port() -> int:
 def serve(tree: Path, home: Path, conv: str) -> tuple[float, float]:
     """(seconds until /health answers, seconds for one request continuing ``conv``)."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(tree), "CHATCLI_HOME": str(home), "NO_COLOR": "1"}
+    env = environment(tree, home)
     messages = json.loads(subprocess.run([*CHATCLI, "export", conv, "--format", "json"], capture_output=True,
                                          text=True, env=env, check=True, cwd=tree).stdout)
     t = time.perf_counter()
@@ -123,7 +138,7 @@ def serve(tree: Path, home: Path, conv: str) -> tuple[float, float]:
 
 
 def turn_work(tree: Path, home: Path, conv: str, n: int = 15) -> float:
-    env = {**os.environ, "PYTHONPATH": str(tree), "CHATCLI_HOME": str(home)}
+    env = environment(tree, home)
     out = subprocess.run([sys.executable, "-c", TURN_WORK, conv, str(n)], capture_output=True, text=True,
                          env=env, check=True, timeout=900, cwd=tree).stdout
     return float(json.loads(out.strip().splitlines()[-1])["median_ms"])
@@ -209,13 +224,16 @@ def main() -> None:
         t = time.perf_counter()
         run(trees["after"], home, ["ls"], timeout=3600)  # the index catches up with the new copies (not timed below)
         catch_up = time.perf_counter() - t
+        run(trees["before"], home, ["ls"], timeout=3600)  # both: bytecode cached, folders in the page cache
         row: dict[str, Any] = {"size": corpus.n, "load_start": load(), "index_catch_up_s": catch_up}
         samples: dict[str, dict[str, list[float]]] = {n: {} for n in trees}
         for rep in range(a.reps):
             order = list(trees) if rep % 2 == 0 else list(reversed(trees))
             for name in order:
                 tree, s = trees[name], samples[name]
-                s.setdefault("ls", []).append(run(tree, home, ["ls"]))
+                wall, cpu = run_cpu(tree, home, ["ls"])
+                s.setdefault("ls", []).append(wall)
+                s.setdefault("ls_cpu", []).append(cpu)
                 cid = targets[name][rep]
                 s.setdefault("resume_turn", []).append(run(tree, home, [
                     "resume", cid, "--temperature", "0", "--max-tokens", "4"], stdin="One word please.\n"))
@@ -236,7 +254,7 @@ def main() -> None:
     shutil.rmtree(a.work, ignore_errors=True)
 
 
-COLUMNS = [("ls", "`chatcli ls`", "s"), ("resume_turn", "`resume` + 1 turn", "s"),
+COLUMNS = [("ls", "`chatcli ls`", "s"), ("ls_cpu", "`ls` CPU (user+sys)", "s"), ("resume_turn", "`resume` + 1 turn", "s"),
            ("serve_ready", "`serve` until /health", "s"), ("request", "one API request", "s"),
            ("turn_files_ms", "per-turn file work", "ms")]
 
