@@ -353,3 +353,28 @@ def test_ls_flags_take_the_fast_path_and_others_go_to_typer() -> None:
     for argv in (["ls", "--limit"], ["ls", "--limit", "0"], ["ls", "--all", "--limit", "3"], ["ls", "--grep", "x"],
                  ["ls", "--help"], ["ls", "--json", "--json"], ["show"]):
         assert _fast_ls(argv) is None, argv
+
+
+def test_repl_search_shows_hits_and_how_to_continue(chatcli_home: Path) -> None:
+    import io
+
+    from rich.console import Console
+
+    from chatcli.repl.loop import LineIO, Repl
+    from chatcli.repl.render import Renderer
+    from tests.test_repl import FakeConversation, FakeSession
+
+    store = _store()
+    conv = _conv(store, "gardens", "how deep do carrots root", "about thirty centimetres")
+    _say(conv, 2, "and parsnips?", "deeper still")
+    session = FakeSession()
+    session.store = store  # type: ignore[attr-defined]
+    out, err = io.StringIO(), io.StringIO()
+    renderer = Renderer(Console(file=out, highlight=False, color_system=None), plain=True, err=err)
+    repl = Repl(session, FakeConversation(), renderer,  # type: ignore[arg-type]
+                lambda r: LineIO(io.StringIO("/search carrots\n/search nothingmatcheshere\n/search\n")))
+    repl.run()
+    text = err.getvalue()
+    assert f"{conv.id}  gardens · alice · exchange 1 · user" in text and "«carrots»" in text
+    assert f"chatcli fork {conv.id} --at 1" in text
+    assert "nothing matches 'nothingmatcheshere'" in text and "usage: /search TEXT" in text
