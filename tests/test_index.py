@@ -378,3 +378,13 @@ def test_repl_search_shows_hits_and_how_to_continue(chatcli_home: Path) -> None:
     assert f"{conv.id}  gardens · alice · exchange 1 · user" in text and "«carrots»" in text
     assert f"chatcli fork {conv.id} --at 1" in text
     assert "nothing matches 'nothingmatcheshere'" in text and "usage: /search TEXT" in text
+
+
+def test_a_hand_edited_meta_with_odd_types_lists_and_never_breaks_a_write(chatcli_home: Path) -> None:
+    store = _store()
+    conv = _conv(store, "t", "hello", "world")
+    meta = conv.read_meta()
+    conv.write_meta({**meta, "title": 42, "tokens": "many", "updated": "yesterday",
+                     "checkpoint": {"bytes": "x"}, "summary": {"exchanges": "one", "transcript": [1, 2]}})
+    rows = _ls_json()
+    assert [r["id"] for r in rows] == [conv.id] and rows[0]["title"] == "42" and rows[0]["turns"] == 1

@@ -418,7 +418,10 @@ class Index:
         w.execute("UPDATE convs SET dir_mtime=?, ok=?, problem=?, seq=? WHERE id=?",
                   (dir_mtime, 0 if problem else 1, problem, seq, cid))
         if meta:
-            self._set_meta(w, cid, meta)
+            try:
+                self._set_meta(w, cid, meta)
+            except (ValueError, TypeError):  # a hand edit gave a field an odd type: shown as it can be
+                pass
         self._set_files(w, cid, self._stat_files(conv))
         pid = w.execute("SELECT open_pid FROM convs WHERE id=?", (cid,)).fetchone()[0]
         if pid is not None and not _pid_alive(int(pid)):
@@ -487,7 +490,7 @@ class Index:
         params = meta.get("params") if isinstance(meta.get("params"), dict) else {}
         assert isinstance(params, dict)
         ck = meta.get("checkpoint")
-        ck_bytes = int(ck.get("bytes", 0) or 0) if isinstance(ck, dict) else 0
+        ck_bytes = int(ck.get("bytes", 0) or 0) if isinstance(ck, dict) and isinstance(ck.get("bytes"), int) else 0
 
         def num(v: object) -> float:
             return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0

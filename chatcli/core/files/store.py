@@ -78,7 +78,8 @@ class ConversationDir:
             return
         try:
             getattr(self.index, what)(self, *args)
-        except (sqlite3.Error, IndexUnavailable, OSError) as exc:
+        except (sqlite3.Error, IndexUnavailable, OSError, ValueError, TypeError) as exc:
+            # ValueError/TypeError: a hand-edited meta.json with odd field types; the row is re-read later.
             msg = f"index not updated ({exc}): it is re-read from the folders later"
             if msg not in self.index.notices:
                 self.index.notices.append(msg)
