@@ -43,8 +43,10 @@ def _conv(store: ConversationStore, title: str, user: str, reply: str, *, person
                        "span": [3, 5], "turn": 0})
     ev = {"type": "message", "mid": 1, "role": "assistant", "text": reply, "tokens": [6, 7], "span": [5, 7],
           "turn": 0}
-    if reasoning is not None:
-        ev["reasoning"] = reasoning
+    if reasoning is not None:  # as core.transcript.message_parts reads it: text is reasoning + answer
+        ev["text"] = reasoning + reply
+        ev["reasoning"] = {"text": reasoning, "tokens": [0, 1]}
+        ev["answer"] = {"text": reply, "tokens": [1, 2]}
     conv.append_event(ev)
     return conv
 

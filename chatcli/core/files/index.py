@@ -158,22 +158,15 @@ def fts_query(text: str) -> str:
 def _message_fields(ev: dict[str, Any]) -> tuple[str, str] | None:
     """(message text, reasoning text) of a transcript event, None for events that hold no message.
 
-    Reasoning is the reply's thinking span when the transcript records one (``reasoning`` as a string, or
-    ``spans`` with kind "reasoning"); without those fields all of the text is message text."""
+    A reply with reasoning carries ``reasoning`` and ``answer`` fields (``{"text", "tokens"}``, see
+    ``core.transcript.message_parts``): its ``text`` is the reply as generated, both together, so the answer
+    is the message text. Without those fields all of the text is message text."""
     if ev.get("type") != "message":
         return None
-    text = str(ev.get("text", ""))
-    reasoning = ev.get("reasoning")
-    parts = [reasoning] if isinstance(reasoning, str) else []
-    spans = ev.get("spans")
-    if isinstance(spans, list):
-        answer: list[str] = []
-        for s in spans:
-            if isinstance(s, dict) and isinstance(s.get("text"), str):
-                (parts if s.get("kind") == "reasoning" else answer).append(s["text"])
-        if parts and answer:
-            text = "".join(answer)
-    return text, "\n".join(parts)
+    r, a = ev.get("reasoning"), ev.get("answer")
+    if isinstance(r, dict) and isinstance(a, dict):
+        return str(a.get("text", "")), str(r.get("text", ""))
+    return str(ev.get("text", "")), ""
 
 
 def _pid_alive(pid: int) -> bool:
