@@ -31,6 +31,7 @@ class Draft:
 
     text: str = ""
     result: GenerationResult = field(default_factory=GenerationResult)
+    cut: bool = False  # a stop string was cut off the text: the context holds more than ``text``
 
 
 def stream_reply(backend: Backend, sampling: Sampling, draft: Draft, *, seed: int, max_tokens: int,
@@ -66,6 +67,7 @@ def stream_reply(backend: Backend, sampling: Sampling, draft: Draft, *, seed: in
         cut = cut_stop(draft.text, stop_strings)
         if cut is not None:
             draft.text = cut
+            draft.cut = True
 
 
 def closing_tokens(backend: Backend, template: ChatTemplate, history: list[Message], text: str,
@@ -121,6 +123,23 @@ def reasoning_parts(backend: Backend, template: ChatTemplate, text: str,
             k = i + 1
             break
     return {"reasoning": {"text": reasoning, "tokens": [0, k]}, "answer": {"text": answer, "tokens": [k, len(tokens)]}}
+
+
+def returned_tokens(backend: Backend, reply_tokens: Sequence[int], text: str) -> tuple[int, list[int]]:
+    """How to make the context hold exactly ``text`` after a stop string was cut from the reply: keep the
+    first ``k`` sampled tokens (those whose pieces ``text`` begins with) and add the tokens of the rest of
+    ``text`` that a kept token did not cover (the part of the token that also held the stop string)."""
+    want = text.encode("utf-8")
+    done = b""
+    k = 0
+    for tok in reply_tokens:
+        piece = backend.piece(tok, special=False)
+        if not want.startswith(done + piece):
+            break
+        done += piece
+        k += 1
+    rest = want[len(done):].decode("utf-8", "replace")
+    return k, backend.tokenize(rest, add_special=False, parse_special=False) if rest else []
 
 
 def cut_stop(text: str, stops: Sequence[str]) -> str | None:
