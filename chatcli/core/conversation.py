@@ -499,6 +499,9 @@ class Conversation(ConversationViews):
         before = self.r.active[:self.r.active.index(target)]
         tokens = self._user_tokens(before, text)
         self._plan_room(target.p0, before, len(tokens))  # raises ContextFullError if it cannot fit
+        if self.title == make_title(target.text):
+            # The title was made from the message being replaced (not set by the user): it follows the edit.
+            self.meta["title"] = make_title(text)
         self._truncate(target.p0, "edit")
         yield from self._notices()
         yield from self._send(text, tokens, seed)

@@ -13,6 +13,7 @@ import errno
 import os
 import stat
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -229,3 +230,26 @@ def append_durably(path: Path, data: bytes) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def remove_stale_temp_files(folder: Path, *, older_than: float = 600.0) -> int:
+    """Remove temp files of ``atomic_write_with`` (``.<name>.*.tmp``) that a process killed mid-write left
+    in ``folder``, a folder no lock protects (the prefix cache): only those older than ``older_than``
+    seconds, since a live writer's temp file is younger than any write takes. Returns how many went."""
+    gone = 0
+    limit = time.time() - older_than
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return 0
+    for entry in entries:
+        if not (entry.name.startswith(".") and entry.name.endswith(".tmp")):
+            continue
+        try:
+            if entry.is_file(follow_symlinks=False) and entry.stat().st_mtime < limit:
+                os.unlink(entry.path)
+                gone += 1
+        except OSError:
+            continue
+    return gone
+
