@@ -86,7 +86,10 @@ def closing_tokens(backend: Backend, template: ChatTemplate, history: list[Messa
     if stop in ("eog", "stop") and reply_tokens:
         # An end-of-generation token is the last one; a spelled-out marker takes a few pieces.
         last = reply_tokens[-1:] if stop == "eog" else reply_tokens[-32:]
-        tail = b"".join(backend.piece(t, special=True) for t in last).decode("utf-8", "replace")
+        # A spelled-out marker is read in ordinary pieces only: a reply rolled back to the text before a stop
+        # string ends with the text, then the whole closing, whose marker token must not count as written
+        # by the model (the rebuild plan would decode it alone, and the rebuilt KV would differ).
+        tail = b"".join(backend.piece(t, special=stop == "eog") for t in last).decode("utf-8", "replace")
         for form in (closing, template.final_closing(msgs)):
             k = _written(tail, form)
             if k:
