@@ -113,6 +113,29 @@ def test_a_conversation_that_fills_the_context_exactly_opens_regenerates_and_shi
     conv.close()
 
 
+def test_serve_continues_a_conversation_whose_reply_filled_the_context_after_it_left_its_slot(
+        sess: Any, tmp_path: Path) -> None:
+    pytest.importorskip("fastapi")
+    from chatcli.core.template import Message
+    from chatcli.server.service import ChatRequest, ChatService, Finished
+
+    def ask(svc: ChatService, msgs: list[Message], max_tokens: int) -> Finished:
+        req = ChatRequest(list(msgs), temperature=0.0, max_tokens=max_tokens, seed=1)
+        return [ev for ev in svc.complete(req) if isinstance(ev, Finished)][-1]
+
+    sess.engine.clear()
+    svc = ChatService(sess, parallel=1, index_path=tmp_path / "index.json")
+    try:
+        msgs = [Message("system", "You tell stories."), Message("user", STORY)]
+        full = ask(svc, msgs, 100_000)  # a client's max_tokens far beyond the context: bounded by the room
+        assert full.finish_reason == "length"
+        ask(svc, [Message("system", "You are terse."), Message("user", "Hi!")], 8)  # takes the one slot
+        nxt = ask(svc, [*msgs, Message("assistant", full.text), Message("user", "Thanks! Now a joke.")], 8)
+        assert nxt.conversation == full.conversation
+    finally:
+        svc.close()
+
+
 # -- 2: messages left out for invalid token ids ----------------------------------------------------------
 
 
@@ -361,3 +384,20 @@ def test_a_full_small_context_resumes_regenerates_and_continues_from_the_cli() -
     assert regen.returncode == 0, regen.stderr
     explicit = _chatcli(["resume", "--reserve", "300"], "More.\n")
     assert explicit.returncode != 0 and "reserve" in explicit.stderr
+
+
+def test_temp_files_left_in_the_prefix_cache_by_a_killed_writer_are_removed(sess: Any) -> None:
+    import os
+    import time
+
+    cache = sess.paths.prefix_cache_dir
+    cache.mkdir(parents=True, exist_ok=True)
+    stale, fresh = cache / ".abc.kv.x1.tmp", cache / ".abc.kv.x2.tmp"
+    for p in (stale, fresh):
+        p.write_bytes(b"\0" * 1000)
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    new_conv(sess).close()  # a cache miss: the prefix file is written
+    assert list(cache.glob("*.kv"))
+    assert not stale.exists()
+    assert fresh.exists()  # maybe another process's write in progress
