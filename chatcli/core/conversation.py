@@ -308,7 +308,13 @@ class Conversation(ConversationViews):
         sampled ones are, so a rebuild's batching (rebuild.py) still matches."""
         eng = self.backend
         k, rest = returned_tokens(eng, eng.tokens[p0:], text)
-        eng.truncate(p0 + k)
+        if eng.caps.truncate:
+            eng.truncate(p0 + k)
+        else:
+            # A memory that cannot be cut back mid-reply: back to the reply's start (a saved point), then
+            # the kept tokens again, one by one as they were sampled.
+            rest = [*eng.tokens[p0:p0 + k], *rest]
+            self.log.rollback(p0, persist=False)
         for tok in rest:
             _eval(eng, [tok])
 
