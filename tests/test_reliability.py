@@ -691,7 +691,7 @@ def test_huge_line_and_non_utf8_bytes_piped_to_talk(chatcli_home: Path) -> None:
     proc = subprocess.run([*faults.chatcli_exe(), "talk", "--temperature", "0", "--max-tokens", "6", "--n-ctx", "1024"],
                           input=stdin, capture_output=True, env=cli_env(), timeout=GUARD)
     err = proc.stderr.decode("utf-8", "replace")
-    assert proc.returncode == 0, err
+    assert proc.returncode == 1, err  # a message was refused: a script can tell (issue #24 item 19)
     refusals = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(refusals) == 1 and "too long" in refusals[0], err  # the user is told it was not sent
     assert len(refusals[0]) < 300  # one line, not an echo of the megabyte

@@ -155,7 +155,11 @@ def _run_repl(session: Session, conv: Conversation, renderer: Renderer, interact
         if hasattr(stdin, "reconfigure"):
             stdin.reconfigure(errors="replace")  # non-UTF-8 bytes become U+FFFD instead of a crash
         factory = lambda repl: LineIO(stdin)
-    return Repl(session, conv, renderer, factory).run()
+    repl = Repl(session, conv, renderer, factory)
+    code = repl.run()
+    # A script piping messages must be able to tell that one was refused (too long, a bad command):
+    # each said so on stderr as it happened; the exit status says it once more.
+    return 1 if code == 0 and repl.failures and not interactive else code
 
 
 def _interactive() -> bool:
@@ -242,7 +246,7 @@ def _open(settings: Settings, paths: Paths, explicit: set[str], conv_id: str | N
           n_ctx_flag: int | None, *, show_history: bool = True,
           kv_type_flag: str | None = None) -> tuple[Session, Conversation, Renderer, bool]:
     """Resolve the conversation first (cheap errors before loading a model), then restore it."""
-    from chatcli.config.settings import get_paths
+    from chatcli.config.settings import fit_reserve, get_paths
     from chatcli.core.files.store import ConversationStore
     from chatcli.repl.loop import open_events
     from chatcli.units import format_size
@@ -273,6 +277,7 @@ def _open(settings: Settings, paths: Paths, explicit: set[str], conv_id: str | N
                 note = f"the conversation's model {saved} is gone; using {settings.model or 'the default model'}"
     if n_ctx_flag is None:
         settings.n_ctx = int((meta.get("params") or {}).get("n_ctx", settings.n_ctx))
+        fit_reserve(settings, explicit)
     # Like n_ctx: the conversation keeps its KV type unless --kv-type asks for another (then its KV is
     # rebuilt from the transcript, and the open says so).
     saved_kv = str((meta.get("params") or {}).get("type_k", "f16"))

@@ -373,6 +373,18 @@ def load_settings(
     return _resolve(flags, paths, env)[0]
 
 
+def fit_reserve(settings: Settings, explicit: set[str]) -> None:
+    """The reserve rule again once a resumed conversation's saved ``n_ctx`` replaced the setting (a context
+    of 256 with the default reserve of 256 would refuse every message). A reserve the user set must fit
+    (SettingsError); a default one shrinks to a quarter of the context."""
+    if settings.reserve < settings.n_ctx:
+        return
+    if "reserve" in explicit:
+        raise SettingsError(f"reserve ({settings.reserve}) must be less than the conversation's n_ctx "
+                            f"({settings.n_ctx}): resume with a smaller --reserve or a larger --n-ctx")
+    settings.reserve = settings.n_ctx // 4
+
+
 def load_settings_explicit(
     flags: Mapping[str, Any] | None = None,
     *,

@@ -31,7 +31,15 @@ from chatcli.core.events import (
 from chatcli.core.files.store import ConversationDir
 from chatcli.core.kv import budget, prefix, rebuild
 from chatcli.core.kv.log import StateLog, make_state_log
-from chatcli.core.reply import Draft, closing_tokens, make_title, reasoning_parts, reply_seed, stream_reply
+from chatcli.core.reply import (
+    Draft,
+    closing_tokens,
+    make_title,
+    reasoning_parts,
+    reply_seed,
+    returned_tokens,
+    stream_reply,
+)
 from chatcli.core.template import ChatTemplate, Message, ReasoningStream
 from chatcli.core.transcript import ActiveMessage, Replay, Transcript, replay_events
 from chatcli.core.views import Alternative, ConversationViews
@@ -96,13 +104,17 @@ class Conversation(ConversationViews):
         for i, m in enumerate(self.r.active):
             if any(not 0 <= t < eng.n_vocab for t in m.tokens):
                 # A damaged message cannot be evaluated: keep everything before it, say what was dropped.
+                # Transcript first, like every change: the turns typed next then start where the context
+                # ends, and survive reopening (and show / export see what the context holds).
                 dropped = self.r.active[i:]
-                self.r.active = self.r.active[:i]
+                self.transcript.append({"type": "truncate", "to": m.p0, "reason": "invalid"})
                 yield Notice(f"transcript message {m.mid} holds invalid token ids: it and {len(dropped) - 1} "
                              "later message(s) were left out of the context", "warn")
                 break
         want = self.r.tokens()
-        if len(want) + 1 > eng.n_ctx:
+        # A conversation that fills the context exactly still opens: the next message shifts, a regen or
+        # an undo frees cells first (replies never take the cells their closing needs, see _reply).
+        if len(want) > eng.n_ctx:
             raise ConversationError(f"conversation holds {len(want)} tokens but the context is {eng.n_ctx}: "
                                     f"resume with --n-ctx {len(want) + self.reserve}")
         # Lazily: the plan only matters for what the state file does not hold (usually nothing).
@@ -116,6 +128,11 @@ class Conversation(ConversationViews):
             self._touch_meta()
         self._remember_state_params()
         yield from self._notices()
+
+    def _closing_room(self) -> int:
+        """The most cells a reply's closing can take: the template's whole closing of an empty reply."""
+        closing = self.template.closing([*self.history(), Message("assistant", "")])
+        return len(self.backend.tokenize(closing, add_special=False)) if closing else 0
 
     def _closing_len(self, i: int) -> int:
         """How many tokens at the end of reply ``i`` are the template's closing (evaluated as one batch)."""
@@ -203,11 +220,15 @@ class Conversation(ConversationViews):
         p0 = eng.n_past
         draft = Draft()
         res = draft.result
+        # A reply never takes the cells its closing needs: a reply that would fill the context stops short
+        # of it, so the conversation stays whole (it opens, regenerates and shifts like any other).
+        room = eng.n_ctx - eng.n_past - self._closing_room()
+        limit = max(0, min(self.max_tokens, room))
         # If our consumer stops listening (closes us, or dies with an error), the reply produced so far is
         # still recorded like a Ctrl-C'd one: the context and the transcript must never disagree.
         abandoned = False
         failed: BackendError | None = None
-        stream = stream_reply(eng, self.sampling, draft, seed=use_seed, max_tokens=self.max_tokens,
+        stream = stream_reply(eng, self.sampling, draft, seed=use_seed, max_tokens=limit,
                               stop_strings=self._stop_strings, turn=turn, alt=alt,
                               reasoning=ReasoningStream(self.template))
         try:
@@ -227,6 +248,11 @@ class Conversation(ConversationViews):
             res.stop_reason = "cancelled"
         if abandoned and res.stop_reason in ("", "eog", "stop", "length"):
             res.stop_reason = res.stop_reason or "cancelled"
+        if res.stop_reason == "length" and limit < self.max_tokens:
+            res.stop_reason = "context"  # stopped by the room left, not by max_tokens
+        if draft.cut and failed is None:
+            self._back_to_returned(p0, draft.text)
+            res.stop_reason = "stop"
         reply_tokens = eng.tokens[p0:]
         # Close the reply now (e.g. the "\n" after <|im_end|>) so every message holds its whole rendering:
         # then whole exchanges can be dropped by a context shift without leaving half a turn behind.
@@ -274,6 +300,23 @@ class Conversation(ConversationViews):
             return  # a closed generator must not yield again (what went wrong is said by the next operation)
         yield from self._notices()
         yield ReplyEnd(msg, stats)
+
+    def _back_to_returned(self, p0: int, text: str) -> None:
+        """A stop string was cut from the reply: roll the context back to the text returned, so later turns
+        (and a client sending the same visible history) see what was shown, not the stop string, the rest
+        of its token or the whitespace stripped before it. Tokens re-added are decoded one by one, as
+        sampled ones are, so a rebuild's batching (rebuild.py) still matches."""
+        eng = self.backend
+        k, rest = returned_tokens(eng, eng.tokens[p0:], text)
+        if eng.caps.truncate:
+            eng.truncate(p0 + k)
+        else:
+            # A memory that cannot be cut back mid-reply: back to the reply's start (a saved point), then
+            # the kept tokens again, one by one as they were sampled.
+            rest = [*eng.tokens[p0:p0 + k], *rest]
+            self.log.rollback(p0, persist=False)
+        for tok in rest:
+            _eval(eng, [tok])
 
     def cancel(self) -> None:
         self.backend.cancel()
@@ -462,6 +505,9 @@ class Conversation(ConversationViews):
         before = self.r.active[:self.r.active.index(target)]
         tokens = self._user_tokens(before, text)
         self._plan_room(target.p0, before, len(tokens))  # raises ContextFullError if it cannot fit
+        if self.title == make_title(target.text):
+            # The title was made from the message being replaced (not set by the user): it follows the edit.
+            self.meta["title"] = make_title(text)
         self._truncate(target.p0, "edit")
         yield from self._notices()
         yield from self._send(text, tokens, seed)

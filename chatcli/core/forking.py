@@ -13,13 +13,14 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+from typing import Any
 
 from chatcli.core.events import ConversationError
 from chatcli.core.export import exchange_counts
-from chatcli.core.files.fsutil import atomic_write_bytes, atomic_write_with, write_all
-from chatcli.core.files.store import ConversationStore
+from chatcli.core.files.fsutil import atomic_write_bytes, atomic_write_with, copy_range, hard_link, write_all
+from chatcli.core.files.store import ConversationDir, ConversationStore
 from chatcli.core.kv import records as sf
-from chatcli.core.transcript import replay_events
+from chatcli.core.transcript import ActiveMessage, Replay, replay_events
 
 
 def fork_conversation(store: ConversationStore, ref: str, at: int | None) -> tuple[str, int]:
@@ -48,17 +49,39 @@ def fork_conversation(store: ConversationStore, ref: str, at: int | None) -> tup
     child = store.create(child_meta)
     child.lock()
     try:
-        prefix = next(e for e in parent.read_transcript().events if e.get("type") == "prefix")
-        child.append_event({k: v for k, v in prefix.items() if k not in ("v", "ts")})
-        for new_mid, m in enumerate(keep):
-            child.append_event({
-                "type": "message", "mid": new_mid, "role": m.role, "text": m.text, "tokens": m.tokens,
-                "span": [m.p0, m.p1], "turn": m.turn, "alt": 0, **({"stop": m.stop} if m.stop else {}),
-            })
+        write_child_transcript(child, parent.read_transcript().events, r, keep)
         copied = fork_state(parent.state_path, child.state_path, cut)
     finally:
         child.unlock()
     return child.id, copied
+
+
+def write_child_transcript(child: ConversationDir, events: list[dict[str, Any]], r: Replay,
+                           keep: list[ActiveMessage]) -> None:
+    """A fork's transcript: the parent's persona prefix, the messages context shifts took out of the
+    parent's context (carried as such: appended after the prefix, then one shift event takes them out
+    again), then the active messages ``keep`` at their positions. So the child's history is the parent's
+    whole history up to the fork point (``ls`` counts, ``export`` and the server's chain keys agree), and
+    its context holds the same tokens at the same positions as the parent's."""
+    prefix = next(e for e in events if e.get("type") == "prefix")
+    child.append_event({k: v for k, v in prefix.items() if k not in ("v", "ts")})
+    start = pos = len(r.prefix_tokens)
+    mid = 0
+    for ev in (r.all[m] for m in r.out_of_context if m in r.all):
+        tokens = [int(t) for t in ev["tokens"]]
+        child.append_event(_message(mid, str(ev["role"]), str(ev.get("text", "")), tokens, pos,
+                                    int(ev.get("turn", 0)), str(ev.get("stop", ""))))
+        mid, pos = mid + 1, pos + len(tokens)
+    if pos > start:
+        child.append_event({"type": "shift", "keep": start, "drop": pos - start})
+    for m in keep:
+        child.append_event(_message(mid, m.role, m.text, m.tokens, m.p0, m.turn, m.stop))
+        mid += 1
+
+
+def _message(mid: int, role: str, text: str, tokens: list[int], p0: int, turn: int, stop: str) -> dict[str, Any]:
+    return {"type": "message", "mid": mid, "role": role, "text": text, "tokens": tokens,
+            "span": [p0, p0 + len(tokens)], "turn": turn, "alt": 0, **({"stop": stop} if stop else {})}
 
 
 def fork_state(src: Path, dst: Path, cut: int, *, share: bool = True) -> int:
@@ -80,12 +103,12 @@ def _link_state(src: Path, dst: Path, cut: int) -> int | None:
     try:
         # Link first, then index the link: the inode indexed is the one kept, whatever the parent does
         # meanwhile (a rewrite replaces its file; the link still holds the old inode, unchanged).
-        os.link(src, folder / name)
+        hard_link(src, folder / name)
         linked.append(folder / name)
         for base in sf.base_files(src):  # the parent is a fork itself: its bases come along
-            os.link(base, folder / base.name)
+            hard_link(base, folder / base.name)
             linked.append(folder / base.name)
-    except OSError:  # EXDEV, EPERM, EMLINK, a file that vanished: copy instead
+    except OSError:  # EXDEV, EPERM, EMLINK, no links on this system, a file that vanished: copy instead
         _unlink_all(linked)
         return None
     try:
@@ -167,7 +190,7 @@ def _copy_state(src: Path, dst: Path, cut: int) -> int:
             path = part.file or src
             if path not in files:
                 files[path] = os.open(path, os.O_RDONLY)
-            _copy_range(files[path], fd, part.offset, part.size)
+            copy_range(files[path], fd, part.offset, part.size)
 
     try:
         atomic_write_with(dst, write)
@@ -175,17 +198,3 @@ def _copy_state(src: Path, dst: Path, cut: int) -> int:
         for f in files.values():
             os.close(f)
     return n
-
-
-def _copy_range(fin: int, fout: int, offset: int, size: int) -> None:
-    done = 0
-    while done < size:
-        try:
-            k = os.copy_file_range(fin, fout, size - done, offset + done)
-        except OSError:
-            k = 0
-        if k <= 0:  # not supported here (or a short copy): finish through user space
-            os.lseek(fout, 0, os.SEEK_END)
-            write_all(fout, os.pread(fin, size - done, offset + done))
-            return
-        done += k

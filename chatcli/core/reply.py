@@ -31,6 +31,7 @@ class Draft:
 
     text: str = ""
     result: GenerationResult = field(default_factory=GenerationResult)
+    cut: bool = False  # a stop string was cut off the text: the context holds more than ``text``
 
 
 def stream_reply(backend: Backend, sampling: Sampling, draft: Draft, *, seed: int, max_tokens: int,
@@ -66,6 +67,7 @@ def stream_reply(backend: Backend, sampling: Sampling, draft: Draft, *, seed: in
         cut = cut_stop(draft.text, stop_strings)
         if cut is not None:
             draft.text = cut
+            draft.cut = True
 
 
 def closing_tokens(backend: Backend, template: ChatTemplate, history: list[Message], text: str,
@@ -84,7 +86,10 @@ def closing_tokens(backend: Backend, template: ChatTemplate, history: list[Messa
     if stop in ("eog", "stop") and reply_tokens:
         # An end-of-generation token is the last one; a spelled-out marker takes a few pieces.
         last = reply_tokens[-1:] if stop == "eog" else reply_tokens[-32:]
-        tail = b"".join(backend.piece(t, special=True) for t in last).decode("utf-8", "replace")
+        # A spelled-out marker is read in ordinary pieces only: a reply rolled back to the text before a stop
+        # string ends with the text, then the whole closing, whose marker token must not count as written
+        # by the model (the rebuild plan would decode it alone, and the rebuilt KV would differ).
+        tail = b"".join(backend.piece(t, special=stop == "eog") for t in last).decode("utf-8", "replace")
         for form in (closing, template.final_closing(msgs)):
             k = _written(tail, form)
             if k:
@@ -121,6 +126,23 @@ def reasoning_parts(backend: Backend, template: ChatTemplate, text: str,
             k = i + 1
             break
     return {"reasoning": {"text": reasoning, "tokens": [0, k]}, "answer": {"text": answer, "tokens": [k, len(tokens)]}}
+
+
+def returned_tokens(backend: Backend, reply_tokens: Sequence[int], text: str) -> tuple[int, list[int]]:
+    """How to make the context hold exactly ``text`` after a stop string was cut from the reply: keep the
+    first ``k`` sampled tokens (those whose pieces ``text`` begins with) and add the tokens of the rest of
+    ``text`` that a kept token did not cover (the part of the token that also held the stop string)."""
+    want = text.encode("utf-8")
+    done = b""
+    k = 0
+    for tok in reply_tokens:
+        piece = backend.piece(tok, special=False)
+        if not want.startswith(done + piece):
+            break
+        done += piece
+        k += 1
+    rest = want[len(done):].decode("utf-8", "replace")
+    return k, backend.tokenize(rest, add_special=False, parse_special=False) if rest else []
 
 
 def cut_stop(text: str, stops: Sequence[str]) -> str | None:

@@ -80,16 +80,18 @@ class Replay:
             self.persona_messages = [Message(m["role"], m["content"]) for m in ev.get("messages", [])]
             self.has_prefix = True
         elif kind == "message":
-            mid = int(ev["mid"])
-            self.all[mid] = ev
-            self.next_mid = max(self.next_mid, mid + 1)
-            self.max_turn = max(self.max_turn, int(ev.get("turn", 0)))
-            self._push(ev, int(ev["span"][0]))
+            # Validated before anything keeps it: a damaged event is skipped whole (replay_events says so),
+            # never half-kept where regen, /alt or redo would trip over it later.
+            self.next_mid = max(self.next_mid, int(ev["mid"]) + 1)  # never reused, even a damaged one's
+            msg = _parse_message(ev)
+            self.all[msg.mid] = ev
+            self.max_turn = max(self.max_turn, msg.turn)
+            self._push(msg)
             self.redo.clear()
         elif kind == "activate":
             ev_msg = self.all.get(int(ev["mid"]))
             if ev_msg is not None:
-                self._push(ev_msg, int(ev["p0"]))
+                self._push(_parse_message(ev_msg, int(ev["p0"])))
                 self.undone.discard(int(ev["mid"]))
             if ev.get("redo") and self.redo:
                 self.redo.pop()
@@ -115,18 +117,12 @@ class Replay:
             self.active = kept
         # unknown event types from newer versions are skipped: the transcript stays readable
 
-    def _push(self, ev: dict[str, Any], p0: int) -> None:
+    def _push(self, msg: ActiveMessage) -> None:
         expected = len(self.prefix_tokens) + sum(len(m.tokens) for m in self.active)
-        if p0 != expected:
-            self.problems.append(f"message {ev.get('mid')} starts at {p0}, expected {expected}; skipped")
+        if msg.p0 != expected:
+            self.problems.append(f"message {msg.mid} starts at {msg.p0}, expected {expected}; skipped")
             return
-        reasoning, answer, n_reasoning = message_parts(ev)
-        self.active.append(ActiveMessage(
-            mid=int(ev["mid"]), role=str(ev["role"]), text=str(ev.get("text", "")),
-            tokens=[int(t) for t in ev["tokens"]], p0=p0, turn=int(ev.get("turn", 0)),
-            alt=int(ev.get("alt", 0)), stop=str(ev.get("stop", "")), ts=float(ev.get("ts", 0.0)),
-            reasoning=reasoning, answer=answer, reasoning_tokens=n_reasoning,
-        ))
+        self.active.append(msg)
 
     def alternatives(self, turn: int) -> list[dict[str, Any]]:
         return [e for e in self.all.values() if e["role"] == "assistant" and int(e.get("turn", -1)) == turn]
@@ -142,6 +138,21 @@ def message_parts(ev: dict[str, Any]) -> tuple[str, str | None, int]:
         return "", None, 0
     span = r.get("tokens") or [0, 0]
     return str(r.get("text", "")), str(a.get("text", "")), int(span[1]) - int(span[0])
+
+
+def _parse_message(ev: dict[str, Any], p0: int | None = None) -> ActiveMessage:
+    """A message event as an ``ActiveMessage`` at ``p0`` (default: its span's start); raises KeyError,
+    TypeError or ValueError when a field is missing or of the wrong kind."""
+    role, tokens = ev["role"], ev["tokens"]
+    if not isinstance(role, str) or not isinstance(tokens, list):
+        raise TypeError("role must be a string and tokens a list")
+    reasoning, answer, n_reasoning = message_parts(ev)
+    return ActiveMessage(
+        mid=int(ev["mid"]), role=role, text=str(ev.get("text", "")), tokens=[int(t) for t in tokens],
+        p0=int(ev["span"][0]) if p0 is None else p0, turn=int(ev.get("turn", 0)), alt=int(ev.get("alt", 0)),
+        stop=str(ev.get("stop", "")), ts=float(ev.get("ts", 0.0)),
+        reasoning=reasoning, answer=answer, reasoning_tokens=n_reasoning,
+    )
 
 
 def replay_events(events: Sequence[dict[str, Any]]) -> Replay:

@@ -131,8 +131,11 @@ class TerminalIO:
         if fd is None:
             yield
             return
-        import termios
-
+        try:
+            import termios  # POSIX only: elsewhere typing during a reply simply echoes
+        except ImportError:
+            yield
+            return
         try:
             old = termios.tcgetattr(fd)
         except (termios.error, OSError):
@@ -220,6 +223,7 @@ class Repl:
         self._exit_requested = False
         self._generating = False
         self._cancel_requested = False
+        self.failures = 0  # messages and commands refused or failed: a piped session's exit status says so
 
     # -- toolbar ---------------------------------------------------------------------------------
 
@@ -321,8 +325,10 @@ class Repl:
                     self._quiet_exit = True
                     break
                 except USER_ERRORS as exc:
+                    self.failures += 1
                     self.renderer.error(_one_line(exc))
                 except UnicodeError as exc:
+                    self.failures += 1
                     self.renderer.error(f"input is not valid text: {exc}")
         finally:
             signal.signal(signal.SIGTERM, old_term)

@@ -23,7 +23,7 @@ from chatcli.core.conversation import (
     replay_events,
 )
 from chatcli.core.files.store import ConversationDir, ConversationStore
-from chatcli.core.forking import fork_state
+from chatcli.core.forking import fork_state, write_child_transcript
 from chatcli.core.kv.log import CellLog
 from chatcli.core.loading import create_conversation, open_conversation
 from chatcli.core.template import Message
@@ -151,13 +151,8 @@ def fork_at(store: ConversationStore, parent: ConversationDir, k: int, meta_upda
     child = store.create(child_meta)
     child.lock()
     try:
-        prefix = next(e for e in events if e.get("type") == "prefix")
-        child.append_event({key: v for key, v in prefix.items() if key not in ("v", "ts")})
-        for new_mid, m in enumerate(keep):
-            child.append_event({
-                "type": "message", "mid": new_mid, "role": m.role, "text": m.text, "tokens": m.tokens,
-                "span": [m.p0, m.p1], "turn": m.turn, "alt": 0, **({"stop": m.stop} if m.stop else {}),
-            })
+        # The messages shifts took out come along: the child's chain keys are the parent's up to ``k``.
+        write_child_transcript(child, events, r, keep)
         copied = copy_state(parent.state_path, child.state_path, cut)
     except BaseException:
         child.unlock()

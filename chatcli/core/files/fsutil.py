@@ -1,18 +1,136 @@
-"""Durable file writes: what chatcli writes either fully happened or did not happen at all."""
+"""Durable file writes (what chatcli writes either fully happened or did not happen at all), and the few
+operating-system services whose form differs between systems, each behind one small function with its
+fallback: file locks (``flock`` on POSIX, ``msvcrt.locking`` on Windows), directory fsync (skipped where
+the system has none), hard links (an OSError where there are none, so callers copy instead), positioned
+reads and writes, and copying a byte range in the kernel. Nothing else in chatcli imports ``fcntl`` or
+``msvcrt`` or calls these ``os`` functions directly. The fallbacks are tested on Linux by simulating the
+absence of the POSIX form (tests/test_portability.py).
+"""
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
+
+fcntl: ModuleType | None
+msvcrt: ModuleType | None
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+try:
+    import msvcrt
+except ImportError:  # everywhere but Windows
+    msvcrt = None
+
+# Read where they are used (not bound at import), so a test can take them away.
+_BUSY = {errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK, getattr(errno, "EDEADLK", errno.EAGAIN),
+         getattr(errno, "EDEADLOCK", errno.EAGAIN)}
+# msvcrt locks byte ranges: the byte locked lies past what a lock file holds (a PID), which stays readable.
+_MSVCRT_LOCK_AT = 1 << 20
+
+
+def try_lock(fd: int) -> bool:
+    """Take an exclusive lock on the open file ``fd`` without waiting; False when it is held, by another
+    process or through another file description of this one (``flock`` and Windows locks both refuse
+    that). The lock goes with the process. Where the system has neither, True: nothing can be locked."""
+    if fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in _BUSY:
+                return False
+            raise
+        return True
+    if msvcrt is not None:
+        os.lseek(fd, _MSVCRT_LOCK_AT, os.SEEK_SET)
+        try:
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+        except OSError as exc:
+            if exc.errno in _BUSY:
+                return False
+            raise
+        return True
+    return True
+
+
+def unlock(fd: int) -> None:
+    """Release ``try_lock``'s lock (closing ``fd`` releases it too)."""
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    elif msvcrt is not None:
+        os.lseek(fd, _MSVCRT_LOCK_AT, os.SEEK_SET)
+        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+
+
+def read_at(fd: int, n: int, offset: int) -> bytes:
+    """Up to ``n`` bytes at ``offset`` (``os.pread``, or seek and read where it does not exist)."""
+    pread = getattr(os, "pread", None)
+    if pread is not None:
+        return bytes(pread(fd, n, offset))
+    os.lseek(fd, offset, os.SEEK_SET)
+    return os.read(fd, n)
+
+
+def write_at(fd: int, data: bytes, offset: int) -> None:
+    """``data`` at ``offset`` (``os.pwrite``, or seek and write where it does not exist)."""
+    pwrite = getattr(os, "pwrite", None)
+    view = memoryview(data)
+    while view:
+        if pwrite is not None:
+            n = pwrite(fd, view, offset)
+        else:
+            os.lseek(fd, offset, os.SEEK_SET)
+            n = os.write(fd, view)
+        view, offset = view[n:], offset + n
+
+
+def hard_link(src: Path, dst: Path) -> None:
+    """A second name for ``src``; OSError where the system or the filesystem has no hard links (FAT,
+    another filesystem, no permission), for the caller to copy instead."""
+    link = getattr(os, "link", None)
+    if link is None:
+        raise OSError(errno.ENOTSUP, "hard links are not available here", str(dst))
+    link(src, dst)
+
+
+def copy_range(fin: int, fout: int, offset: int, size: int) -> None:
+    """Append ``size`` bytes of ``fin`` from ``offset`` to ``fout``: in the kernel where it can
+    (``os.copy_file_range``, Linux; a reflink on filesystems that share extents), else through memory."""
+    copy = getattr(os, "copy_file_range", None)
+    done = 0
+    while done < size and copy is not None:
+        try:
+            k = copy(fin, fout, size - done, offset + done)
+        except OSError:
+            k = 0
+        if k <= 0:  # not supported here (or a short copy): finish through user space
+            break
+        done += k
+    if done < size:
+        os.lseek(fout, 0, os.SEEK_END)
+        while done < size:
+            chunk = read_at(fin, min(size - done, 1 << 24), offset + done)
+            if not chunk:
+                raise OSError(errno.EIO, "file shorter than expected while copying")
+            write_all(fout, chunk)
+            done += len(chunk)
 
 
 def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in ``path`` durable (POSIX needs the directory fsynced too)."""
+    """Make a rename or a new file in ``path`` durable (POSIX needs the directory fsynced too). Skipped
+    where the system has no directory fsync (Windows: no ``O_DIRECTORY``; NTFS journals renames)."""
+    o_directory = getattr(os, "O_DIRECTORY", None)
+    if o_directory is None:
+        return
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fd = os.open(path, os.O_RDONLY | o_directory)
     except OSError:
         return
     try:
@@ -49,7 +167,9 @@ def atomic_write_with(path: Path, write: Callable[[int], None], mode: int = 0o60
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, mode)
+        fchmod = getattr(os, "fchmod", None)  # not on Windows before Python 3.13 (mkstemp makes it 0600)
+        if fchmod is not None:
+            fchmod(fd, mode)
         write(fd)
         os.fsync(fd)
         os.close(fd)
@@ -110,3 +230,26 @@ def append_durably(path: Path, data: bytes) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def remove_stale_temp_files(folder: Path, *, older_than: float = 600.0) -> int:
+    """Remove temp files of ``atomic_write_with`` (``.<name>.*.tmp``) that a process killed mid-write left
+    in ``folder``, a folder no lock protects (the prefix cache): only those older than ``older_than``
+    seconds, since a live writer's temp file is younger than any write takes. Returns how many went."""
+    gone = 0
+    limit = time.time() - older_than
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return 0
+    for entry in entries:
+        if not (entry.name.startswith(".") and entry.name.endswith(".tmp")):
+            continue
+        try:
+            if entry.is_file(follow_symlinks=False) and entry.stat().st_mtime < limit:
+                os.unlink(entry.path)
+                gone += 1
+        except OSError:
+            continue
+    return gone
+

@@ -3,7 +3,7 @@
     <data>/conversations/<id>/meta.json         id, title, persona, model identity, params, summary (atomic writes)
     <data>/conversations/<id>/transcript.jsonl  append-only events, fsynced: the source of truth
     <data>/conversations/<id>/state.kv          append-only KV records (see core/kv/records.py): a cache
-    <data>/conversations/<id>/lock              flock held by the process that has it open
+    <data>/conversations/<id>/lock              locked (fsutil.try_lock) by the process that has it open
 
 This is the only module that knows these paths. Each file carries its format version; the rule for
 reading them (newer: refused; older: upgraded; unknown additions: skipped) is in migrations.py.
@@ -11,8 +11,6 @@ reading them (newer: refused; older: upgraded; unknown additions: skipped) is in
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import os
 import re
@@ -25,7 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from chatcli.core.files import migrations
-from chatcli.core.files.fsutil import append_durably, atomic_write_text, ensure_private_dir, fsync_dir
+from chatcli.core.files.fsutil import (
+    append_durably,
+    atomic_write_text,
+    ensure_private_dir,
+    fsync_dir,
+    read_at,
+    try_lock,
+    unlock,
+    write_at,
+)
 from chatcli.core.files.index import Index, IndexUnavailable
 from chatcli.core.files.migrations import META_VERSION, TRANSCRIPT_VERSION, FormatError
 from chatcli.core.kv import records
@@ -228,20 +235,21 @@ class ConversationDir:
         path = self.path / "lock"
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
+            locked = try_lock(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        if not locked:
             holder = ""
             try:
-                holder = os.pread(fd, 32, 0).decode().strip()
+                holder = read_at(fd, 32, 0).decode(errors="replace").strip()
             except OSError:
                 pass
             os.close(fd)
-            if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                who = f"process {holder}" if holder else "another process"
-                raise LockedError(f"conversation {self.id} is open in {who}") from None
-            raise
+            who = f"process {holder}" if holder else "another process"
+            raise LockedError(f"conversation {self.id} is open in {who}")
         os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        write_at(fd, str(os.getpid()).encode(), 0)
         self._lock_fd = fd
         self._remove_stale_temp_files()
         self._tell("note_open")
@@ -259,7 +267,7 @@ class ConversationDir:
         if self._lock_fd is not None:
             self._tell("note_close")
             try:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                unlock(self._lock_fd)
             finally:
                 os.close(self._lock_fd)
                 self._lock_fd = None

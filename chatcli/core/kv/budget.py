@@ -29,9 +29,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from chatcli.core.files.index import Index, IndexUnavailable
+from chatcli.core.files.migrations import FormatError
 from chatcli.core.files.store import ConversationDir, LockedError, StoreError
+from chatcli.core.kv import records
 from chatcli.units import format_size
 
 DEFAULT_BUDGET = "20GB"
@@ -278,7 +281,7 @@ def enforce(
         if item.size == 0:
             continue
         if item.conv_id is None:
-            if item.path.resolve() in keep_paths:
+            if item.path.resolve() in keep_paths or _newer(item.path):
                 continue
             if _unlink(item.path):
                 gone = release(item)
@@ -289,12 +292,13 @@ def enforce(
         if item.conv_id in keep:
             freed.spared_open.append(item.conv_id)
             continue
-        if _evict_conversation(item):
+        outcome = _evict_conversation(item)
+        if outcome == "evicted":
             gone = release(item)
             total -= gone
             freed.freed += gone
             freed.evicted.append(item)
-        else:
+        elif outcome == "open":
             freed.spared_open.append(item.conv_id)
     freed.after = total
     return freed
@@ -310,27 +314,43 @@ def _unlink(path: Path) -> bool:
         return False
 
 
-def _evict_conversation(item: StateItem) -> bool:
-    """Delete one conversation's state file under its lock; False if it is open (or vanished)."""
+def _newer(path: Path) -> bool:
+    """``path`` is a state file of a newer chatcli: never touched here (it is not ours to drop or rewrite)."""
+    try:
+        records.check_format(path)
+    except FormatError:
+        return True
+    return False
+
+
+def _evict_conversation(item: StateItem) -> str:
+    """Delete one conversation's state file under its lock: "evicted", "open" (locked, or vanished), or
+    "newer" (its metadata or state file was written by a newer chatcli: left alone, checked first)."""
     conv = ConversationDir(item.path.parent)
     try:
         conv.lock()
-    except LockedError:
-        return False
-    except OSError:
-        return False
+    except (LockedError, OSError):
+        return "open"
     try:
+        try:
+            meta: dict[str, Any] | None = conv.read_meta()  # also checks the state file's format
+        except FormatError:
+            return "newer"
+        except (StoreError, OSError):
+            meta = None  # unreadable metadata: the state file is still only a cache
+            if _newer(conv.state_path):
+                return "newer"
         if not _unlink(conv.state_path):
-            return False
+            return "open"
         for base in _conv_files(conv.path)[1:]:  # its base links: useless without the file naming them
             _unlink(base)
-        try:
-            meta = conv.read_meta()
+        if meta is not None:
             meta["evicted"] = {"at": round(time.time(), 3), "bytes": item.size}
-            conv.write_meta(meta)
-        except (StoreError, OSError):
-            pass  # the marker only improves the resume message; the state file is gone either way
-        return True
+            try:
+                conv.write_meta(meta)
+            except OSError:
+                pass  # the marker only improves the resume message; the state file is gone either way
+        return "evicted"
     finally:
         conv.unlock()
 

@@ -16,7 +16,7 @@ from typing import Any, Generator, Sequence
 
 from chatcli.core.backend import Backend
 from chatcli.core.events import Event, Notice, Progress
-from chatcli.core.files.fsutil import ensure_private_dir
+from chatcli.core.files.fsutil import ensure_private_dir, remove_stale_temp_files
 from chatcli.core.template import ChatTemplate, Message
 
 
@@ -115,6 +115,7 @@ def load_or_build(
         try:
             ensure_private_dir(cache_file.parent)
             sf.StateWriter(cache_file).rewrite(records)
+            remove_stale_temp_files(cache_file.parent)  # left by a process killed while writing one
         except OSError:
             pass  # a cache that cannot be written only costs time later
     return records, False

@@ -8,7 +8,8 @@ rebuild replays the original batching, which the transcript determines:
 - the persona prefix: one evaluation (``Engine.eval_steps``: batches of ``n_batch`` from its start);
 - a user message: one evaluation;
 - a reply: each sampled token decoded alone, then the template's closing (e.g. the ``\\n`` after
-  ``<|im_end|>``) in one evaluation.
+  ``<|im_end|>``) in one evaluation;
+- a reply a client wrote (``stop == "client"``, appended by the server): one evaluation, closing included.
 
 Then an evicted conversation (or one resumed with another KV type, or whose state was damaged) continues
 exactly as if its state had been loaded. The cost: reply tokens are decoded one by one, as when they were
@@ -26,6 +27,7 @@ class _Message(Protocol):
     role: str
     tokens: list[int]
     p0: int
+    stop: str
 
 
 class _Engine(Protocol):
@@ -40,7 +42,7 @@ def segments(prefix_len: int, messages: Sequence[_Message], closing_len: Callabl
         out.append((0, prefix_len))
     for i, m in enumerate(messages):
         p0, p1 = m.p0, m.p0 + len(m.tokens)
-        if m.role != "assistant":
+        if m.role != "assistant" or m.stop == "client":  # evaluated as one call when it was appended
             if p1 > p0:
                 out.append((p0, p1))
             continue
