@@ -41,7 +41,8 @@ def engine_run(a: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         n = sum(1 for _ in eng.generate(greedy, seed=1, max_tokens=a["decode_tokens"]))
         tg.append(n / (time.perf_counter() - t0))
-    return {"prompt_tps": pp, "decode_tps": tg, "threads": eng.n_threads,
+    # The count the last decode ran with: the default policy's answer to the load at the end of the run.
+    return {"prompt_tps": pp, "decode_tps": tg, "threads": eng.n_threads, "threads_used": eng._applied_threads,
             "omp": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}}
 
 

@@ -15,6 +15,7 @@ class Machine:
         self.now = 100.0
         self.busy = 1000.0
         self.own = 5.0
+        self.load = 0.2
 
     def run(self, seconds: float, others: float, own: float) -> None:
         """``seconds`` pass with other processes on ``others`` cores and this one on ``own``."""
@@ -24,7 +25,7 @@ class Machine:
 
     def cores(self, max_threads: int = 2) -> FreeCores:
         return FreeCores(max_threads, stat=lambda: (self.n, self.busy), own_cpu=lambda: self.own,
-                         clock=lambda: self.now, n_usable=self.n)
+                         clock=lambda: self.now, n_usable=self.n, recent_load=lambda: self.load)
 
 
 def test_idle_machine_uses_every_thread_even_while_this_process_is_busy() -> None:
@@ -79,3 +80,14 @@ def test_reads_this_machines_proc_stat(tmp_path) -> None:
     n, busy = got
     assert n == 2 and abs(busy - 150 / os.sysconf("SC_CLK_TCK")) < 1e-9
     assert read_proc_stat(str(tmp_path / "missing")) is None
+
+
+def test_before_the_first_interval_the_load_average_decides() -> None:
+    m = Machine()
+    m.load = 3.5  # a busy machine when the process starts: no spinning team through the first prompt batch
+    fc = m.cores()
+    assert fc.threads() == 1
+    m.run(1.0, others=0.1, own=1.0)
+    assert fc.threads() == 2
+    m.load = 0.3
+    assert m.cores().threads() == 2

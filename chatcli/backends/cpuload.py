@@ -51,6 +51,14 @@ def read_proc_stat(path: str = "/proc/stat") -> tuple[int, float] | None:
     return None if busy is None or n == 0 else (n, busy)
 
 
+def one_minute_load() -> float | None:
+    """The 1-minute load average, or None where the system has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
 class FreeCores:
     """Picks a thread count in 1..``max_threads`` from the cores other processes left free recently.
 
@@ -67,6 +75,7 @@ class FreeCores:
         own_cpu: Callable[[], float] = time.process_time,
         clock: Callable[[], float] = time.monotonic,
         n_usable: int | None = None,
+        recent_load: Callable[[], float | None] = one_minute_load,
     ) -> None:
         self.max_threads = max(1, max_threads)
         self._interval = interval
@@ -80,6 +89,17 @@ class FreeCores:
         self.adaptive = first is not None and first[0] == usable and self.max_threads > 1
         self._n_cpus = usable
         self._last = (clock(), first[1] if first else 0.0, own_cpu())
+        if self.adaptive:
+            # Before there is an interval to judge by, the load average: a new process has used no CPU yet,
+            # so it is all others' (a first prompt batch can take seconds; spinning through it on a busy
+            # machine would cost most of them).
+            load = recent_load()
+            if load is not None:
+                self._current = self._pick(usable - load)
+
+    def _pick(self, free: float) -> int:
+        # Round half up: a core that others use less than half the time is still worth a thread.
+        return max(1, min(self.max_threads, math.floor(free + 0.5)))
 
     def threads(self) -> int:
         if not self.adaptive:
@@ -94,7 +114,5 @@ class FreeCores:
         own = self._own_cpu()
         self._last = (now, sample[1], own)
         others = max(0.0, (sample[1] - busy0) - (own - own0)) / (now - t0)
-        free = self._n_cpus - others
-        # Round half up: a core that others use less than half the time is still worth a thread.
-        self._current = max(1, min(self.max_threads, math.floor(free + 0.5)))
+        self._current = self._pick(self._n_cpus - others)
         return self._current
