@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import copy
 import ctypes
+import os
 import threading
 import time
 import typing
