@@ -23,15 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+# No OMP_WAIT_POLICY here: libgomp's default (spin, then sleep) is what llama.cpp's own tools run with, and
+# PASSIVE measured 2.7x slower decoding on an idle machine. Busy machines are handled by the thread count
+# (cpuload.FreeCores: one thread, hence no barrier to spin at, when others hold a core). The user's
+# OMP_WAIT_POLICY / GOMP_SPINCOUNT, read by libgomp when it loads, still apply.
+import llama_cpp  # the only import of llama_cpp in chatcli
 import numpy as np
 
-# ggml's OpenMP threads spin while they wait; on a busy machine (or with more threads than free cores)
-# spinning threads starve each other (measured here: 5 tok/s instead of 25). Passive waiting costs nothing
-# on an idle machine.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import llama_cpp  # the only import of llama_cpp in chatcli
-
+from chatcli.backends.cpuload import FreeCores, usable_cpus
 from chatcli.backends.kvformat import KV_PARAMS, KV_TYPE_NAMES, engine_identity, kv_params_for
 from chatcli.core.backend import (
     BackendError,
@@ -165,7 +164,8 @@ class Engine:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(model)
 
-        threads = n_threads or max(1, os.cpu_count() or 1)
+        # --threads fixes the count; without it, up to every usable CPU, fewer while other processes hold some.
+        threads = n_threads or usable_cpus()
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = n_batch
@@ -194,6 +194,11 @@ class Engine:
         self._mem = llama_cpp.llama_get_memory(ctx)
         self.n_ctx = llama_cpp.llama_n_ctx(ctx)
         self.n_threads = threads
+        self._free_cores = FreeCores(threads) if n_threads is None else None
+        self._applied_threads = threads
+        # Shared with every sibling: one decode at a time across the contexts of a model, so N resident
+        # conversations never run N thread teams on the same cores.
+        self._decode_lock = threading.Lock()
         self.n_batch = n_batch
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 2)
         self.tokens: list[int] = []
@@ -281,6 +286,7 @@ class Engine:
         other._mem = llama_cpp.llama_get_memory(ctx)
         other._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 2)
         other._owns_model = False
+        other._applied_threads = self.n_threads  # the new context starts with the cparams' count
         other._closed = False
         other.tokens = []
         other._logits = None
@@ -390,7 +396,12 @@ class Engine:
             b.logits[i] = False
         if last_logits:
             b.logits[len(part) - 1] = True
-        rc = llama_cpp.llama_decode(self._ctx, b)
+        with self._decode_lock:
+            threads = self._free_cores.threads() if self._free_cores is not None else self.n_threads
+            if threads != self._applied_threads:
+                llama_cpp.llama_set_n_threads(self._ctx, threads, threads)
+                self._applied_threads = threads
+            rc = llama_cpp.llama_decode(self._ctx, b)
         if rc != 0:
             # A failed decode leaves no cells for this batch; the token list stays as it was. The output
             # buffer may be half-written: the logits of the last good position are gone with it.

