@@ -40,14 +40,9 @@ ARCHS = {
     "falcon-h1": "hybrid", "kimi-linear": "hybrid", "minimax-01": "hybrid", "plamo2": "hybrid",
     "deepseek4": "whole",
 }
-# (architecture, check) → why it fails today (xfail strict: it must start passing when the core is fixed)
-# On a whole-state memory, resuming a state file that ends with a TRUNCATE (an undo, or the fork's cut)
-# evaluates everything: SNAPSHOT records replace each other in ScanResult.live(), so after SNAPSHOT [0, 142)
-# and TRUNCATE 118 the only live chunk is that SNAPSHOT cut to 118, which restore() rejects as damage
-# (chatcli/core/kv/log.py), although ScanResult.points() still holds the SNAPSHOT [0, 118). No reason is given.
-_CUT_WHOLE = "resume of a whole-state file ending in a TRUNCATE ignores the point there (re-evaluates all)"
-KNOWN: dict[tuple[str, str], str] = {
-    (arch, check): _CUT_WHOLE for arch in ("mamba", "mamba2", "deepseek4") for check in ("undo_resume", "fork")}
+# (architecture, check) → why it fails today: xfail strict, so a fix must remove the entry. Empty since
+# a whole-state file ending in a TRUNCATE (an undo, a fork's cut) resumes from the point there.
+KNOWN: dict[tuple[str, str], str] = {}
 # Not chat models: no KV memory (non-causal diffusion); refused at load in one line.
 DIFFUSION = ("dream", "llada")
 # One architecture per memory kind for the serve restart.
