@@ -170,6 +170,12 @@ class Row:
 def probe_one(model: Path, work: Path) -> Row:
     """All operations on one fixture (runs in the per-fixture subprocess)."""
     row = Row(model.stem, kind_in_child(model))
+    if "diffusion" in row.kind:
+        # Non-causal (Dream, LLaDA): no KV memory to keep; chatcli refuses it at load in one line.
+        refused = chatcli(work / "control", ["talk", "-m", str(model), *TALK_FLAGS], f"{MESSAGES[0]}\n")
+        row.cells = {op: "not a chat model" if refused.code > 0 else (refused.failure() or "loaded")
+                     for op in OPERATIONS}
+        return row
     m = ["-m", str(model)]
     m1, m2, m3 = MESSAGES
     control = chatcli(work / "control", ["talk", *m, *TALK_FLAGS], f"{m1}\n{m2}\n{m3}\n")

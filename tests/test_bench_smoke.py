@@ -270,3 +270,25 @@ def test_serve_quick_runs_end_to_end_with_reps(tmp_path: Path) -> None:
                     "**Goals (issue #13), as the issue states them:**", "median of 2 independent conversations"):
         assert heading in md, heading
     assert (out / "serve_ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- bench/memory_kinds.py ----------------------------------------------------------------------------------
+
+
+def test_memory_kinds_bench_measures_a_recurrent_fixture(archs_bin: Path, tmp_path: Path) -> None:
+    """One repetition on mamba: resume and regenerate evaluate no history, re-ingest evaluates all of it, the
+    state grows by whole recurrent states per exchange, and the table and chart are written."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "results"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATCLI_")}
+    env.update(CHATCLI_TEST_LLAMA_ARCHS=str(archs_bin), PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "bench.memory_kinds", "--arch", "mamba", "--reps", "1",
+                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=900, cwd=str(REPO))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [row] = json.loads((out / "memory_kinds.json").read_text())["rows"]
+    assert row["memory"] == "recurrent" and row["turns"] >= 3
+    assert row["resume_reevaluated"] == 0 and row["regen_history_evaluated"] == 0
+    assert row["reingest_reevaluated"] == row["tokens"] > 150
+    assert row["bytes_per_turn"] > 2 * row["prefix_bytes"] * 0.9  # two points (message, reply) per exchange
+    assert "| mamba-dense | recurrent |" in (out / "memory_kinds.md").read_text()
+    assert (out / "memory_kinds.png").stat().st_size > 0
