@@ -67,6 +67,11 @@ class ChatRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     conversation: str | None = None  # continue this conversation (else: found by the index)
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    grammar: str = ""  # GBNF the reply is constrained to (response_format)
 
 
 @dataclass
@@ -327,12 +332,23 @@ class ChatService:
                     f"(n_ctx {eng.n_ctx}, {self.session.settings.reserve} kept for the reply)", "messages")
 
     def _sampling(self, req: ChatRequest) -> Sampling:
+        """The request's sampling, checked against the model before anything is written."""
         s = self.session.settings
+        n_vocab = self.engine.n_vocab
+        for tok, _bias in req.logit_bias:
+            if not 0 <= tok < n_vocab:
+                raise ServiceError("invalid_request", f"logit_bias: token {tok} is not in the vocabulary "
+                                   f"(0..{n_vocab - 1})", "logit_bias")
+        if req.grammar and not self.session.local_engine.grammar_ok(req.grammar):
+            raise ServiceError("invalid_request", "response_format: llama.cpp cannot build a grammar for it",
+                               "response_format")
         return Sampling(
             temperature=s.temperature if req.temperature is None else req.temperature,
             top_p=s.top_p if req.top_p is None else req.top_p,
             top_k=s.top_k if req.top_k is None else req.top_k,
             repeat_penalty=s.repeat_penalty if req.repeat_penalty is None else req.repeat_penalty,
+            min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0, logit_bias=req.logit_bias, grammar=req.grammar,
         )
 
     def _warm(self, cid: str) -> bool:
