@@ -90,7 +90,8 @@ def test_logit_bias_bans_the_greedy_first_token(http: TestClient, module_session
 def test_min_p_one_keeps_only_the_top_token(http: TestClient) -> None:
     """At temperature 2, min_p = 1 leaves only the most likely token: the greedy reply, whatever the seed."""
     greedy = ask(http, "Name a colour.").choices[0].message.content
-    hot = [ask(http, "Name a colour.", temperature=2.0, seed=s, extra_body={"min_p": 1.0}).choices[0].message.content for s in (1, 2)]
+    hot = [ask(http, "Name a colour.", temperature=2.0, seed=s, extra_body={"min_p": 1.0}).choices[0].message.content
+           for s in (1, 2)]
     assert hot == [greedy, greedy]
     wild = ask(http, "Name a colour.", temperature=2.0, seed=1).choices[0].message.content
     assert wild != greedy  # without min_p the same seed strays: the field is what made the difference

@@ -570,9 +570,8 @@ class Engine:
             bad = [t for t, _ in s.logit_bias if not 0 <= t < self.n_vocab]
             if bad:
                 raise EngineError(f"logit_bias: token {bad[0]} is not in the vocabulary (0..{self.n_vocab - 1})")
-            arr = (llama_cpp.llama_logit_bias * len(s.logit_bias))()
-            for i, (tok, bias) in enumerate(s.logit_bias):
-                arr[i].token, arr[i].bias = tok, bias
+            arr = (llama_cpp.llama_logit_bias * len(s.logit_bias))(
+                *(llama_cpp.llama_logit_bias(token=tok, bias=bias) for tok, bias in s.logit_bias))
             llama_cpp.llama_sampler_chain_add(
                 chain, llama_cpp.llama_sampler_init_logit_bias(self.n_vocab, len(s.logit_bias), arr))
         if s.grammar:

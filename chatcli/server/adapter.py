@@ -30,6 +30,10 @@ from chatcli.core.template import Message
 from chatcli.session import Session
 
 
+class StaleForkError(ValueError):
+    """The parent no longer has the boundary a fork was asked for (changed since it was indexed)."""
+
+
 @dataclass
 class Opened:
     conv: Conversation
@@ -143,10 +147,11 @@ def fork_at(store: ConversationStore, parent: ConversationDir, k: int, meta_upda
     events = parent.read_transcript().events
     r = replay_events(events)
     if not 0 <= k <= len(r.active):
-        raise ValueError(f"cannot fork {parent.id} after {k} messages: it has {len(r.active)}")
+        raise StaleForkError(f"cannot fork {parent.id} after {k} messages: it has {len(r.active)}")
     keep = r.active[:k]
     cut = keep[-1].p1 if keep else len(r.prefix_tokens)
-    child_meta = {key: v for key, v in meta.items() if key not in ("id", "created", "updated")}
+    # "evicted" describes the parent's state file, not the child's (whose state is shared or copied).
+    child_meta = {key: v for key, v in meta.items() if key not in ("id", "created", "updated", "evicted")}
     child_meta.update(forked_from=parent.id, turns=sum(1 for m in keep if m.role == "user"), tokens=cut, **meta_update)
     child = store.create(child_meta)
     child.lock()
@@ -176,10 +181,19 @@ def copy_state(src: Path, dst: Path, cut: int) -> int:
     return fork_state(src, dst, cut)
 
 
+KV_STAMP = 4  # the first entries of ``stamp``: transcript and state file (what the resident KV depends on)
+
+
+def reload_meta(conv: Conversation) -> None:
+    """Take the metadata another process wrote (a title) into a resident conversation."""
+    conv.meta = conv.dir.read_meta()
+
+
 def stamp(conv_dir: ConversationDir) -> tuple[int, ...]:
-    """What changes when anyone writes the conversation: a resident copy is valid while this is unchanged."""
+    """What changes when anyone writes the conversation: its transcript and state file (a resident copy's
+    KV is valid while those are unchanged), then its metadata (to be re-read when it changed)."""
     out = []
-    for p in (conv_dir.transcript_path, conv_dir.state_path):
+    for p in (conv_dir.transcript_path, conv_dir.state_path, conv_dir.meta_path):
         try:
             st = Path(p).stat()
             out += [st.st_size, st.st_mtime_ns]

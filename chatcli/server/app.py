@@ -205,9 +205,21 @@ async def _read_json(request: Request, max_body: int) -> Any:
         chunks.append(chunk)
     raw = b"".join(chunks)
     try:
-        return json.loads(raw.decode("utf-8"))
+        doc = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise APIError("invalid_json", "the request body is nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise APIError("invalid_json", f"the request body is not valid JSON ({exc})") from None
+    try:
+        # JSON may escape a lone UTF-16 surrogate ("\ud800"), which no UTF-8 file or tokenizer can take:
+        # refused here, before a conversation is made for it. Encoding the whole body back is the one
+        # check that sees every string, keys included.
+        json.dumps(doc, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError("invalid_json", "the request body holds a lone UTF-16 surrogate (an invalid \\u escape)") from None
+    except RecursionError:
+        raise APIError("invalid_json", "the request body is nested too deeply") from None
+    return doc
 
 
 class _Run:
@@ -243,11 +255,15 @@ class _Run:
             log.exception("request failed")
             self._put(ServiceError("server_error", f"internal error ({type(exc).__name__})"))
         finally:
-            close = getattr(it, "close", None)
-            if close is not None:
-                close()
-            self.running.discard(self)
-            self._put(_END)
+            try:
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()  # records a reply cut short: may fail (disk full), the end must still be sent
+            except Exception:
+                log.exception("recording the end of a request failed")
+            finally:
+                self.running.discard(self)
+                self._put(_END)
 
     async def next(self) -> object:
         return await self.queue.get()
@@ -311,7 +327,8 @@ async def _sse(run: _Run, rid: str, created: int, model: str, include_usage: boo
             elif isinstance(ev, Finished):
                 finished = True
                 _log_done(rid, ev, ttft or time.perf_counter() - t0)
-                yield chunk({}, ev.finish_reason, usage=_usage(ev), chatcli=_extension(ev))
+                # Usage only in its own chunk, and only when asked (stream_options.include_usage), as OpenAI.
+                yield chunk({}, ev.finish_reason, chatcli=_extension(ev))
                 if include_usage:
                     yield {"data": json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
                                                "model": model, "choices": [], "usage": _usage(ev)})}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from collections.abc import Iterable
@@ -23,12 +24,14 @@ from typing import Any
 
 from chatcli.core.conversation import Replay, replay_events
 from chatcli.core.files.fsutil import atomic_write_text
+from chatcli.core.files.migrations import FormatError
 from chatcli.core.files.store import _ID_RE, ConversationDir, ConversationStore, StoreError
 from chatcli.core.template import Message
 from chatcli.core.transcript import message_parts
 from chatcli.server import history
 
 INDEX_VERSION = 2  # 2: a reply's key is its answer (reasoning left out): keys of version 1 are recomputed
+log = logging.getLogger("chatcli.server")
 _TRANSCRIPT = ConversationDir(Path(".")).transcript_path.name  # the file whose size and mtime say "changed"
 
 
@@ -190,22 +193,29 @@ class PrefixIndex:
     def _index_dir(self, conv: ConversationDir, size: int, mtime: int) -> None:
         try:
             meta = conv.read_meta()
-        except StoreError:
+            r = replay_events(conv.read_transcript().events)
+            self._set(conv.id, size, mtime, r, meta)
+        except (StoreError, FormatError, OSError, ValueError, TypeError, AttributeError) as exc:
+            # One unusable folder (a newer chatcli's, wrongly typed metadata, an unreadable transcript) is
+            # left out, as `chatcli ls` leaves it out, and said once: it is remembered with no boundaries,
+            # so it is read again only when its transcript changes.
+            log.warning("conversation %s skipped: %s", conv.id, str(exc).splitlines()[0] if str(exc) else
+                        type(exc).__name__)
             self._drop(conv.id)
-            return
-        r = replay_events(conv.read_transcript().events)
-        self._set(conv.id, size, mtime, r, meta)
+            self._convs[conv.id] = _Conv(size, mtime, "", None, 0.0, [], 0)
+            self._dirty = True
 
     def _set(self, cid: str, size: int, mtime: int, r: Replay, meta: dict[str, Any]) -> None:
         self._drop(cid)
-        model = {k: v for k, v in (meta.get("model") or {}).items() if k != "path"}
-        n_ctx = int((meta.get("params") or {}).get("n_ctx", 0) or 0)
+        model = {k: v for k, v in dict(meta.get("model") or {}).items() if k != "path"}
+        n_ctx = int(dict(meta.get("params") or {}).get("n_ctx", 0) or 0)
+        updated = float(meta.get("updated", 0) or 0)
         usable = r.has_prefix and model == self.identity and n_ctx == self.n_ctx
         persona = tuple(r.persona_messages)
         root = self.root(persona) if usable else ""
         entries = conversation_keys(root, r) if usable else []
         info = PersonaInfo(persona, str(meta.get("persona", "")), str(meta.get("persona_hash", ""))) if usable else None
-        self._convs[cid] = _Conv(size, mtime, root, info, float(meta.get("updated", 0) or 0), entries, len(r.active))
+        self._convs[cid] = _Conv(size, mtime, root, info, updated, entries, len(r.active))
         self._add(cid)
         self._dirty = True
 
@@ -228,7 +238,18 @@ class PrefixIndex:
 
     # -- persistence -----------------------------------------------------------------------------------
 
+    def _remove_stale_temp_files(self, age: float = 60.0) -> None:
+        """Temp files of saves cut short by a kill: never renamed into place, so removed (only old ones:
+        a younger one may be another server's save in progress)."""
+        try:
+            for tmp in self.path.parent.glob(f".{self.path.name}.*.tmp"):
+                if time.time() - tmp.stat().st_mtime > age:
+                    tmp.unlink()
+        except OSError:
+            pass
+
     def _load(self) -> None:
+        self._remove_stale_temp_files()
         try:
             doc = json.loads(self.path.read_text("utf-8"))
             if doc.get("version") != INDEX_VERSION or doc.get("stamp") != self._stamp:

@@ -34,7 +34,7 @@ def grammar_for(response_format: dict[str, Any] | None) -> str:
         schema = spec.get("schema", {})
         try:
             return str(llama_grammar.json_schema_to_gbnf(json.dumps(schema)))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             # The converter raises whatever it meets (AssertionError for an unresolvable $ref, KeyError,
             # NotImplementedError for an unknown type): all mean "this schema", one line for the client.
             raise ResponseFormatError(f"response_format.json_schema.schema: cannot be used ({exc})") from None

@@ -45,15 +45,30 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
             "and the stored conversations; set --api-key (and put TLS in front on an untrusted network)")
 
 
+def bind_address(host: str) -> tuple[socket.AddressFamily, str]:
+    """The socket family and the address to bind for ``--host``: an IPv6 address may come in URL brackets
+    (``[::1]``), which ``bind`` does not take."""
+    bare = host.strip()
+    if bare.startswith("[") and bare.endswith("]"):
+        bare = bare[1:-1]
+    return (socket.AF_INET6 if ":" in bare else socket.AF_INET), bare
+
+
+def url_host(host: str) -> str:
+    """``host`` as it is written in a URL (an IPv6 address in brackets)."""
+    bare = bind_address(host)[1]
+    return f"[{bare}]" if ":" in bare else bare
+
+
 def listen_problem(host: str, port: int) -> str | None:
     """Why ``host:port`` cannot be listened on (in use, not allowed, no such address), or None: checked
     before the model loads, so a port in use is said at once instead of after the loading. The test
     socket is bound as the server's will be, then closed."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    family, bare = bind_address(host)
     try:
         with socket.socket(family, socket.SOCK_STREAM) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
+            sock.bind((bare, port))
     except OSError as exc:
         return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
     return None
@@ -72,11 +87,11 @@ def serve(settings: Settings, paths: Paths, session: Session) -> int:
                             lifespan="off")
     server = _server_class(app.state.stop_requests)(config)
     # Bind here, so a port in use is one clear error line (OSError) instead of uvicorn's exit.
-    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    family, bare = bind_address(settings.host)
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((settings.host, settings.port))
+        sock.bind((bare, settings.port))
     except OSError as exc:
         sock.close()
         raise OSError(exc.errno, f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}") from None
@@ -85,7 +100,8 @@ def serve(settings: Settings, paths: Paths, session: Session) -> int:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     eng = session.engine
     n_indexed = len(service.index)
-    print(f"chatcli serve: http://{settings.host}:{settings.port}/v1 · model {service.model_id} ({service.model_name}) · "
+    url = f"http://{url_host(settings.host)}:{settings.port}/v1"
+    print(f"chatcli serve: {url} · model {service.model_id} ({service.model_name}) · "
           f"n_ctx {eng.n_ctx} · {settings.parallel} resident · {n_indexed} conversation{'' if n_indexed == 1 else 's'} indexed"
           + (" · API key required" if settings.api_key else ""), file=sys.stderr, flush=True)
     try:

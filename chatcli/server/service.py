@@ -38,6 +38,7 @@ from chatcli.core.conversation import (
     replay_events,
 )
 from chatcli.core.files.store import ConversationDir, LockedError, StoreError
+from chatcli.core.kv.prefix import persona_prefix_tokens
 from chatcli.core.template import Message, TemplateError
 from chatcli.server import adapter, history
 from chatcli.server.history import HistoryError, SplitHistory
@@ -197,8 +198,10 @@ class ChatService:
             raise ServiceError("invalid_request", str(exc), exc.param) from None
         except ContextFullError as exc:
             raise ServiceError("context_length_exceeded", str(exc), "messages") from None
-        except LockedError as exc:
-            raise ServiceError("conflict", str(exc)) from None
+        except LockedError:
+            # Not the store's message: it names the process holding the lock, nothing a client should see.
+            raise ServiceError("conflict", "the conversation is in use (by another request or a chatcli "
+                               "process): retry later") from None
         except StoreError as exc:
             raise ServiceError("not_found", str(exc), "conversation") from None
         except (ConversationError, TemplateError) as exc:
@@ -244,8 +247,10 @@ class ChatService:
                 steps = adapter.append(conv, m)
                 for _ in steps:
                     if cancelled():
-                        _close(steps)  # this message is taken back out; the ones before it stay
-                        self._gone(conv, rq, prep)
+                        try:
+                            _close(steps)  # this message is taken back out; the ones before it stay
+                        finally:
+                            self._gone(conv, rq, prep)
                         return
             if cancelled():
                 self._gone(conv, rq, prep)
@@ -265,8 +270,10 @@ class ChatService:
         try:
             for ev in gen:
                 if isinstance(ev, Progress) and ev.stoppable and cancelled():
-                    _close(gen)  # between two batches of the prompt: the message is taken back out
-                    self._gone(conv, rq, prep)
+                    try:
+                        _close(gen)  # between two batches of the prompt: the message is taken back out
+                    finally:
+                        self._gone(conv, rq, prep)
                     return
                 if isinstance(ev, Notice):
                     notices.append(ev.text)
@@ -284,12 +291,18 @@ class ChatService:
                 elif isinstance(ev, ReplyEnd):
                     end = ev
         except ContextFullError:
-            _close(gen)
-            self._abandon(conv, rq, remove=prep.created and started is None)
+            try:
+                _close(gen)
+            finally:
+                self._abandon(conv, rq, remove=prep.created and started is None)
             raise
         except BaseException:
-            _close(gen)  # a consumer that went away: the reply so far is recorded like a Ctrl-C'd one
-            self._release(conv, rq)
+            # A consumer that went away: the reply so far is recorded like a Ctrl-C'd one. Recording can
+            # fail (disk full); the conversation's lock and context are given back either way.
+            try:
+                _close(gen)
+            finally:
+                self._release(conv, rq)
             raise
         self._release(conv, rq)
         assert started is not None and end is not None
@@ -330,6 +343,18 @@ class ChatService:
                     "context_length_exceeded",
                     f"message {len(sh.persona) + n} is longer than the context allows "
                     f"(n_ctx {eng.n_ctx}, {self.session.settings.reserve} kept for the reply)", "messages")
+
+    def _check_persona_fits(self, sh: SplitHistory) -> None:
+        """A new conversation's persona prefix must leave room for a message and the reply: checked before
+        its folder is made (a prefix that fails to fit left a folder behind, and the next identical request
+        then met that folder and another error)."""
+        eng = self.engine
+        n = len(persona_prefix_tokens(eng, self.session.template, list(sh.persona)))
+        if n >= eng.n_ctx - self.session.settings.reserve:
+            raise ServiceError(
+                "context_length_exceeded",
+                f"the messages before the first user message are {n} tokens, longer than the context allows "
+                f"(n_ctx {eng.n_ctx}, {self.session.settings.reserve} kept for the reply)", "messages")
 
     def _sampling(self, req: ChatRequest) -> Sampling:
         """The request's sampling, checked against the model before anything is written."""
@@ -414,8 +439,11 @@ class ChatService:
             parent = ConversationDir(self.store.root / e.conv)
             holder = next((s for s in self._slots if s.conv is not None and s.conv.id == e.conv and not s.busy), None)
             # A resident parent's cells are in its context already: the fork only cuts them back.
-            in_engine = holder is not None and adapter.stamp(parent) == holder.stamp
-            child, _ = adapter.fork_at(self.store, parent, e.k, {"source": "api"})
+            in_engine = holder is not None and adapter.stamp(parent)[:adapter.KV_STAMP] == holder.stamp[:adapter.KV_STAMP]
+            try:
+                child, _ = adapter.fork_at(self.store, parent, e.k, {"source": "api"})
+            except adapter.StaleForkError as exc:  # its transcript changed since it was indexed
+                raise ServiceError("conflict", f"{exc}: it changed since it was indexed, retry") from None
             adopted = None
             if holder is not None and in_engine:
                 self._take(holder, rq)
@@ -436,6 +464,7 @@ class ChatService:
             name, phash = info.name, info.hash  # a REPL persona: its prefix cache entry is reused
         else:
             name, phash = API_PERSONA, history.persona_hash(sh.persona)
+        self._check_persona_fits(sh)
         slot = self._take(self._free_slot(), rq)
         rq.how = "new"
         opened = adapter.create(self.session, slot.engine, persona=sh.persona, persona_name=name, persona_hash=phash,
@@ -451,7 +480,12 @@ class ChatService:
                     raise LockedError(f"conversation {cid} is in use by another request")
                 slot.conv.dir.lock()
                 self._take(slot, rq)
-                if adapter.stamp(slot.conv.dir) == slot.stamp:
+                now = adapter.stamp(slot.conv.dir)
+                if now[:adapter.KV_STAMP] == slot.stamp[:adapter.KV_STAMP]:
+                    if now != slot.stamp:
+                        # Only the metadata changed (a title set in the REPL): take it, or the next
+                        # write of this copy's stale metadata would revert it.
+                        adapter.reload_meta(slot.conv)
                     rq.how = "memory"
                     return slot.conv  # its KV is what this context holds: nothing to restore
                 slot.conv.dir.unlock()  # someone else wrote it since: restore from disk
@@ -492,12 +526,14 @@ class ChatService:
     def _release(self, conv: Conversation, rq: _Req) -> None:
         """The request is done with the conversation: it stays resident in its context, unlocked."""
         with self._cond:
-            self.index.update(conv.dir, conv.r, conv.meta)
-            if rq.slot is not None:
-                rq.slot.conv = conv
-                rq.slot.stamp = adapter.stamp(conv.dir)
-                rq.slot.used = time.monotonic()
-            conv.dir.unlock()
+            try:
+                self.index.update(conv.dir, conv.r, conv.meta)
+                if rq.slot is not None:
+                    rq.slot.conv = conv
+                    rq.slot.stamp = adapter.stamp(conv.dir)
+                    rq.slot.used = time.monotonic()
+            finally:
+                conv.dir.unlock()
             self.index.save_soon()
 
     def _gone(self, conv: Conversation, rq: _Req, prep: _Prepared) -> None:
