@@ -30,7 +30,20 @@ from chatcli.core.template import Message
 from chatcli.core.transcript import message_parts
 from chatcli.server import history
 
-INDEX_VERSION = 2  # 2: a reply's key is its answer (reasoning left out): keys of version 1 are recomputed
+# 2: a reply's key is its answer (reasoning left out): keys of version 1 are recomputed
+# 3: each conversation's owner (API clients are matched only with their own)
+INDEX_VERSION = 3
+REPL_OWNER = "repl"  # the owner of conversations not made through the API
+
+
+def owner_of(meta: dict[str, Any]) -> str:
+    """Whose a conversation is: an API client's namespace (``api:`` + its key's id, ``api:`` without a key),
+    or the REPL's."""
+    if meta.get("source") != "api":
+        return REPL_OWNER
+    return "api:" + str(meta.get("api_client", ""))
+
+
 log = logging.getLogger("chatcli.server")
 _TRANSCRIPT = ConversationDir(Path(".")).transcript_path.name  # the file whose size and mtime say "changed"
 
@@ -44,6 +57,7 @@ class Entry:
     pos: int
     rest: int  # messages the conversation has after the boundary (0: its end, continuing needs no fork)
     updated: float
+    owner: str = ""
 
     @property
     def end(self) -> bool:
@@ -66,6 +80,7 @@ class _Conv:
     updated: float
     entries: list[tuple[str, int, int]]  # (key, k, pos)
     n_active: int
+    owner: str = ""  # see owner_of
 
 
 def _answer(ev: dict[str, Any]) -> str:
@@ -123,27 +138,31 @@ class PrefixIndex:
     def root(self, persona: Iterable[Message]) -> str:
         return history.root_key(self.identity, self.n_ctx, self.template_source, tuple(persona))
 
-    def personas(self) -> list[tuple[Message, ...]]:
-        """Personas of the indexed conversations (to recognise a REPL persona a client resends whole)."""
+    def personas(self, owners: frozenset[str] | None = None) -> list[tuple[Message, ...]]:
+        """Personas of the indexed conversations (to recognise a REPL persona a client resends whole);
+        of those ``owners`` have, when given."""
         seen: dict[tuple[Message, ...], None] = {}
         for c in self._convs.values():
-            if c.persona is not None and c.entries:
+            if c.persona is not None and c.entries and (owners is None or c.owner in owners):
                 seen[c.persona.messages] = None
         return list(seen)
 
-    def persona_for_root(self, root: str) -> PersonaInfo | None:
+    def persona_for_root(self, root: str, owners: frozenset[str] | None = None) -> PersonaInfo | None:
         for c in self._convs.values():
-            if c.root == root and c.persona is not None:
+            if c.root == root and c.persona is not None and (owners is None or c.owner in owners):
                 return c.persona
         return None
 
     # -- lookup --------------------------------------------------------------------------------------
 
-    def lookup(self, root: str, keys: list[str], *, only: str | None = None) -> tuple[int, list[Entry]]:
-        """The longest matched boundary: (messages matched after the persona, entries); (-1, []) if none."""
+    def lookup(self, root: str, keys: list[str], *, only: str | None = None,
+               owners: frozenset[str] | None = None) -> tuple[int, list[Entry]]:
+        """The longest matched boundary: (messages matched after the persona, entries); (-1, []) if none.
+        ``owners``: only conversations of these owners (a client never meets another's)."""
         for i in range(len(keys), -1, -1):
             key = keys[i - 1] if i else root
-            found = [e for e in self._keys.get(key, ()) if only is None or e.conv == only]
+            found = [e for e in self._keys.get(key, ())
+                     if (only is None or e.conv == only) and (owners is None or e.owner in owners)]
             if found:
                 return i, found
         return -1, []
@@ -215,14 +234,14 @@ class PrefixIndex:
         root = self.root(persona) if usable else ""
         entries = conversation_keys(root, r) if usable else []
         info = PersonaInfo(persona, str(meta.get("persona", "")), str(meta.get("persona_hash", ""))) if usable else None
-        self._convs[cid] = _Conv(size, mtime, root, info, updated, entries, len(r.active))
+        self._convs[cid] = _Conv(size, mtime, root, info, updated, entries, len(r.active), owner_of(meta))
         self._add(cid)
         self._dirty = True
 
     def _add(self, cid: str) -> None:
         c = self._convs[cid]
         for key, k, pos in c.entries:
-            self._keys.setdefault(key, []).append(Entry(cid, k, pos, c.n_active - k, c.updated))
+            self._keys.setdefault(key, []).append(Entry(cid, k, pos, c.n_active - k, c.updated, c.owner))
 
     def _drop(self, cid: str) -> None:
         c = self._convs.pop(cid, None)
@@ -262,7 +281,7 @@ class PrefixIndex:
                                           str(p["name"]), str(p["hash"]))
                 self._convs[cid] = _Conv(int(c["size"]), int(c["mtime"]), str(c["root"]), persona,
                                          float(c["updated"]), [(str(k), int(a), int(b)) for k, a, b in c["entries"]],
-                                         int(c["n_active"]))
+                                         int(c["n_active"]), str(c["owner"]))
                 self._add(cid)
         except (OSError, ValueError, KeyError, TypeError, IndexError):
             self._convs.clear()  # an unreadable index is only a cache: start over
@@ -282,7 +301,7 @@ class PrefixIndex:
                 persona = {"messages": [[m.role, m.content] for m in c.persona.messages],
                            "name": c.persona.name, "hash": c.persona.hash}
             convs[cid] = {"size": c.size, "mtime": c.mtime, "root": c.root, "persona": persona,
-                          "updated": c.updated, "entries": c.entries, "n_active": c.n_active}
+                          "updated": c.updated, "entries": c.entries, "n_active": c.n_active, "owner": c.owner}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             atomic_write_text(self.path, json.dumps({"version": INDEX_VERSION, "stamp": self._stamp, "convs": convs},

@@ -37,12 +37,13 @@ from chatcli.core.conversation import (
     ReplyText,
     replay_events,
 )
+from chatcli.core.files.migrations import FormatError
 from chatcli.core.files.store import ConversationDir, LockedError, StoreError
 from chatcli.core.kv.prefix import persona_prefix_tokens
 from chatcli.core.template import Message, TemplateError
 from chatcli.server import adapter, history
 from chatcli.server.history import HistoryError, SplitHistory
-from chatcli.server.index import Entry, PrefixIndex, conversation_keys
+from chatcli.server.index import REPL_OWNER, Entry, PrefixIndex, conversation_keys, owner_of
 from chatcli.session import Session
 
 API_PERSONA = "(api)"  # persona name of conversations whose prefix came from a request's system message
@@ -68,6 +69,7 @@ class ChatRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     conversation: str | None = None  # continue this conversation (else: found by the index)
+    client: str = ""  # the API client's namespace (its key's id; "" without keys): it meets only its own
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -158,8 +160,10 @@ class ChatService:
     run at the same time, each on the context it took; with every context busy, a request waits.
     """
 
-    def __init__(self, session: Session, *, parallel: int = 1, index_path: Path | None = None) -> None:
+    def __init__(self, session: Session, *, parallel: int = 1, index_path: Path | None = None,
+                 repl_access: bool = False) -> None:
         self.session = session
+        self.repl_access = repl_access  # REPL conversations can be matched, named and forked from the API
         self.engine = session.engine
         self.store = session.store
         self.index = PrefixIndex(
@@ -173,6 +177,7 @@ class ChatService:
         # them restores nothing. The least recently used is released (its state is already on disk).
         engine, model = session.local_engine, session.local_model
         self._slots = [_Slot(engine)] + [_Slot(engine.sibling()) for _ in range(parallel - 1)]
+        self.parallel = parallel
         self.model_name = model.info.name or Path(str(model.path)).stem  # for people: the GGUF's general.name
         # For clients (``GET /v1/models``, the responses' ``model``): the file's stem, as llama-server names a
         # model by its file, so an id can be typed (general.name often has spaces). Any name is accepted.
@@ -202,8 +207,9 @@ class ChatService:
             # Not the store's message: it names the process holding the lock, nothing a client should see.
             raise ServiceError("conflict", "the conversation is in use (by another request or a chatcli "
                                "process): retry later") from None
-        except StoreError as exc:
-            raise ServiceError("not_found", str(exc), "conversation") from None
+        except StoreError:
+            # The store's messages name folders and other ids: a client is told only that it is gone.
+            raise ServiceError("not_found", "the conversation is no longer available", "conversation") from None
         except (ConversationError, TemplateError) as exc:
             raise ServiceError("invalid_request", str(exc)) from None
         except EngineError as exc:
@@ -218,19 +224,20 @@ class ChatService:
     def _prepare(self, req: ChatRequest, rq: _Req) -> _Prepared:
         """Under the lock: find the conversation, take a context, restore or fork into it."""
         self.index.refresh(save=False)  # saved after the reply (``_release``), not before its first token
-        sh, explicit = self._split(req)
+        owners = self._owners(req)
+        sh, explicit = self._split(req, owners)
         root = self.index.root(sh.persona)
         keys = history.chain(root, sh.turns)
-        i, entries = self.index.lookup(root, keys, only=explicit)
+        i, entries = self.index.lookup(root, keys, only=explicit, owners=owners)
         if explicit is not None and i < 0:
             raise ServiceError("conflict", f"conversation {explicit} was made with another model or context size")
         if explicit is None:
-            i, entries = self._choose(root, keys, i, entries)
+            i, entries = self._choose(root, keys, i, entries, owners)
         self._check_fits(sh, max(i, 0))
         sampling = self._sampling(req)
         max_tokens = req.max_tokens or self.session.settings.max_tokens
         conv, created, forked_from, tail = self._acquire(sh, root, keys, i, entries, sampling, max_tokens,
-                                                         explicit, rq)
+                                                         explicit, rq, owners, self._new_meta(req))
         adapter.configure(conv, sampling=sampling, max_tokens=max_tokens, stop=req.stop)
         seed = req.seed if req.seed is not None else secrets.randbits(31)
         return _Prepared(conv, created, forked_from, tail, seed)
@@ -316,13 +323,35 @@ class ChatService:
 
     # -- steps ------------------------------------------------------------------------------------------
 
-    def _split(self, req: ChatRequest) -> tuple[SplitHistory, str | None]:
+    def _owners(self, req: ChatRequest) -> frozenset[str]:
+        """Whose conversations this request may match, name or fork: its client's, and the REPL's only
+        when the server was told to share them (``api_repl_access``)."""
+        own = "api:" + req.client
+        return frozenset({own, REPL_OWNER}) if self.repl_access else frozenset({own})
+
+    @staticmethod
+    def _new_meta(req: ChatRequest) -> dict[str, str]:
+        """Metadata of a conversation this request creates (new or forked): whose it is."""
+        return {"source": "api", **({"api_client": req.client} if req.client else {})}
+
+    def _split(self, req: ChatRequest, owners: frozenset[str]) -> tuple[SplitHistory, str | None]:
         msgs = history.normalize(req.messages)
         if req.conversation is None:
-            return history.split(msgs, self.index.personas()), None
-        conv_dir = self.store.resolve(req.conversation)
-        if conv_dir.id != req.conversation:
-            raise StoreError(f"no conversation {req.conversation!r} (give the whole id)")
+            return history.split(msgs, self.index.personas(owners)), None
+        # A whole id of one of this client's conversations, else 404 — the same answer whether it exists
+        # for someone else, is a prefix of several ids, or does not exist: a client learns nothing of others.
+        gone = ServiceError("not_found", "no such conversation (name one of yours by its whole id)", "conversation")
+        try:
+            self.store.validate_id(req.conversation)
+        except StoreError:
+            raise gone from None
+        conv_dir = ConversationDir(self.store.root / req.conversation)
+        try:
+            meta = conv_dir.read_meta()
+        except (StoreError, FormatError):
+            raise gone from None
+        if owner_of(meta) not in owners:
+            raise gone
         r = replay_events(conv_dir.read_transcript().events)
         persona = tuple(r.persona_messages)
         if persona and tuple(msgs[:len(persona)]) == persona:
@@ -385,7 +414,8 @@ class ChatService:
         except OSError:
             return False
 
-    def _choose(self, root: str, keys: list[str], i: int, entries: list[Entry]) -> tuple[int, list[Entry]]:
+    def _choose(self, root: str, keys: list[str], i: int, entries: list[Entry],
+                owners: frozenset[str]) -> tuple[int, list[Entry]]:
         """The boundary to continue from and the conversations holding it, by the tokens the request will
         evaluate: a warm conversation saves its matched prefix, a cold one saves nothing (it is rebuilt
         whole). So the longest match loses to a shorter one only when it is cold and the shorter is warm.
@@ -401,17 +431,17 @@ class ChatService:
         j, ents = i, entries
         while j >= 1:
             options += [(e.pos if self._warm(e.conv) else 0, j, e) for e in ents]
-            j, ents = self.index.lookup(root, keys[:j - 1])
+            j, ents = self.index.lookup(root, keys[:j - 1], owners=owners)
         saved, j = max((o[0], o[1]) for o in options)  # ties: the longer match
         if saved > 0:
             return j, [o[2] for o in options if o[1] == j]  # _acquire tries the warm ones first
         if any(e.end for e in entries):
             return i, entries
-        return 0, self.index.lookup(root, [])[1]
+        return 0, self.index.lookup(root, [], owners=owners)[1]
 
     def _acquire(
         self, sh: SplitHistory, root: str, keys: list[str], i: int, entries: list[Entry], sampling: Sampling,
-        max_tokens: int, explicit: str | None, rq: _Req,
+        max_tokens: int, explicit: str | None, rq: _Req, owners: frozenset[str], new_meta: dict[str, str],
     ) -> tuple[Conversation, bool, str | None, Sequence[Message]]:
         """The conversation to continue, positioned at the matched boundary, in a context this request
         now holds; whether it is new; the conversation it was forked from; the messages still to append."""
@@ -441,7 +471,7 @@ class ChatService:
             # A resident parent's cells are in its context already: the fork only cuts them back.
             in_engine = holder is not None and adapter.stamp(parent)[:adapter.KV_STAMP] == holder.stamp[:adapter.KV_STAMP]
             try:
-                child, _ = adapter.fork_at(self.store, parent, e.k, {"source": "api"})
+                child, _ = adapter.fork_at(self.store, parent, e.k, new_meta)
             except adapter.StaleForkError as exc:  # its transcript changed since it was indexed
                 raise ServiceError("conflict", f"{exc}: it changed since it was indexed, retry") from None
             adopted = None
@@ -459,7 +489,7 @@ class ChatService:
             return conv, True, e.conv, sh.turns[i:]
         # Nothing stored shares more than the persona: a new conversation from the (cached) prefix. It is
         # not a fork of whichever conversation shares that persona (nothing of theirs is copied).
-        info = self.index.persona_for_root(root) if i == 0 else None
+        info = self.index.persona_for_root(root, owners) if i == 0 else None
         if info is not None and info.hash:
             name, phash = info.name, info.hash  # a REPL persona: its prefix cache entry is reused
         else:
@@ -469,7 +499,7 @@ class ChatService:
         rq.how = "new"
         opened = adapter.create(self.session, slot.engine, persona=sh.persona, persona_name=name, persona_hash=phash,
                                 seed=secrets.randbits(31), sampling=sampling, max_tokens=max_tokens,
-                                meta={"source": "api"})
+                                meta=new_meta)
         return opened.conv, True, None, sh.turns
 
     def _open(self, cid: str, sampling: Sampling, max_tokens: int, rq: _Req) -> Conversation:
