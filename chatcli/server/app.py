@@ -86,6 +86,7 @@ def create_app(service: ChatService, *, api_keys: Sequence[str] = (), limits: Se
     keys = [(k.encode(), key_id(k)) for k in api_keys]
     admitted = [0]  # chat requests between arrival and response (the event loop's thread only: no lock)
     capacity = service.parallel + limits.max_queue
+    app.state.admitted = lambda: admitted[0]
 
     def client_of(token: str) -> str | None:
         """The namespace of the key sent, None for a wrong one. Every key is compared (compare_digest on
