@@ -46,6 +46,7 @@ from chatcli.server.history import HistoryError, SplitHistory
 from chatcli.server.index import REPL_OWNER, Entry, PrefixIndex, conversation_keys, owner_of
 from chatcli.session import Session
 
+_TURN_OVERHEAD = 8  # template tokens around one message (ChatML: 5), rounded up: the fit test errs on the safe side
 API_PERSONA = "(api)"  # persona name of conversations whose prefix came from a request's system message
 
 
@@ -232,7 +233,7 @@ class ChatService:
         if explicit is not None and i < 0:
             raise ServiceError("conflict", f"conversation {explicit} was made with another model or context size")
         if explicit is None:
-            i, entries = self._choose(root, keys, i, entries, owners)
+            i, entries = self._choose(root, keys, i, entries, owners, self._tail_fits(sh))
         self._check_fits(sh, max(i, 0))
         sampling = self._sampling(req)
         max_tokens = req.max_tokens or self.session.settings.max_tokens
@@ -414,8 +415,23 @@ class ChatService:
         except OSError:
             return False
 
+    def _tail_fits(self, sh: SplitHistory) -> Callable[[int, int], bool]:
+        """``fits(j, pos)``: the request's messages after boundary ``j``, appended to a state of ``pos``
+        tokens, leave the reply its reserve. Appended messages never shift the context (only the last
+        message's send does), so a boundary whose remaining history does not fit cannot be continued.
+        An estimate from above: each message's text tokens plus the template's few around it."""
+        eng, reserve = self.engine, self.session.settings.reserve
+        sizes: dict[int, int] = {}
+
+        def size(j: int) -> int:
+            if j not in sizes:
+                sizes[j] = sum(len(eng.tokenize(m.content, add_special=False)) + _TURN_OVERHEAD for m in sh.turns[j:])
+            return sizes[j]
+
+        return lambda j, pos: pos + size(j) + reserve <= eng.n_ctx
+
     def _choose(self, root: str, keys: list[str], i: int, entries: list[Entry],
-                owners: frozenset[str]) -> tuple[int, list[Entry]]:
+                owners: frozenset[str], fits: Callable[[int, int], bool]) -> tuple[int, list[Entry]]:
         """The boundary to continue from and the conversations holding it, by the tokens the request will
         evaluate: a warm conversation saves its matched prefix, a cold one saves nothing (it is rebuilt
         whole). So the longest match loses to a shorter one only when it is cold and the shorter is warm.
@@ -424,19 +440,23 @@ class ChatService:
         continued (it becomes warm again; a new conversation would save only the persona prefix and
         duplicate the history), but a cold one is never forked: a new conversation from the cached persona
         prefix evaluates less than a fork that rebuilds everything.
+
+        Only boundaries whose remaining history fits are options (``fits``); a conversation's own end
+        always is (its last message is sent, which shifts the context when it must).
         """
         if i <= 0:
             return i, entries
         options: list[tuple[int, int, Entry]] = []  # (tokens saved, boundary, entry)
         j, ents = i, entries
         while j >= 1:
-            options += [(e.pos if self._warm(e.conv) else 0, j, e) for e in ents]
+            options += [(e.pos if self._warm(e.conv) else 0, j, e) for e in ents
+                        if (j == i and e.end) or fits(j, e.pos)]
             j, ents = self.index.lookup(root, keys[:j - 1], owners=owners)
-        saved, j = max((o[0], o[1]) for o in options)  # ties: the longer match
+        saved, j = max(((o[0], o[1]) for o in options), default=(0, 0))  # ties: the longer match
         if saved > 0:
             return j, [o[2] for o in options if o[1] == j]  # _acquire tries the warm ones first
         if any(e.end for e in entries):
-            return i, entries
+            return i, [e for e in entries if e.end]  # not a sibling at i whose tail did not fit
         return 0, self.index.lookup(root, [], owners=owners)[1]
 
     def _acquire(
