@@ -68,7 +68,7 @@ def post(http: TestClient, key: str, **body: Any) -> Any:
 def test_two_clients_with_the_same_history_never_share_a_conversation(app: tuple[ChatService, TestClient]) -> None:
     svc, http = app
     a_id, a_text, _, _ = result(chat(http, KEYS[0], HISTORY))
-    b_id, b_text, usage, ext = result(chat(http, KEYS[1], HISTORY))
+    b_id, b_text, _, ext = result(chat(http, KEYS[1], HISTORY))
     assert a_id != b_id and a_text == b_text  # same model, same greedy reply, two conversations
     assert ext["forked_from"] is None and ext["state_from"] == "new"
     # Bob's continuation of the shared-looking history goes into Bob's conversation, never Alice's.
@@ -84,7 +84,7 @@ def test_two_clients_with_the_same_history_never_share_a_conversation(app: tuple
 
 
 def test_naming_another_clients_conversation_is_a_404_that_names_nothing(app: tuple[ChatService, TestClient]) -> None:
-    svc, http = app
+    _, http = app
     a_id, a_text, _, _ = result(chat(http, KEYS[0], HISTORY))
     nxt = [*HISTORY, {"role": "assistant", "content": a_text}, {"role": "user", "content": "Another."}]
     for ref in (a_id, a_id[:2], "zzzzzz"):  # another's whole id, a prefix, nothing
