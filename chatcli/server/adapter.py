@@ -8,7 +8,7 @@ message boundary lives here (``chatcli fork`` cuts at whole exchanges).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,10 @@ from chatcli.core.template import Message
 from chatcli.session import Session
 
 
+class OpenCancelled(Exception):
+    """Opening stopped between two batches because the request's client went away."""
+
+
 class StaleForkError(ValueError):
     """The parent no longer has the boundary a fork was asked for (changed since it was indexed)."""
 
@@ -41,11 +45,18 @@ class Opened:
     report: ResumeReport | None = None
 
 
-def _drain(gen: Iterator[Any], session: Session | None = None) -> Opened:
+def _drain(gen: Iterator[Any], session: Session | None = None, cancelled: Callable[[], bool] | None = None) -> Opened:
     conv: Conversation | None = None
     report: ResumeReport | None = None
     notices: list[str] = []
     for ev in gen:
+        if cancelled is not None and isinstance(ev, Progress) and cancelled():
+            # Between two evaluated batches of a rebuild: closing the opening releases the conversation's
+            # lock; the state file is rewritten only once a rebuild completes, so it is left as it was.
+            close = getattr(gen, "close", None)
+            if close is not None:
+                close()
+            raise OpenCancelled("the client went away")
         if isinstance(ev, Conversation):
             conv = ev
             if session is not None:  # the state budget applies after every state write (see Session)
@@ -76,12 +87,14 @@ def create(session: Session, engine: Engine, *, persona: Sequence[Message], pers
     return opened
 
 
-def open_(session: Session, engine: Engine, cid: str, *, sampling: Sampling, max_tokens: int) -> Opened:
-    """Restore a stored conversation (takes its lock; raises LockedError if another process has it)."""
+def open_(session: Session, engine: Engine, cid: str, *, sampling: Sampling, max_tokens: int,
+          cancelled: Callable[[], bool] | None = None) -> Opened:
+    """Restore a stored conversation (takes its lock; raises LockedError if another process has it).
+    ``cancelled`` is asked between batches of a rebuild: True stops it (``OpenCancelled``)."""
     return _drain(open_conversation(
         session.store, cid, engine, session.template, identity=session.identity(),
         sampling=sampling, max_tokens=max_tokens, reserve=session.settings.reserve, lock=True,
-    ), session)
+    ), session, cancelled)
 
 
 def adopt(session: Session, eng: Engine, cid: str, *, sampling: Sampling, max_tokens: int) -> Conversation | None:

@@ -19,6 +19,7 @@ a request runs on it, so ``chatcli resume`` can take over any conversation betwe
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 import time
@@ -198,8 +199,10 @@ class ChatService:
             with self._cond:
                 while all(s.busy for s in self._slots):
                     self._cond.wait()
-                prep = self._prepare(req, rq)
+                prep = self._prepare(req, rq, cancelled)
             yield from self._run(req, rq, prep, cancelled)
+        except adapter.OpenCancelled:
+            return  # the client left while its conversation was being restored: no reply, nothing kept
         except HistoryError as exc:
             raise ServiceError("invalid_request", str(exc), exc.param) from None
         except ContextFullError as exc:
@@ -222,7 +225,7 @@ class ChatService:
             with self._cond:
                 self._give_back(rq)
 
-    def _prepare(self, req: ChatRequest, rq: _Req) -> _Prepared:
+    def _prepare(self, req: ChatRequest, rq: _Req, cancelled: Callable[[], bool]) -> _Prepared:
         """Under the lock: find the conversation, take a context, restore or fork into it."""
         self.index.refresh(save=False)  # saved after the reply (``_release``), not before its first token
         owners = self._owners(req)
@@ -238,7 +241,7 @@ class ChatService:
         sampling = self._sampling(req)
         max_tokens = req.max_tokens or self.session.settings.max_tokens
         conv, created, forked_from, tail = self._acquire(sh, root, keys, i, entries, sampling, max_tokens,
-                                                         explicit, rq, owners, self._new_meta(req))
+                                                         explicit, rq, owners, self._new_meta(req), cancelled)
         adapter.configure(conv, sampling=sampling, max_tokens=max_tokens, stop=req.stop)
         seed = req.seed if req.seed is not None else secrets.randbits(31)
         return _Prepared(conv, created, forked_from, tail, seed)
@@ -462,6 +465,7 @@ class ChatService:
     def _acquire(
         self, sh: SplitHistory, root: str, keys: list[str], i: int, entries: list[Entry], sampling: Sampling,
         max_tokens: int, explicit: str | None, rq: _Req, owners: frozenset[str], new_meta: dict[str, str],
+        cancelled: Callable[[], bool],
     ) -> tuple[Conversation, bool, str | None, Sequence[Message]]:
         """The conversation to continue, positioned at the matched boundary, in a context this request
         now holds; whether it is new; the conversation it was forked from; the messages still to append."""
@@ -475,7 +479,7 @@ class ChatService:
             if not e.end:
                 break
             try:
-                conv = self._open(e.conv, sampling, max_tokens, rq)
+                conv = self._open(e.conv, sampling, max_tokens, rq, cancelled)
             except LockedError:
                 if explicit is not None:
                     raise
@@ -501,7 +505,7 @@ class ChatService:
                 adopted = adapter.adopt(self.session, holder.engine, child, sampling=sampling, max_tokens=max_tokens)
                 if adopted is None:
                     self._give_back(rq)
-            conv = adopted or self._open(child, sampling, max_tokens, rq)
+            conv = adopted or self._open(child, sampling, max_tokens, rq, cancelled)
             rq.how = "fork"
             if not self._at(conv, root, want):
                 self._abandon(conv, rq, remove=True)
@@ -522,7 +526,8 @@ class ChatService:
                                 meta=new_meta)
         return opened.conv, True, None, sh.turns
 
-    def _open(self, cid: str, sampling: Sampling, max_tokens: int, rq: _Req) -> Conversation:
+    def _open(self, cid: str, sampling: Sampling, max_tokens: int, rq: _Req,
+              cancelled: Callable[[], bool] = lambda: False) -> Conversation:
         """Restore ``cid`` into a context this request takes (its own context when it is resident there)."""
         for slot in self._slots:
             if slot.conv is not None and slot.conv.id == cid:
@@ -545,10 +550,25 @@ class ChatService:
             slot = self._take(self._free_slot(), rq)
         rq.how = "disk"
         try:
-            return adapter.open_(self.session, slot.engine, cid, sampling=sampling, max_tokens=max_tokens).conv
+            # Restoring (a cold conversation rebuilds its whole context) runs without the service's lock:
+            # this request holds its context (busy) and, once opened, the conversation's lock, so other
+            # requests go on with other conversations meanwhile. A client that leaves stops the rebuild.
+            with self._unlocked():
+                return adapter.open_(self.session, slot.engine, cid, sampling=sampling, max_tokens=max_tokens,
+                                     cancelled=cancelled).conv
         except BaseException:
+            slot.conv = None  # what its context holds is unknown (a restore cut short)
             self._give_back(rq)
             raise
+
+    @contextlib.contextmanager
+    def _unlocked(self) -> Iterator[None]:
+        """Let go of the service's lock (held once, by ``_prepare``) for a long step, then take it back."""
+        self._cond.release()
+        try:
+            yield
+        finally:
+            self._cond.acquire()
 
     def _free_slot(self) -> _Slot:
         """A free context: an empty one, else the least recently used (its conversation is on disk already)."""
