@@ -11,11 +11,11 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from chatcli.core.kv import budget  # noqa: E402
-from chatcli.core.template import Message  # noqa: E402
-from chatcli.server.service import ChatRequest, ChatService, Finished, Started  # noqa: E402
-from chatcli.session import Session  # noqa: E402
-from tests.drive import isolated_session  # noqa: E402
+from chatcli.core.kv import budget
+from chatcli.core.template import Message
+from chatcli.server.service import ChatRequest, ChatService, Finished, Started
+from chatcli.session import Session
+from tests.drive import isolated_session
 
 SYSTEM = "You are terse. (cold)"
 
@@ -44,7 +44,7 @@ def cold(module_session: Session, tmp_path_factory: pytest.TempPathFactory) -> I
 
 def evict(svc: ChatService) -> None:
     budget.enforce(svc.store.root, None, 0)
-    for slot in svc._slots:  # noqa: SLF001 (the resident copy would be restored from memory otherwise)
+    for slot in svc._slots:
         slot.conv = None
 
 
@@ -86,11 +86,11 @@ def test_a_client_that_leaves_stops_the_rebuild(cold: tuple[ChatService, list[Me
     conv = next(c for c in svc.store.ids() if len(svc.store.resolve(c).read_transcript().events) > 12)
     d = svc.store.resolve(conv)
     assert h[-2].content == "Name a city."  # the history ends at this conversation's end: a restore
-    evals = [s.engine.n_evaluated_total for s in svc._slots]  # noqa: SLF001
+    evals = [s.engine.n_evaluated_total for s in svc._slots]
     events = list(svc.complete(ChatRequest([*h, Message("user", "Name a town.")], temperature=0.0, max_tokens=8),
                                cancelled=lambda: True))
     assert events == []
-    spent = sum(s.engine.n_evaluated_total for s in svc._slots) - sum(evals)  # noqa: SLF001
+    spent = sum(s.engine.n_evaluated_total for s in svc._slots) - sum(evals)
     assert spent < 1500  # one batch or so, not the whole history (was: all of it, then the reply skipped)
     assert not d.state_path.exists() or d.state_path.stat().st_size == 0  # nothing rewritten
     d.lock()  # not left locked
