@@ -87,7 +87,8 @@ class Server:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CHATCLI_")}
         env.update(CHATCLI_HOME=str(self.home), PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
         args = [sys.executable, "-m", "chatcli", "serve", "--port", str(self.port), "--n-ctx", str(self.n_ctx),
-                "--threads", "2", "--reserve", "64", "--max-tokens", str(MAX_TOKENS), "--parallel", str(self.parallel)]
+                "--threads", "2", "--reserve", "64", "--max-tokens", str(MAX_TOKENS), "--parallel", str(self.parallel),
+                "--repl-conversations"]  # test_a_repl_conversation_is_continued_without_reingesting
         if self.api_key:
             args += ["--api-key", self.api_key]
         with self.log.open("ab") as log:

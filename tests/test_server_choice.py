@@ -117,3 +117,25 @@ def test_a_cold_conversation_is_not_forked_when_nothing_warm_matches(service: Ch
     budget.enforce(service.store.root, None, 0)
     _, g = ask(service, [*h2, ("user", "Name a city.")])
     assert (g.conversation, g.state, g.cached_tokens) == (a1.conversation, "disk", 0)  # rebuilt whole, honestly
+
+
+def test_a_warm_boundary_whose_remaining_history_does_not_fit_is_not_chosen(service: ChatService) -> None:
+    """A long conversation A (shifted) is cold; its warm fork C shares only the first exchange. Continuing
+    from C would append A's later messages without a shift (appends never shift): they do not fit, so the
+    request continues A's own end (rebuilt) instead of failing with a 400."""
+    s = [("system", SYSTEM + " (long)")]
+    h = list(s)
+    a = c = None
+    for n, w in enumerate(("apple", "river", "stone", "cloud", "grass")):
+        q = f"Count the words: {' '.join([w] * 400)}"
+        _, a = ask(service, [*h, ("user", q)])
+        h += [("user", q), ("assistant", a.text)]
+        if n == 1:  # an edit after A's first reply, before A shifts it out: a warm fork of A
+            _, c = ask(service, [*h[:3], ("user", "Name a colour.")])
+            assert c.forked_from == a.conversation
+    assert a is not None and c is not None
+    assert replay_events(service.store.resolve(a.conversation).read_transcript().events).out_of_context
+    budget.enforce(service.store.root, None, 0, keep_ids=[c.conversation])  # A's state dropped: cold
+    assert not service.store.resolve(a.conversation).state_path.exists()
+    _, f = ask(service, [*h, ("user", "Name a city.")])  # was: a fork of C, then 400 (context full)
+    assert (f.conversation, f.state, f.forked_from) == (a.conversation, "disk", None)

@@ -549,8 +549,15 @@ class Engine:
     def _make_sampler(self, s: Sampling, seed: int) -> ctypes.c_void_p:
         sparams = llama_cpp.llama_sampler_chain_default_params()
         chain = llama_cpp.llama_sampler_chain_init(sparams)
-        if s.repeat_penalty and s.repeat_penalty != 1.0:
-            pen = llama_cpp.llama_sampler_init_penalties(self.n_vocab, s.repeat_last_n, s.repeat_penalty, 0.0, 0.0)
+        try:
+            self._add_constraints(chain, s)
+        except BaseException:
+            llama_cpp.llama_sampler_free(chain)
+            raise
+        penalized = (s.repeat_penalty and s.repeat_penalty != 1.0) or s.frequency_penalty or s.presence_penalty
+        if penalized:
+            pen = llama_cpp.llama_sampler_init_penalties(self.n_vocab, s.repeat_last_n, s.repeat_penalty or 1.0,
+                                                         s.frequency_penalty, s.presence_penalty)
             llama_cpp.llama_sampler_chain_add(chain, pen)
             # The penalty window is rebuilt from the token list, so it is the same in every process.
             for tok in self.tokens[-s.repeat_last_n:]:
@@ -562,9 +569,35 @@ class Engine:
                 llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(s.top_k))
             if 0 < s.top_p < 1:
                 llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(s.top_p, 1))
+            if s.min_p > 0:  # llama.cpp's order: top_k, top_p, min_p, temperature
+                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_min_p(s.min_p, 1))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(s.temperature))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
         return typing.cast(ctypes.c_void_p, chain)  # llama_cpp's bindings are untyped
+
+    def _add_constraints(self, chain: ctypes.c_void_p, s: Sampling) -> None:
+        """Logit bias and grammar first: they decide which tokens may be sampled at all, greedy or not."""
+        if s.logit_bias:
+            bad = [t for t, _ in s.logit_bias if not 0 <= t < self.n_vocab]
+            if bad:
+                raise EngineError(f"logit_bias: token {bad[0]} is not in the vocabulary (0..{self.n_vocab - 1})")
+            arr = (llama_cpp.llama_logit_bias * len(s.logit_bias))(
+                *(llama_cpp.llama_logit_bias(token=tok, bias=bias) for tok, bias in s.logit_bias))
+            llama_cpp.llama_sampler_chain_add(
+                chain, llama_cpp.llama_sampler_init_logit_bias(self.n_vocab, len(s.logit_bias), arr))
+        if s.grammar:
+            g = llama_cpp.llama_sampler_init_grammar(self._vocab, s.grammar.encode(), b"root")
+            if not g:  # llama.cpp logs why; NULL is all it returns
+                raise EngineError("the grammar could not be parsed")
+            llama_cpp.llama_sampler_chain_add(chain, g)
+
+    def grammar_ok(self, grammar: str) -> bool:
+        """Whether llama.cpp accepts this GBNF (checked before a request writes anything)."""
+        g = llama_cpp.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root")
+        if not g:
+            return False
+        llama_cpp.llama_sampler_free(g)
+        return True
 
     # -- memory ------------------------------------------------------------------------------------
 

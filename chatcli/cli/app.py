@@ -348,8 +348,16 @@ def serve(
     port: Annotated[int | None, typer.Option("--port", help="TCP port (default 8765).")] = None,
     model: ModelOpt = None, n_ctx: NCtxOpt = None, threads: ThreadsOpt = None,
     parallel: Annotated[int | None, typer.Option("--parallel", help="Conversations kept resident at once.")] = None,
-    api_key: Annotated[str | None, typer.Option(
-        "--api-key", help="Require 'Authorization: Bearer KEY' on every request.")] = None,
+    api_key: Annotated[list[str] | None, typer.Option(
+        "--api-key", help="Require 'Authorization: Bearer KEY' on every request; repeat for several clients, "
+        "each with its own conversations.")] = None,
+    api_keys_file: Annotated[str | None, typer.Option(
+        "--api-keys-file", help="More API keys, one a line (each a client with its own conversations).")] = None,
+    repl_conversations: Annotated[bool | None, typer.Option(
+        "--repl-conversations/--no-repl-conversations",
+        help="Let API clients reach conversations made in the REPL (default: they cannot).")] = None,
+    max_queue: Annotated[int | None, typer.Option(
+        "--max-queue", help="Requests that may wait for a context; more get 503 + Retry-After (default 16).")] = None,
     max_tokens: MaxTokOpt = None, reserve: ReserveOpt = None,
     kv_type: KvTypeOpt = None, state_budget: BudgetOpt = None,
     chat_template: TemplateOpt = None, thinking: ThinkingOpt = None,
@@ -362,9 +370,11 @@ def serve(
 
     Examples: chatcli serve · chatcli serve --port 9000 --api-key $(openssl rand -hex 16)
     """
+    keys = list(api_key or [])
     flags = dict(host=host, port=port, model=model, n_ctx=n_ctx, threads=threads, parallel=parallel,
-                 api_key=api_key, max_tokens=max_tokens, reserve=reserve, kv_type=kv_type, state_budget=state_budget,
-                 chat_template=chat_template, thinking=thinking)
+                 api_key=keys[0] if keys else None, api_keys_file=api_keys_file, api_repl_access=repl_conversations,
+                 max_queue=max_queue, max_tokens=max_tokens, reserve=reserve, kv_type=kv_type,
+                 state_budget=state_budget, chat_template=chat_template, thinking=thinking)
     with user_errors():
         try:
             import fastapi  # noqa: F401
@@ -373,10 +383,14 @@ def serve(
         except ImportError as exc:
             raise CliError(f"chatcli serve needs the 'serve' extra ({exc.name} is missing): "
                            "pip install 'chatcli[serve]'") from None
-        from chatcli.server.run import listen_problem
+        from chatcli.server.run import ApiKeysError, api_keys, listen_problem
         from chatcli.server.run import serve as run_server
 
         settings, paths, explicit = _settings(flags)
+        try:
+            all_keys = api_keys(settings, keys[1:])  # before the model loads: a bad key file is said at once
+        except ApiKeysError as exc:
+            raise CliError(str(exc)) from None
         problem = listen_problem(settings.host, settings.port)  # before the model loads, not after
         if problem:
             raise CliError(problem)
@@ -384,7 +398,7 @@ def serve(
         for n in session.notices:
             print(f"warning: {n}", file=sys.stderr)
         try:
-            code = run_server(settings, paths, session)
+            code = run_server(settings, paths, session, all_keys)
         finally:
             session.close()
     raise typer.Exit(code)

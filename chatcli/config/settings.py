@@ -122,6 +122,9 @@ class Settings:
     port: int = 8765
     parallel: int = 1  # conversations resident at once
     api_key: str | None = None  # when set, every request needs Authorization: Bearer KEY
+    api_keys_file: str | None = None  # more keys, one a line: each key is a client with its own conversations
+    api_repl_access: bool = False  # API clients may match, name and fork conversations made in the REPL
+    max_queue: int = 16  # chat requests waiting for a context beyond the running ones; more: 503 Retry-After
 
 
 SETTING_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Settings))
@@ -155,6 +158,9 @@ _KINDS: dict[str, tuple[type, bool]] = {
     "port": (int, False),
     "parallel": (int, False),
     "api_key": (str, True),
+    "api_keys_file": (str, True),
+    "api_repl_access": (bool, False),
+    "max_queue": (int, False),
 }
 
 
@@ -194,6 +200,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "port": (lambda v: 1 <= v <= 65535, "must be between 1 and 65535"),
     "parallel": (lambda v: 1 <= v <= 64, "must be between 1 and 64"),
     "api_key": (lambda v: len(v.strip()) >= 8, "must be at least 8 characters"),
+    "api_keys_file": (lambda v: bool(v.strip()), "must not be empty"),
+    "max_queue": (lambda v: 0 <= v <= 4096, "must be between 0 and 4096"),
 }
 
 _TRUE = frozenset({"1", "true", "yes", "on"})

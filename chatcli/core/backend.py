@@ -51,6 +51,12 @@ class Sampling:
     top_k: int = 40
     repeat_penalty: float = 1.1
     repeat_last_n: int = 64
+    # OpenAI-style extras (the server's request fields); the defaults change nothing.
+    presence_penalty: float = 0.0  # subtracted once from every token seen in the penalty window
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the penalty window
+    min_p: float = 0.0  # drop tokens below min_p × the top token's probability (0: off)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    grammar: str = ""  # GBNF the reply must match (root rule "root"); "" = unconstrained
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ message boundary lives here (``chatcli fork`` cuts at whole exchanges).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,14 @@ from chatcli.core.template import Message
 from chatcli.session import Session
 
 
+class OpenCancelled(Exception):
+    """Opening stopped between two batches because the request's client went away."""
+
+
+class StaleForkError(ValueError):
+    """The parent no longer has the boundary a fork was asked for (changed since it was indexed)."""
+
+
 @dataclass
 class Opened:
     conv: Conversation
@@ -37,11 +45,18 @@ class Opened:
     report: ResumeReport | None = None
 
 
-def _drain(gen: Iterator[Any], session: Session | None = None) -> Opened:
+def _drain(gen: Iterator[Any], session: Session | None = None, cancelled: Callable[[], bool] | None = None) -> Opened:
     conv: Conversation | None = None
     report: ResumeReport | None = None
     notices: list[str] = []
     for ev in gen:
+        if cancelled is not None and isinstance(ev, Progress) and cancelled():
+            # Between two evaluated batches of a rebuild: closing the opening releases the conversation's
+            # lock; the state file is rewritten only once a rebuild completes, so it is left as it was.
+            close = getattr(gen, "close", None)
+            if close is not None:
+                close()
+            raise OpenCancelled("the client went away")
         if isinstance(ev, Conversation):
             conv = ev
             if session is not None:  # the state budget applies after every state write (see Session)
@@ -72,12 +87,14 @@ def create(session: Session, engine: Engine, *, persona: Sequence[Message], pers
     return opened
 
 
-def open_(session: Session, engine: Engine, cid: str, *, sampling: Sampling, max_tokens: int) -> Opened:
-    """Restore a stored conversation (takes its lock; raises LockedError if another process has it)."""
+def open_(session: Session, engine: Engine, cid: str, *, sampling: Sampling, max_tokens: int,
+          cancelled: Callable[[], bool] | None = None) -> Opened:
+    """Restore a stored conversation (takes its lock; raises LockedError if another process has it).
+    ``cancelled`` is asked between batches of a rebuild: True stops it (``OpenCancelled``)."""
     return _drain(open_conversation(
         session.store, cid, engine, session.template, identity=session.identity(),
         sampling=sampling, max_tokens=max_tokens, reserve=session.settings.reserve, lock=True,
-    ), session)
+    ), session, cancelled)
 
 
 def adopt(session: Session, eng: Engine, cid: str, *, sampling: Sampling, max_tokens: int) -> Conversation | None:
@@ -143,10 +160,11 @@ def fork_at(store: ConversationStore, parent: ConversationDir, k: int, meta_upda
     events = parent.read_transcript().events
     r = replay_events(events)
     if not 0 <= k <= len(r.active):
-        raise ValueError(f"cannot fork {parent.id} after {k} messages: it has {len(r.active)}")
+        raise StaleForkError(f"cannot fork {parent.id} after {k} messages: it has {len(r.active)}")
     keep = r.active[:k]
     cut = keep[-1].p1 if keep else len(r.prefix_tokens)
-    child_meta = {key: v for key, v in meta.items() if key not in ("id", "created", "updated")}
+    # "evicted" describes the parent's state file, not the child's (whose state is shared or copied).
+    child_meta = {key: v for key, v in meta.items() if key not in ("id", "created", "updated", "evicted")}
     child_meta.update(forked_from=parent.id, turns=sum(1 for m in keep if m.role == "user"), tokens=cut, **meta_update)
     child = store.create(child_meta)
     child.lock()
@@ -171,10 +189,19 @@ def copy_state(src: Path, dst: Path, cut: int) -> int:
     return fork_state(src, dst, cut)
 
 
+KV_STAMP = 4  # the first entries of ``stamp``: transcript and state file (what the resident KV depends on)
+
+
+def reload_meta(conv: Conversation) -> None:
+    """Take the metadata another process wrote (a title) into a resident conversation."""
+    conv.meta = conv.dir.read_meta()
+
+
 def stamp(conv_dir: ConversationDir) -> tuple[int, ...]:
-    """What changes when anyone writes the conversation: a resident copy is valid while this is unchanged."""
+    """What changes when anyone writes the conversation: its transcript and state file (a resident copy's
+    KV is valid while those are unchanged), then its metadata (to be re-read when it changed)."""
     out = []
-    for p in (conv_dir.transcript_path, conv_dir.state_path):
+    for p in (conv_dir.transcript_path, conv_dir.state_path, conv_dir.meta_path):
         try:
             st = Path(p).stat()
             out += [st.st_size, st.st_mtime_ns]

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,13 +54,22 @@ _END = object()
 class ServerLimits:
     max_body: int = DEFAULT_MAX_BODY
     max_messages: int = DEFAULT_MAX_MESSAGES
+    max_queue: int = 16  # chat requests waiting beyond the contexts; more are refused (503) before their body
+    retry_after: int = 2  # seconds a refused client is told to wait
+
+
+def key_id(key: str) -> str:
+    """The namespace of the client with this key, as stored in its conversations' metadata (not the key)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
-def create_app(service: ChatService, *, api_key: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
+def create_app(service: ChatService, *, api_keys: Sequence[str] = (), limits: ServerLimits | None = None) -> FastAPI:
+    """The app; with ``api_keys`` every request needs one of them, and each key is a client that only ever
+    meets its own conversations (without keys, all clients are one)."""
     limits = limits or ServerLimits()
     app = FastAPI(title="chatcli", docs_url=None, redoc_url=None, openapi_url=None)
     runs: set[_Run] = set()  # requests whose worker is still running
@@ -73,16 +83,31 @@ def create_app(service: ChatService, *, api_key: str | None = None, limits: Serv
             run.cancel.set()
 
     app.state.stop_requests = stop_requests
-    key_bytes = api_key.encode() if api_key else None
+    keys = [(k.encode(), key_id(k)) for k in api_keys]
+    admitted = [0]  # chat requests between arrival and response (the event loop's thread only: no lock)
+    capacity = service.parallel + limits.max_queue
+    app.state.admitted = lambda: admitted[0]
+
+    def client_of(token: str) -> str | None:
+        """The namespace of the key sent, None for a wrong one. Every key is compared (compare_digest on
+        bytes), so the time taken says neither which key nor how much of one matched."""
+        given = token.encode()
+        found = None
+        for kb, kid in keys:
+            if hmac.compare_digest(given, kb) and found is None:
+                found = kid
+        return found
 
     @app.middleware("http")
     async def auth_and_log(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         t0 = time.perf_counter()
-        if key_bytes is not None:
+        request.state.client = ""
+        if keys:
             given = request.headers.get("authorization", "")
             scheme, _, token = given.partition(" ")
-            # compare_digest on bytes: the time taken does not reveal how much of the key matched.
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key_bytes):
+            client = client_of(token.strip()) if scheme.lower() == "bearer" else None
+            request.state.client = client or ""
+            if client is None:
                 if request.method == "GET" and request.url.path == "/health":
                     # Liveness stays open for probes and supervisors (llama-server's /health needs no
                     # key either); what the server holds is only for those with the key.
@@ -120,6 +145,18 @@ def create_app(service: ChatService, *, api_key: str | None = None, limits: Serv
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         rid = "chatcmpl-" + secrets.token_hex(12)
+        if admitted[0] >= capacity:
+            # Refused before its body is read: a waiting request holds a thread and its parsed body.
+            log.info("%s 503 queue full (%d admitted)", rid, admitted[0])
+            return error_response(APIError("unavailable", "the server is busy: retry later"),
+                                  {"Retry-After": str(limits.retry_after)})
+        admitted[0] += 1
+        try:
+            return await _chat(request, rid)
+        finally:
+            admitted[0] -= 1
+
+    async def _chat(request: Request, rid: str) -> Response:
         t0 = time.perf_counter()
         try:
             doc = await _read_json(request, limits.max_body)
@@ -128,6 +165,7 @@ def create_app(service: ChatService, *, api_key: str | None = None, limits: Serv
         except APIError as bad:
             log.info("%s %d %s", rid, bad.status, bad.message)
             return error_response(bad)
+        req.client = request.state.client
         run = _Run(service, req, runs)
         watcher = asyncio.create_task(_watch_disconnect(request, run.cancel))
         try:
@@ -205,9 +243,21 @@ async def _read_json(request: Request, max_body: int) -> Any:
         chunks.append(chunk)
     raw = b"".join(chunks)
     try:
-        return json.loads(raw.decode("utf-8"))
+        doc = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise APIError("invalid_json", "the request body is nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise APIError("invalid_json", f"the request body is not valid JSON ({exc})") from None
+    try:
+        # JSON may escape a lone UTF-16 surrogate ("\ud800"), which no UTF-8 file or tokenizer can take:
+        # refused here, before a conversation is made for it. Encoding the whole body back is the one
+        # check that sees every string, keys included.
+        json.dumps(doc, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError("invalid_json", "the request body holds a lone UTF-16 surrogate (an invalid \\u escape)") from None
+    except RecursionError:
+        raise APIError("invalid_json", "the request body is nested too deeply") from None
+    return doc
 
 
 class _Run:
@@ -243,11 +293,15 @@ class _Run:
             log.exception("request failed")
             self._put(ServiceError("server_error", f"internal error ({type(exc).__name__})"))
         finally:
-            close = getattr(it, "close", None)
-            if close is not None:
-                close()
-            self.running.discard(self)
-            self._put(_END)
+            try:
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()  # records a reply cut short: may fail (disk full), the end must still be sent
+            except Exception:
+                log.exception("recording the end of a request failed")
+            finally:
+                self.running.discard(self)
+                self._put(_END)
 
     async def next(self) -> object:
         return await self.queue.get()
@@ -311,7 +365,8 @@ async def _sse(run: _Run, rid: str, created: int, model: str, include_usage: boo
             elif isinstance(ev, Finished):
                 finished = True
                 _log_done(rid, ev, ttft or time.perf_counter() - t0)
-                yield chunk({}, ev.finish_reason, usage=_usage(ev), chatcli=_extension(ev))
+                # Usage only in its own chunk, and only when asked (stream_options.include_usage), as OpenAI.
+                yield chunk({}, ev.finish_reason, chatcli=_extension(ev))
                 if include_usage:
                     yield {"data": json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
                                                "model": model, "choices": [], "usage": _usage(ev)})}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sqlite3
 import time
@@ -29,13 +30,28 @@ from typing import Any
 from chatcli.core.conversation import Replay, replay_events
 from chatcli.core.files.fsutil import atomic_write_text
 from chatcli.core.files.index import Index, IndexUnavailable
+from chatcli.core.files.migrations import FormatError
 from chatcli.core.files.store import _ID_RE, ConversationDir, ConversationStore, StoreError
 from chatcli.core.template import Message
 from chatcli.core.transcript import message_parts
 from chatcli.server import history
 
-INDEX_VERSION = 2  # 2: a reply's key is its answer (reasoning left out): keys of version 1 are recomputed
+# 2: a reply's key is its answer (reasoning left out): keys of version 1 are recomputed
+# 3: each conversation's owner (API clients are matched only with their own)
+INDEX_VERSION = 3
 RECONCILE_EVERY = 60.0  # seconds between two looks at every folder (~30 ms at 10,000 conversations)
+REPL_OWNER = "repl"  # the owner of conversations not made through the API
+
+
+def owner_of(meta: dict[str, Any]) -> str:
+    """Whose a conversation is: an API client's namespace (``api:`` + its key's id, ``api:`` without a key),
+    or the REPL's."""
+    if meta.get("source") != "api":
+        return REPL_OWNER
+    return "api:" + str(meta.get("api_client", ""))
+
+
+log = logging.getLogger("chatcli.server")
 _TRANSCRIPT = ConversationDir(Path(".")).transcript_path.name  # the file whose size and mtime say "changed"
 
 
@@ -48,6 +64,7 @@ class Entry:
     pos: int
     rest: int  # messages the conversation has after the boundary (0: its end, continuing needs no fork)
     updated: float
+    owner: str = ""
 
     @property
     def end(self) -> bool:
@@ -70,6 +87,7 @@ class _Conv:
     updated: float
     entries: list[tuple[str, int, int]]  # (key, k, pos)
     n_active: int
+    owner: str = ""  # see owner_of
 
 
 def _answer(ev: dict[str, Any]) -> str:
@@ -130,27 +148,31 @@ class PrefixIndex:
     def root(self, persona: Iterable[Message]) -> str:
         return history.root_key(self.identity, self.n_ctx, self.template_source, tuple(persona))
 
-    def personas(self) -> list[tuple[Message, ...]]:
-        """Personas of the indexed conversations (to recognise a REPL persona a client resends whole)."""
+    def personas(self, owners: frozenset[str] | None = None) -> list[tuple[Message, ...]]:
+        """Personas of the indexed conversations (to recognise a REPL persona a client resends whole);
+        of those ``owners`` have, when given."""
         seen: dict[tuple[Message, ...], None] = {}
         for c in self._convs.values():
-            if c.persona is not None and c.entries:
+            if c.persona is not None and c.entries and (owners is None or c.owner in owners):
                 seen[c.persona.messages] = None
         return list(seen)
 
-    def persona_for_root(self, root: str) -> PersonaInfo | None:
+    def persona_for_root(self, root: str, owners: frozenset[str] | None = None) -> PersonaInfo | None:
         for c in self._convs.values():
-            if c.root == root and c.persona is not None:
+            if c.root == root and c.persona is not None and (owners is None or c.owner in owners):
                 return c.persona
         return None
 
     # -- lookup --------------------------------------------------------------------------------------
 
-    def lookup(self, root: str, keys: list[str], *, only: str | None = None) -> tuple[int, list[Entry]]:
-        """The longest matched boundary: (messages matched after the persona, entries); (-1, []) if none."""
+    def lookup(self, root: str, keys: list[str], *, only: str | None = None,
+               owners: frozenset[str] | None = None) -> tuple[int, list[Entry]]:
+        """The longest matched boundary: (messages matched after the persona, entries); (-1, []) if none.
+        ``owners``: only conversations of these owners (a client never meets another's)."""
         for i in range(len(keys), -1, -1):
             key = keys[i - 1] if i else root
-            found = [e for e in self._keys.get(key, ()) if only is None or e.conv == only]
+            found = [e for e in self._keys.get(key, ())
+                     if (only is None or e.conv == only) and (owners is None or e.owner in owners)]
             if found:
                 return i, found
         return -1, []
@@ -232,22 +254,29 @@ class PrefixIndex:
     def _index_dir(self, conv: ConversationDir, size: int, mtime: int) -> None:
         try:
             meta = conv.read_meta()
-        except StoreError:
+            r = replay_events(conv.read_transcript().events)
+            self._set(conv.id, size, mtime, r, meta)
+        except (StoreError, FormatError, OSError, ValueError, TypeError, AttributeError) as exc:
+            # One unusable folder (a newer chatcli's, wrongly typed metadata, an unreadable transcript) is
+            # left out, as `chatcli ls` leaves it out, and said once: it is remembered with no boundaries,
+            # so it is read again only when its transcript changes.
+            log.warning("conversation %s skipped: %s", conv.id, str(exc).splitlines()[0] if str(exc) else
+                        type(exc).__name__)
             self._drop(conv.id)
-            return
-        r = replay_events(conv.read_transcript().events)
-        self._set(conv.id, size, mtime, r, meta)
+            self._convs[conv.id] = _Conv(size, mtime, "", None, 0.0, [], 0)
+            self._dirty = True
 
     def _set(self, cid: str, size: int, mtime: int, r: Replay, meta: dict[str, Any]) -> None:
         self._drop(cid)
-        model = {k: v for k, v in (meta.get("model") or {}).items() if k != "path"}
-        n_ctx = int((meta.get("params") or {}).get("n_ctx", 0) or 0)
+        model = {k: v for k, v in dict(meta.get("model") or {}).items() if k != "path"}
+        n_ctx = int(dict(meta.get("params") or {}).get("n_ctx", 0) or 0)
+        updated = float(meta.get("updated", 0) or 0)
         usable = r.has_prefix and model == self.identity and n_ctx == self.n_ctx
         persona = tuple(r.persona_messages)
         root = self.root(persona) if usable else ""
         entries = conversation_keys(root, r) if usable else []
         info = PersonaInfo(persona, str(meta.get("persona", "")), str(meta.get("persona_hash", ""))) if usable else None
-        self._convs[cid] = _Conv(size, mtime, root, info, float(meta.get("updated", 0) or 0), entries, len(r.active))
+        self._convs[cid] = _Conv(size, mtime, root, info, updated, entries, len(r.active), owner_of(meta))
         self._add(cid)
         self._dirty = True
         self._changed.add(cid)
@@ -255,7 +284,7 @@ class PrefixIndex:
     def _add(self, cid: str) -> None:
         c = self._convs[cid]
         for key, k, pos in c.entries:
-            self._keys.setdefault(key, []).append(Entry(cid, k, pos, c.n_active - k, c.updated))
+            self._keys.setdefault(key, []).append(Entry(cid, k, pos, c.n_active - k, c.updated, c.owner))
 
     def _drop(self, cid: str) -> None:
         c = self._convs.pop(cid, None)
@@ -272,7 +301,18 @@ class PrefixIndex:
 
     # -- persistence -----------------------------------------------------------------------------------
 
+    def _remove_stale_temp_files(self, age: float = 60.0) -> None:
+        """Temp files of saves cut short by a kill: never renamed into place, so removed (only old ones:
+        a younger one may be another server's save in progress)."""
+        try:
+            for tmp in self.path.parent.glob(f".{self.path.name}.*.tmp"):
+                if time.time() - tmp.stat().st_mtime > age:
+                    tmp.unlink()
+        except OSError:
+            pass
+
     def _load(self) -> None:
+        self._remove_stale_temp_files()
         shared = self.store.index
         try:
             if shared is not None:
@@ -290,7 +330,7 @@ class PrefixIndex:
                                           str(p["name"]), str(p["hash"]))
                 self._convs[cid] = _Conv(int(c["size"]), int(c["mtime"]), str(c["root"]), persona,
                                          float(c["updated"]), [(str(k), int(a), int(b)) for k, a, b in c["entries"]],
-                                         int(c["n_active"]))
+                                         int(c["n_active"]), str(c["owner"]))
                 self._add(cid)
         except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, sqlite3.Error, IndexUnavailable):
             self._convs.clear()  # an unreadable index is only a cache: start over
@@ -314,7 +354,7 @@ class PrefixIndex:
             persona = {"messages": [[m.role, m.content] for m in c.persona.messages],
                        "name": c.persona.name, "hash": c.persona.hash}
         return {"size": c.size, "mtime": c.mtime, "root": c.root, "persona": persona,
-                "updated": c.updated, "entries": c.entries, "n_active": c.n_active}
+                "updated": c.updated, "entries": c.entries, "n_active": c.n_active, "owner": c.owner}
 
     def save(self) -> None:
         shared = self.store.index

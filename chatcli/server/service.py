@@ -19,6 +19,7 @@ a request runs on it, so ``chatcli resume`` can take over any conversation betwe
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 import time
@@ -37,13 +38,16 @@ from chatcli.core.conversation import (
     ReplyText,
     replay_events,
 )
+from chatcli.core.files.migrations import FormatError
 from chatcli.core.files.store import ConversationDir, LockedError, StoreError
+from chatcli.core.kv.prefix import persona_prefix_tokens
 from chatcli.core.template import Message, TemplateError
 from chatcli.server import adapter, history
 from chatcli.server.history import HistoryError, SplitHistory
-from chatcli.server.index import Entry, PrefixIndex, conversation_keys
+from chatcli.server.index import REPL_OWNER, Entry, PrefixIndex, conversation_keys, owner_of
 from chatcli.session import Session
 
+_TURN_OVERHEAD = 8  # template tokens around one message (ChatML: 5), rounded up: the fit test errs on the safe side
 API_PERSONA = "(api)"  # persona name of conversations whose prefix came from a request's system message
 
 
@@ -67,6 +71,12 @@ class ChatRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     conversation: str | None = None  # continue this conversation (else: found by the index)
+    client: str = ""  # the API client's namespace (its key's id; "" without keys): it meets only its own
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    grammar: str = ""  # GBNF the reply is constrained to (response_format)
 
 
 @dataclass
@@ -152,8 +162,10 @@ class ChatService:
     run at the same time, each on the context it took; with every context busy, a request waits.
     """
 
-    def __init__(self, session: Session, *, parallel: int = 1, index_path: Path | None = None) -> None:
+    def __init__(self, session: Session, *, parallel: int = 1, index_path: Path | None = None,
+                 repl_access: bool = False) -> None:
         self.session = session
+        self.repl_access = repl_access  # REPL conversations can be matched, named and forked from the API
         self.engine = session.engine
         self.store = session.store
         self.index = PrefixIndex(
@@ -167,6 +179,7 @@ class ChatService:
         # them restores nothing. The least recently used is released (its state is already on disk).
         engine, model = session.local_engine, session.local_model
         self._slots = [_Slot(engine)] + [_Slot(engine.sibling()) for _ in range(parallel - 1)]
+        self.parallel = parallel
         self.model_name = model.info.name or Path(str(model.path)).stem  # for people: the GGUF's general.name
         # For clients (``GET /v1/models``, the responses' ``model``): the file's stem, as llama-server names a
         # model by its file, so an id can be typed (general.name often has spaces). Any name is accepted.
@@ -186,16 +199,21 @@ class ChatService:
             with self._cond:
                 while all(s.busy for s in self._slots):
                     self._cond.wait()
-                prep = self._prepare(req, rq)
+                prep = self._prepare(req, rq, cancelled)
             yield from self._run(req, rq, prep, cancelled)
+        except adapter.OpenCancelled:
+            return  # the client left while its conversation was being restored: no reply, nothing kept
         except HistoryError as exc:
             raise ServiceError("invalid_request", str(exc), exc.param) from None
         except ContextFullError as exc:
             raise ServiceError("context_length_exceeded", str(exc), "messages") from None
-        except LockedError as exc:
-            raise ServiceError("conflict", str(exc)) from None
-        except StoreError as exc:
-            raise ServiceError("not_found", str(exc), "conversation") from None
+        except LockedError:
+            # Not the store's message: it names the process holding the lock, nothing a client should see.
+            raise ServiceError("conflict", "the conversation is in use (by another request or a chatcli "
+                               "process): retry later") from None
+        except StoreError:
+            # The store's messages name folders and other ids: a client is told only that it is gone.
+            raise ServiceError("not_found", "the conversation is no longer available", "conversation") from None
         except (ConversationError, TemplateError) as exc:
             raise ServiceError("invalid_request", str(exc)) from None
         except EngineError as exc:
@@ -207,22 +225,23 @@ class ChatService:
             with self._cond:
                 self._give_back(rq)
 
-    def _prepare(self, req: ChatRequest, rq: _Req) -> _Prepared:
+    def _prepare(self, req: ChatRequest, rq: _Req, cancelled: Callable[[], bool]) -> _Prepared:
         """Under the lock: find the conversation, take a context, restore or fork into it."""
         self.index.refresh(save=False)  # saved after the reply (``_release``), not before its first token
-        sh, explicit = self._split(req)
+        owners = self._owners(req)
+        sh, explicit = self._split(req, owners)
         root = self.index.root(sh.persona)
         keys = history.chain(root, sh.turns)
-        i, entries = self.index.lookup(root, keys, only=explicit)
+        i, entries = self.index.lookup(root, keys, only=explicit, owners=owners)
         if explicit is not None and i < 0:
             raise ServiceError("conflict", f"conversation {explicit} was made with another model or context size")
         if explicit is None:
-            i, entries = self._choose(root, keys, i, entries)
+            i, entries = self._choose(root, keys, i, entries, owners, self._tail_fits(sh))
         self._check_fits(sh, max(i, 0))
         sampling = self._sampling(req)
         max_tokens = req.max_tokens or self.session.settings.max_tokens
         conv, created, forked_from, tail = self._acquire(sh, root, keys, i, entries, sampling, max_tokens,
-                                                         explicit, rq)
+                                                         explicit, rq, owners, self._new_meta(req), cancelled)
         adapter.configure(conv, sampling=sampling, max_tokens=max_tokens, stop=req.stop)
         seed = req.seed if req.seed is not None else secrets.randbits(31)
         return _Prepared(conv, created, forked_from, tail, seed)
@@ -239,8 +258,10 @@ class ChatService:
                 steps = adapter.append(conv, m)
                 for _ in steps:
                     if cancelled():
-                        _close(steps)  # this message is taken back out; the ones before it stay
-                        self._gone(conv, rq, prep)
+                        try:
+                            _close(steps)  # this message is taken back out; the ones before it stay
+                        finally:
+                            self._gone(conv, rq, prep)
                         return
             if cancelled():
                 self._gone(conv, rq, prep)
@@ -260,8 +281,10 @@ class ChatService:
         try:
             for ev in gen:
                 if isinstance(ev, Progress) and ev.stoppable and cancelled():
-                    _close(gen)  # between two batches of the prompt: the message is taken back out
-                    self._gone(conv, rq, prep)
+                    try:
+                        _close(gen)  # between two batches of the prompt: the message is taken back out
+                    finally:
+                        self._gone(conv, rq, prep)
                     return
                 if isinstance(ev, Notice):
                     notices.append(ev.text)
@@ -279,12 +302,18 @@ class ChatService:
                 elif isinstance(ev, ReplyEnd):
                     end = ev
         except ContextFullError:
-            _close(gen)
-            self._abandon(conv, rq, remove=prep.created and started is None)
+            try:
+                _close(gen)
+            finally:
+                self._abandon(conv, rq, remove=prep.created and started is None)
             raise
         except BaseException:
-            _close(gen)  # a consumer that went away: the reply so far is recorded like a Ctrl-C'd one
-            self._release(conv, rq)
+            # A consumer that went away: the reply so far is recorded like a Ctrl-C'd one. Recording can
+            # fail (disk full); the conversation's lock and context are given back either way.
+            try:
+                _close(gen)
+            finally:
+                self._release(conv, rq)
             raise
         self._release(conv, rq)
         assert started is not None and end is not None
@@ -298,13 +327,35 @@ class ChatService:
 
     # -- steps ------------------------------------------------------------------------------------------
 
-    def _split(self, req: ChatRequest) -> tuple[SplitHistory, str | None]:
+    def _owners(self, req: ChatRequest) -> frozenset[str]:
+        """Whose conversations this request may match, name or fork: its client's, and the REPL's only
+        when the server was told to share them (``api_repl_access``)."""
+        own = "api:" + req.client
+        return frozenset({own, REPL_OWNER}) if self.repl_access else frozenset({own})
+
+    @staticmethod
+    def _new_meta(req: ChatRequest) -> dict[str, str]:
+        """Metadata of a conversation this request creates (new or forked): whose it is."""
+        return {"source": "api", **({"api_client": req.client} if req.client else {})}
+
+    def _split(self, req: ChatRequest, owners: frozenset[str]) -> tuple[SplitHistory, str | None]:
         msgs = history.normalize(req.messages)
         if req.conversation is None:
-            return history.split(msgs, self.index.personas()), None
-        conv_dir = self.store.resolve(req.conversation)
-        if conv_dir.id != req.conversation:
-            raise StoreError(f"no conversation {req.conversation!r} (give the whole id)")
+            return history.split(msgs, self.index.personas(owners)), None
+        # A whole id of one of this client's conversations, else 404 — the same answer whether it exists
+        # for someone else, is a prefix of several ids, or does not exist: a client learns nothing of others.
+        gone = ServiceError("not_found", "no such conversation (name one of yours by its whole id)", "conversation")
+        try:
+            self.store.validate_id(req.conversation)
+        except StoreError:
+            raise gone from None
+        conv_dir = ConversationDir(self.store.root / req.conversation)
+        try:
+            meta = conv_dir.read_meta()
+        except (StoreError, FormatError):
+            raise gone from None
+        if owner_of(meta) not in owners:
+            raise gone
         r = replay_events(conv_dir.read_transcript().events)
         persona = tuple(r.persona_messages)
         if persona and tuple(msgs[:len(persona)]) == persona:
@@ -326,13 +377,36 @@ class ChatService:
                     f"message {len(sh.persona) + n} is longer than the context allows "
                     f"(n_ctx {eng.n_ctx}, {self.session.settings.reserve} kept for the reply)", "messages")
 
+    def _check_persona_fits(self, sh: SplitHistory) -> None:
+        """A new conversation's persona prefix must leave room for a message and the reply: checked before
+        its folder is made (a prefix that fails to fit left a folder behind, and the next identical request
+        then met that folder and another error)."""
+        eng = self.engine
+        n = len(persona_prefix_tokens(eng, self.session.template, list(sh.persona)))
+        if n >= eng.n_ctx - self.session.settings.reserve:
+            raise ServiceError(
+                "context_length_exceeded",
+                f"the messages before the first user message are {n} tokens, longer than the context allows "
+                f"(n_ctx {eng.n_ctx}, {self.session.settings.reserve} kept for the reply)", "messages")
+
     def _sampling(self, req: ChatRequest) -> Sampling:
+        """The request's sampling, checked against the model before anything is written."""
         s = self.session.settings
+        n_vocab = self.engine.n_vocab
+        for tok, _bias in req.logit_bias:
+            if not 0 <= tok < n_vocab:
+                raise ServiceError("invalid_request", f"logit_bias: token {tok} is not in the vocabulary "
+                                   f"(0..{n_vocab - 1})", "logit_bias")
+        if req.grammar and not self.session.local_engine.grammar_ok(req.grammar):
+            raise ServiceError("invalid_request", "response_format: llama.cpp cannot build a grammar for it",
+                               "response_format")
         return Sampling(
             temperature=s.temperature if req.temperature is None else req.temperature,
             top_p=s.top_p if req.top_p is None else req.top_p,
             top_k=s.top_k if req.top_k is None else req.top_k,
             repeat_penalty=s.repeat_penalty if req.repeat_penalty is None else req.repeat_penalty,
+            min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0, logit_bias=req.logit_bias, grammar=req.grammar,
         )
 
     def _warm(self, cid: str) -> bool:
@@ -344,7 +418,23 @@ class ChatService:
         except OSError:
             return False
 
-    def _choose(self, root: str, keys: list[str], i: int, entries: list[Entry]) -> tuple[int, list[Entry]]:
+    def _tail_fits(self, sh: SplitHistory) -> Callable[[int, int], bool]:
+        """``fits(j, pos)``: the request's messages after boundary ``j``, appended to a state of ``pos``
+        tokens, leave the reply its reserve. Appended messages never shift the context (only the last
+        message's send does), so a boundary whose remaining history does not fit cannot be continued.
+        An estimate from above: each message's text tokens plus the template's few around it."""
+        eng, reserve = self.engine, self.session.settings.reserve
+        sizes: dict[int, int] = {}
+
+        def size(j: int) -> int:
+            if j not in sizes:
+                sizes[j] = sum(len(eng.tokenize(m.content, add_special=False)) + _TURN_OVERHEAD for m in sh.turns[j:])
+            return sizes[j]
+
+        return lambda j, pos: pos + size(j) + reserve <= eng.n_ctx
+
+    def _choose(self, root: str, keys: list[str], i: int, entries: list[Entry],
+                owners: frozenset[str], fits: Callable[[int, int], bool]) -> tuple[int, list[Entry]]:
         """The boundary to continue from and the conversations holding it, by the tokens the request will
         evaluate: a warm conversation saves its matched prefix, a cold one saves nothing (it is rebuilt
         whole). So the longest match loses to a shorter one only when it is cold and the shorter is warm.
@@ -353,24 +443,29 @@ class ChatService:
         continued (it becomes warm again; a new conversation would save only the persona prefix and
         duplicate the history), but a cold one is never forked: a new conversation from the cached persona
         prefix evaluates less than a fork that rebuilds everything.
+
+        Only boundaries whose remaining history fits are options (``fits``); a conversation's own end
+        always is (its last message is sent, which shifts the context when it must).
         """
         if i <= 0:
             return i, entries
         options: list[tuple[int, int, Entry]] = []  # (tokens saved, boundary, entry)
         j, ents = i, entries
         while j >= 1:
-            options += [(e.pos if self._warm(e.conv) else 0, j, e) for e in ents]
-            j, ents = self.index.lookup(root, keys[:j - 1])
-        saved, j = max((o[0], o[1]) for o in options)  # ties: the longer match
+            options += [(e.pos if self._warm(e.conv) else 0, j, e) for e in ents
+                        if (j == i and e.end) or fits(j, e.pos)]
+            j, ents = self.index.lookup(root, keys[:j - 1], owners=owners)
+        saved, j = max(((o[0], o[1]) for o in options), default=(0, 0))  # ties: the longer match
         if saved > 0:
             return j, [o[2] for o in options if o[1] == j]  # _acquire tries the warm ones first
         if any(e.end for e in entries):
-            return i, entries
-        return 0, self.index.lookup(root, [])[1]
+            return i, [e for e in entries if e.end]  # not a sibling at i whose tail did not fit
+        return 0, self.index.lookup(root, [], owners=owners)[1]
 
     def _acquire(
         self, sh: SplitHistory, root: str, keys: list[str], i: int, entries: list[Entry], sampling: Sampling,
-        max_tokens: int, explicit: str | None, rq: _Req,
+        max_tokens: int, explicit: str | None, rq: _Req, owners: frozenset[str], new_meta: dict[str, str],
+        cancelled: Callable[[], bool],
     ) -> tuple[Conversation, bool, str | None, Sequence[Message]]:
         """The conversation to continue, positioned at the matched boundary, in a context this request
         now holds; whether it is new; the conversation it was forked from; the messages still to append."""
@@ -384,7 +479,7 @@ class ChatService:
             if not e.end:
                 break
             try:
-                conv = self._open(e.conv, sampling, max_tokens, rq)
+                conv = self._open(e.conv, sampling, max_tokens, rq, cancelled)
             except LockedError:
                 if explicit is not None:
                     raise
@@ -398,8 +493,11 @@ class ChatService:
             parent = ConversationDir(self.store.root / e.conv)
             holder = next((s for s in self._slots if s.conv is not None and s.conv.id == e.conv and not s.busy), None)
             # A resident parent's cells are in its context already: the fork only cuts them back.
-            in_engine = holder is not None and adapter.stamp(parent) == holder.stamp
-            child, _ = adapter.fork_at(self.store, parent, e.k, {"source": "api"})
+            in_engine = holder is not None and adapter.stamp(parent)[:adapter.KV_STAMP] == holder.stamp[:adapter.KV_STAMP]
+            try:
+                child, _ = adapter.fork_at(self.store, parent, e.k, new_meta)
+            except adapter.StaleForkError as exc:  # its transcript changed since it was indexed
+                raise ServiceError("conflict", f"{exc}: it changed since it was indexed, retry") from None
             adopted = None
             if holder is not None and in_engine:
                 self._take(holder, rq)
@@ -407,7 +505,7 @@ class ChatService:
                 adopted = adapter.adopt(self.session, holder.engine, child, sampling=sampling, max_tokens=max_tokens)
                 if adopted is None:
                     self._give_back(rq)
-            conv = adopted or self._open(child, sampling, max_tokens, rq)
+            conv = adopted or self._open(child, sampling, max_tokens, rq, cancelled)
             rq.how = "fork"
             if not self._at(conv, root, want):
                 self._abandon(conv, rq, remove=True)
@@ -415,19 +513,21 @@ class ChatService:
             return conv, True, e.conv, sh.turns[i:]
         # Nothing stored shares more than the persona: a new conversation from the (cached) prefix. It is
         # not a fork of whichever conversation shares that persona (nothing of theirs is copied).
-        info = self.index.persona_for_root(root) if i == 0 else None
+        info = self.index.persona_for_root(root, owners) if i == 0 else None
         if info is not None and info.hash:
             name, phash = info.name, info.hash  # a REPL persona: its prefix cache entry is reused
         else:
             name, phash = API_PERSONA, history.persona_hash(sh.persona)
+        self._check_persona_fits(sh)
         slot = self._take(self._free_slot(), rq)
         rq.how = "new"
         opened = adapter.create(self.session, slot.engine, persona=sh.persona, persona_name=name, persona_hash=phash,
                                 seed=secrets.randbits(31), sampling=sampling, max_tokens=max_tokens,
-                                meta={"source": "api"})
+                                meta=new_meta)
         return opened.conv, True, None, sh.turns
 
-    def _open(self, cid: str, sampling: Sampling, max_tokens: int, rq: _Req) -> Conversation:
+    def _open(self, cid: str, sampling: Sampling, max_tokens: int, rq: _Req,
+              cancelled: Callable[[], bool] = lambda: False) -> Conversation:
         """Restore ``cid`` into a context this request takes (its own context when it is resident there)."""
         for slot in self._slots:
             if slot.conv is not None and slot.conv.id == cid:
@@ -435,7 +535,12 @@ class ChatService:
                     raise LockedError(f"conversation {cid} is in use by another request")
                 slot.conv.dir.lock()
                 self._take(slot, rq)
-                if adapter.stamp(slot.conv.dir) == slot.stamp:
+                now = adapter.stamp(slot.conv.dir)
+                if now[:adapter.KV_STAMP] == slot.stamp[:adapter.KV_STAMP]:
+                    if now != slot.stamp:
+                        # Only the metadata changed (a title set in the REPL): take it, or the next
+                        # write of this copy's stale metadata would revert it.
+                        adapter.reload_meta(slot.conv)
                     rq.how = "memory"
                     return slot.conv  # its KV is what this context holds: nothing to restore
                 slot.conv.dir.unlock()  # someone else wrote it since: restore from disk
@@ -445,10 +550,25 @@ class ChatService:
             slot = self._take(self._free_slot(), rq)
         rq.how = "disk"
         try:
-            return adapter.open_(self.session, slot.engine, cid, sampling=sampling, max_tokens=max_tokens).conv
+            # Restoring (a cold conversation rebuilds its whole context) runs without the service's lock:
+            # this request holds its context (busy) and, once opened, the conversation's lock, so other
+            # requests go on with other conversations meanwhile. A client that leaves stops the rebuild.
+            with self._unlocked():
+                return adapter.open_(self.session, slot.engine, cid, sampling=sampling, max_tokens=max_tokens,
+                                     cancelled=cancelled).conv
         except BaseException:
+            slot.conv = None  # what its context holds is unknown (a restore cut short)
             self._give_back(rq)
             raise
+
+    @contextlib.contextmanager
+    def _unlocked(self) -> Iterator[None]:
+        """Let go of the service's lock (held once, by ``_prepare``) for a long step, then take it back."""
+        self._cond.release()
+        try:
+            yield
+        finally:
+            self._cond.acquire()
 
     def _free_slot(self) -> _Slot:
         """A free context: an empty one, else the least recently used (its conversation is on disk already)."""
@@ -476,12 +596,14 @@ class ChatService:
     def _release(self, conv: Conversation, rq: _Req) -> None:
         """The request is done with the conversation: it stays resident in its context, unlocked."""
         with self._cond:
-            self.index.update(conv.dir, conv.r, conv.meta)
-            if rq.slot is not None:
-                rq.slot.conv = conv
-                rq.slot.stamp = adapter.stamp(conv.dir)
-                rq.slot.used = time.monotonic()
-            conv.dir.unlock()
+            try:
+                self.index.update(conv.dir, conv.r, conv.meta)
+                if rq.slot is not None:
+                    rq.slot.conv = conv
+                    rq.slot.stamp = adapter.stamp(conv.dir)
+                    rq.slot.used = time.monotonic()
+            finally:
+                conv.dir.unlock()
             self.index.save_soon()
 
     def _gone(self, conv: Conversation, rq: _Req, prep: _Prepared) -> None:

@@ -38,7 +38,7 @@ from chatcli.core.files.migrations import META_VERSION, TRANSCRIPT_VERSION, Form
 from chatcli.core.kv import records
 
 _ID_ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"  # no 0/o, 1/l/i: ids get read aloud and typed
-_ID_RE = re.compile(r"^[a-z0-9]{1,32}$")
+_ID_RE = re.compile(r"\A[a-z0-9]{1,32}\Z")  # \Z: "$" would also match before a final newline
 
 
 class StoreError(ValueError):

@@ -1,0 +1,102 @@
+"""A cold conversation's rebuild neither blocks other conversations nor outlives its client (the service
+in-process, two contexts over the real model, greedy)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from chatcli.core.kv import budget
+from chatcli.core.template import Message
+from chatcli.server.service import ChatRequest, ChatService, Finished, Started
+from chatcli.session import Session
+from tests.drive import isolated_session
+
+SYSTEM = "You are terse. (cold)"
+
+
+@pytest.fixture(scope="module")
+def module_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
+    s = isolated_session(tmp_path_factory.mktemp("hol-home"), max_tokens=8, n_ctx=4096)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def cold(module_session: Session, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ChatService, list[Message]]]:
+    """A service with two contexts and a long conversation whose state file was dropped (cold)."""
+    # The module session's own store (its temp home): rebind() here would take the CHATCLI_HOME of no test.
+    s = module_session
+    svc = ChatService(s, parallel=2, index_path=tmp_path_factory.mktemp("hol") / "index.json")
+    h = [Message("system", SYSTEM)]
+    for w in ("apple", "river", "stone", "cloud", "grass", "light"):
+        h.append(Message("user", f"Count the words: {' '.join([w] * 400)}"))
+        h.append(Message("assistant", next(ev.text for ev in svc.complete(ChatRequest(h, temperature=0.0, max_tokens=8))
+                                           if isinstance(ev, Finished))))
+    yield svc, h
+    svc.close()
+
+
+def evict(svc: ChatService) -> None:
+    budget.enforce(svc.store.root, None, 0)
+    for slot in svc._slots:
+        slot.conv = None
+
+
+def test_a_cold_rebuild_lets_other_conversations_proceed(cold: tuple[ChatService, list[Message]]) -> None:
+    svc, h = cold
+    evict(svc)
+    asked = threading.Event()
+    t_started: list[float] = []
+    reply: list[str] = []
+
+    def rebuild() -> None:
+        def probe() -> bool:
+            asked.set()  # first asked between two batches of the rebuild
+            return False
+
+        for ev in svc.complete(ChatRequest([*h, Message("user", "Name a city.")], temperature=0.0, max_tokens=8),
+                               cancelled=probe):
+            if isinstance(ev, Started):
+                t_started.append(time.monotonic())
+                assert ev.state == "disk" and ev.evaluated > 2000  # rebuilt whole
+            elif isinstance(ev, Finished):
+                reply.append(ev.text)
+
+    t = threading.Thread(target=rebuild)
+    t.start()
+    assert asked.wait(300)
+    other = [ev for ev in svc.complete(ChatRequest([Message("user", "Name a fruit.")], temperature=0.0, max_tokens=4))
+             if isinstance(ev, Finished)]
+    t_other = time.monotonic()
+    t.join(300)
+    assert other and t_started
+    assert t_other < t_started[0]  # was: after the rebuild (it held the service's lock)
+    h += [Message("user", "Name a city."), Message("assistant", reply[0])]  # the next test continues it
+
+
+def test_a_client_that_leaves_stops_the_rebuild(cold: tuple[ChatService, list[Message]]) -> None:
+    svc, h = cold
+    evict(svc)
+    conv = next(c for c in svc.store.ids() if len(svc.store.resolve(c).read_transcript().events) > 12)
+    d = svc.store.resolve(conv)
+    assert h[-2].content == "Name a city."  # the history ends at this conversation's end: a restore
+    evals = [s.engine.n_evaluated_total for s in svc._slots]
+    events = list(svc.complete(ChatRequest([*h, Message("user", "Name a town.")], temperature=0.0, max_tokens=8),
+                               cancelled=lambda: True))
+    assert events == []
+    spent = sum(s.engine.n_evaluated_total for s in svc._slots) - sum(evals)
+    assert spent < 1500  # one batch or so, not the whole history (was: all of it, then the reply skipped)
+    assert not d.state_path.exists() or d.state_path.stat().st_size == 0  # nothing rewritten
+    d.lock()  # not left locked
+    d.unlock()
+    # The next request rebuilds it and answers.
+    done = [ev for ev in svc.complete(ChatRequest([*h, Message("user", "Name a town.")], temperature=0.0,
+                                                  max_tokens=8)) if isinstance(ev, Finished)]
+    assert done and (done[0].conversation, done[0].state) == (conv, "disk")
+
