@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from chatcli.backends.llamacpp import ContextFullError
 from chatcli.core.conversation import Notice
+from chatcli.core.events import MessageTooLongError
 from tests.drive import build_session, drain, run_process, say
 
 N_CTX = 512
@@ -78,7 +78,7 @@ def test_message_too_long_is_refused_and_nothing_changes() -> None:
     say(conv, "Hello")
     transcript = conv.dir.transcript_path.read_text()
     tokens = list(session.engine.tokens)
-    with pytest.raises(ContextFullError, match="too long"):
+    with pytest.raises(MessageTooLongError, match="too long"):
         drain(conv.send("word " * 2000))
     assert conv.dir.transcript_path.read_text() == transcript
     assert session.engine.tokens == tokens

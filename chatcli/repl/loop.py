@@ -24,13 +24,11 @@ from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.input import Input
 from prompt_toolkit.output import Output
 
-from chatcli.config.personas import PersonaError
-from chatcli.core.backend import BackendError, ContextFullError
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import ConversationError, Event, Progress, ResumeReport
 from chatcli.core.files.fsutil import ensure_private_dir
 from chatcli.core.opening import split_opening
-from chatcli.core.template import TemplateError
+from chatcli.errors import ChatcliError
 from chatcli.repl.commands import REGISTRY, CommandError, ReplExit, UnknownCommand, dispatch
 from chatcli.repl.context import ChatConversation, ChatIO, CommandContext
 from chatcli.repl.render import Renderer
@@ -39,7 +37,8 @@ from chatcli.units import format_size
 if TYPE_CHECKING:
     from chatcli.session import Session
 
-USER_ERRORS = (CommandError, ConversationError, ContextFullError, PersonaError, TemplateError, BackendError, OSError)
+# Every chatcli error is shown as one line and the loop goes on; so is a file the OS refused (e.g. /export).
+USER_ERRORS = (ChatcliError, OSError)
 
 
 class ReadingStopped(Exception):

@@ -26,10 +26,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chatcli.backends.llamacpp import ContextFullError, Engine, EngineError, Sampling
+from chatcli.backends.llamacpp import Engine, Sampling
 from chatcli.core.conversation import (
     Conversation,
-    ConversationError,
     Notice,
     Progress,
     ReplyEnd,
@@ -37,8 +36,10 @@ from chatcli.core.conversation import (
     ReplyText,
     replay_events,
 )
+from chatcli.core.events import MessageTooLongError
 from chatcli.core.files.store import ConversationDir, LockedError, StoreError
-from chatcli.core.template import Message, TemplateError
+from chatcli.core.template import Message
+from chatcli.errors import ChatcliError, DoesNotFitError, Kind
 from chatcli.server import adapter, history
 from chatcli.server.history import HistoryError, SplitHistory
 from chatcli.server.index import Entry, PrefixIndex, conversation_keys
@@ -47,12 +48,11 @@ from chatcli.session import Session
 API_PERSONA = "(api)"  # persona name of conversations whose prefix came from a request's system message
 
 
-class ServiceError(Exception):
-    """A request the service refuses; ``kind`` says which (the HTTP layer maps it to a status code)."""
+class ServiceError(ChatcliError):
+    """A request the service refuses; ``kind`` says which (``server.errors.from_error`` gives the status)."""
 
-    def __init__(self, kind: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.kind = kind  # invalid_request | context_length_exceeded | not_found | conflict | server_error
+    def __init__(self, kind: Kind, message: str, param: str | None = None) -> None:
+        super().__init__(message, kind=kind)
         self.param = param
 
 
@@ -188,21 +188,12 @@ class ChatService:
                     self._cond.wait()
                 prep = self._prepare(req, rq)
             yield from self._run(req, rq, prep, cancelled)
-        except HistoryError as exc:
-            raise ServiceError("invalid_request", str(exc), exc.param) from None
-        except ContextFullError as exc:
-            raise ServiceError("context_length_exceeded", str(exc), "messages") from None
-        except LockedError as exc:
-            raise ServiceError("conflict", str(exc)) from None
-        except StoreError as exc:
-            raise ServiceError("not_found", str(exc), "conversation") from None
-        except (ConversationError, TemplateError) as exc:
-            raise ServiceError("invalid_request", str(exc)) from None
-        except EngineError as exc:
-            with self._cond:
-                if rq.slot is not None:
-                    rq.slot.conv = None  # what its context holds is unknown now: restore next time
-            raise ServiceError("server_error", str(exc)) from None
+        except ChatcliError as exc:  # the app answers it with the status its kind gives (server.errors)
+            if exc.kind == "engine":
+                with self._cond:
+                    if rq.slot is not None:
+                        rq.slot.conv = None  # what its context holds is unknown now: restore next time
+            raise
         finally:
             with self._cond:
                 self._give_back(rq)
@@ -247,7 +238,7 @@ class ChatService:
                 return
             gen = (adapter.send(conv, tail[-1].content, seed=prep.seed) if tail
                    else adapter.reply_pending(conv, seed=prep.seed))
-        except ContextFullError:
+        except DoesNotFitError:
             self._abandon(conv, rq, remove=prep.created)
             raise
         except BaseException:
@@ -278,7 +269,7 @@ class ChatService:
                         emitted = safe
                 elif isinstance(ev, ReplyEnd):
                     end = ev
-        except ContextFullError:
+        except DoesNotFitError:
             _close(gen)
             self._abandon(conv, rq, remove=prep.created and started is None)
             raise
@@ -321,10 +312,9 @@ class ChatService:
         room = eng.n_ctx - self.session.settings.reserve
         for n, m in enumerate(sh.turns[start:], start=start):
             if m.role == "user" and len(eng.tokenize(m.content, add_special=False)) >= room:
-                raise ServiceError(
-                    "context_length_exceeded",
+                raise MessageTooLongError(
                     f"message {len(sh.persona) + n} is longer than the context allows "
-                    f"(n_ctx {eng.n_ctx}, {self.session.settings.reserve} kept for the reply)", "messages")
+                    f"(n_ctx {eng.n_ctx}, {self.session.settings.reserve} kept for the reply)")
 
     def _sampling(self, req: ChatRequest) -> Sampling:
         s = self.session.settings
