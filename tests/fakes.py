@@ -40,7 +40,6 @@ from chatcli.core.backend import (
 from chatcli.core.conversation import Conversation
 from chatcli.core.files.store import ConversationStore
 from chatcli.core.loading import create_conversation, open_conversation
-from chatcli.core.opening import split_opening
 from chatcli.core.template import ChatTemplate, Message
 
 EOS = 256  # "<|im_end|>": ends a reply, as on SmolLM2
@@ -328,26 +327,19 @@ IDENTITY = {"name": "fake-model", "fingerprint": "fake"}
 def new_conversation(backend: FakeBackend, store_dir: Path, *, seed: int = 7, max_tokens: int = 64,
                      reserve: int = 16, persona: Sequence[Message] = PERSONA) -> Conversation:
     """A conversation created on ``backend`` in a store at ``store_dir`` (ChatML, persona ``PERSONA``)."""
-    events, opened = split_opening(create_conversation(
+    return create_conversation(
         ConversationStore(store_dir), backend, ChatTemplate(None), persona_name="fake",
         persona_messages=list(persona), persona_hash="fake-persona", identity=IDENTITY, model_path="fake.gguf",
-        sampling=Sampling(temperature=0.0), seed=seed, max_tokens=max_tokens, reserve=reserve))
-    for _ in events:
-        pass
-    assert isinstance(opened.conversation, Conversation)
-    return opened.conversation
+        sampling=Sampling(temperature=0.0), seed=seed, max_tokens=max_tokens, reserve=reserve).conversation
 
 
 def open_again(backend: FakeBackend, store_dir: Path, conv_id: str, *, max_tokens: int = 64,
                reserve: int = 16) -> tuple[Conversation, Any]:
     """Open ``conv_id`` on ``backend`` as a new process would (after ``backend.clear()``); (conversation, report)."""
-    events, opened = split_opening(open_conversation(
+    opening = open_conversation(
         ConversationStore(store_dir), conv_id, backend, ChatTemplate(None), identity=IDENTITY,
-        sampling=Sampling(temperature=0.0), max_tokens=max_tokens, reserve=reserve, persona_messages=list(PERSONA)))
-    for _ in events:
-        pass
-    assert isinstance(opened.conversation, Conversation)
-    return opened.conversation, opened.report
+        sampling=Sampling(temperature=0.0), max_tokens=max_tokens, reserve=reserve, persona_messages=list(PERSONA))
+    return opening.conversation, opening.report
 
 
 def say(conv: Conversation, text: str, *, reply: str | None = None) -> str:

@@ -46,16 +46,10 @@ def one_thread(chatcli_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def open_conv(session: Any, cid: str) -> tuple[Conversation, ResumeReport, list[str]]:
-    conv = report = None
-    notices: list[str] = []
-    for ev in session.open_conversation(cid):
-        if isinstance(ev, Conversation):
-            conv = ev
-        elif isinstance(ev, ResumeReport):
-            report = ev
-        elif isinstance(ev, Notice):
-            notices.append(ev.text)
-    assert conv is not None and report is not None
+    opening = session.open_conversation(cid)
+    notices = [ev.text for ev in opening if isinstance(ev, Notice)]
+    conv, report = opening.conversation, opening.report
+    assert report is not None
     return conv, report, notices
 
 
@@ -130,7 +124,7 @@ def golden(base_session: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[
     session = dataclasses.replace(base_session, store=ConversationStore(root / "made"))
     out: dict[str, Any] = {}
     for name, msgs in (("main", MSGS[:2]), ("other", ["Tell me a joke.", "Another one, please."])):
-        conv = next(ev for ev in session.new_conversation("alice") if isinstance(ev, Conversation))
+        conv = session.new_conversation("alice").conversation
         for m in msgs:
             reply(conv.send(m))
         shutil.copytree(conv.dir.path, root / name)

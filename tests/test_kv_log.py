@@ -166,9 +166,7 @@ def test_disk_full_while_saving_state_tells_the_user_and_the_session_goes_on(ses
 
 
 def new_conv(session: Any, *msgs: str) -> Conversation:
-    events = list(session.new_conversation("alice"))
-    conv = events[-1]
-    assert isinstance(conv, Conversation)
+    conv = session.new_conversation("alice").conversation
     for m in msgs:
         assert any(isinstance(ev, ReplyEnd) for ev in conv.send(m))
     return conv

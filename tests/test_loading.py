@@ -12,7 +12,7 @@ import pytest
 
 from chatcli.config.personas import get_persona
 from chatcli.core.conversation import Conversation
-from chatcli.core.events import Notice, ReplyEnd, ResumeReport
+from chatcli.core.events import Notice, Progress, ReplyEnd, ResumeReport
 from chatcli.core.kv.log import CellLog
 from chatcli.core.template import ChatTemplate
 from chatcli.persona_prefixes import prefix_status, warm_prefix
@@ -38,18 +38,16 @@ def sess(base_session: Any, chatcli_home: Path) -> Any:
 
 
 def new_conv(session: Any, *msgs: str) -> Conversation:
-    events = list(session.new_conversation("alice"))
-    conv = events[-1]
-    assert isinstance(conv, Conversation)
+    conv = session.new_conversation("alice").conversation
     for m in msgs:
         assert any(isinstance(ev, ReplyEnd) for ev in conv.send(m))
     return conv
 
 
 def open_conv(session: Any, cid: str) -> tuple[Conversation, ResumeReport]:
-    events = list(session.open_conversation(cid))
-    conv, report = events[-1], events[-2]
-    assert isinstance(conv, Conversation) and isinstance(report, ResumeReport)
+    opening = session.open_conversation(cid)
+    conv, report = opening.conversation, opening.report
+    assert report is not None
     return conv, report
 
 
@@ -91,9 +89,9 @@ def test_template_with_bos_warm_then_create_hits_the_cache(sess: Any) -> None:
     list(warm_prefix(s, persona))
     assert prefix_status(s.settings, s.paths, persona, s) == "cached"
     before = eng.n_evaluated_total
-    events = list(s.new_conversation("alice"))
-    conv = events[-1]
-    assert isinstance(conv, Conversation)
+    opening = s.new_conversation("alice")
+    events = list(opening)
+    conv = opening.conversation
     try:
         assert eng.n_evaluated_total == before  # nothing evaluated: the warmed prefix was used
         assert any(isinstance(ev, Notice) and "loaded from cache" in ev.text for ev in events)
@@ -138,9 +136,17 @@ def test_failed_open_or_create_releases_the_lock(sess: Any, monkeypatch: pytest.
     conv.close()
 
     # A consumer that stops reading before it gets the conversation leaves it unlocked too.
-    events = sess.open_conversation(cid)
-    next(ev for ev in events if isinstance(ev, ResumeReport))
-    events.close()
+    real_restore = CellLog.restore
+
+    def restore_with_progress(self: Any, *args: Any, **kw: Any) -> Any:
+        yield Progress("restoring", 0, 1, 0.0)  # an event to stop at: a plain restore yields none
+        return (yield from real_restore(self, *args, **kw))
+
+    with monkeypatch.context() as mp:
+        mp.setattr(CellLog, "restore", restore_with_progress)
+        opening = sess.open_conversation(cid)
+        assert isinstance(next(iter(opening)), Progress)  # an event came, the conversation not yet
+        opening.close()
     conv, _ = open_conv(sess, cid)
     conv.close()
 

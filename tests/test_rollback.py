@@ -283,9 +283,7 @@ def sess(base_session: Any, chatcli_home: Path) -> Any:
 
 
 def new_conv(session: Any, *msgs: str) -> Conversation:
-    events = list(session.new_conversation("alice"))
-    conv = events[-1]
-    assert isinstance(conv, Conversation)
+    conv = session.new_conversation("alice").conversation
     for m in msgs:
         assert any(isinstance(ev, ReplyEnd) for ev in conv.send(m))
     return conv

@@ -111,8 +111,9 @@ def test_persona_prefix_is_evaluated_once_and_reused(tmp_path: Path) -> None:
     n_prefix = len(first.r.prefix_tokens)
     assert eng.n_evaluated_total == n_prefix > 0
     first.close()
-    events = list(session.new_conversation("alice"))
-    second = events[-1]
+    opening = session.new_conversation("alice")
+    events = list(opening)
+    second = opening.conversation
     assert eng.n_evaluated_total == n_prefix  # loaded from the cache: nothing evaluated
     assert any(isinstance(e, Notice) and "from cache" in e.text for e in events)
     cached_tokens = list(eng.tokens)

@@ -26,6 +26,7 @@ from chatcli.core.files.store import ConversationDir, ConversationStore
 from chatcli.core.forking import fork_state
 from chatcli.core.kv.log import CellLog
 from chatcli.core.loading import create_conversation, open_conversation
+from chatcli.core.opening import Opening
 from chatcli.core.template import Message
 from chatcli.session import Session
 
@@ -37,23 +38,15 @@ class Opened:
     report: ResumeReport | None = None
 
 
-def _drain(gen: Iterator[Any], session: Session | None = None) -> Opened:
-    conv: Conversation | None = None
-    report: ResumeReport | None = None
-    notices: list[str] = []
-    for ev in gen:
-        if isinstance(ev, Conversation):
-            conv = ev
-            if session is not None:  # the state budget applies after every state write (see Session)
-                text = session.attach_budget(conv)
-                if text:
-                    notices.append(text)
-        elif isinstance(ev, ResumeReport):
-            report = ev
-        elif isinstance(ev, Notice):
-            notices.append(ev.text)
-    assert conv is not None
-    return Opened(conv, notices, report)
+def _drain(opening: Opening[Conversation], session: Session) -> Opened:
+    """Run an opening to its end, its notices collected; its conversation gets the state budget hook
+    (applied after every state write, see Session)."""
+    notices = [ev.text for ev in opening if isinstance(ev, Notice)]
+    conv = opening.conversation
+    text = session.attach_budget(conv)
+    if text:
+        notices.append(text)
+    return Opened(conv, notices, opening.report)
 
 
 def create(session: Session, engine: Engine, *, persona: Sequence[Message], persona_name: str, persona_hash: str, seed: int,
