@@ -13,16 +13,19 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+from typing import Any
 
 from chatcli.core.events import ConversationError
 from chatcli.core.export import exchange_counts
 from chatcli.core.files.fsutil import atomic_write_bytes, atomic_write_with, write_all
-from chatcli.core.files.store import ConversationStore
+from chatcli.core.files.store import ConversationDir, ConversationStore
 from chatcli.core.kv import records as sf
 from chatcli.core.transcript import replay_events
 
 
 def fork_conversation(store: ConversationStore, ref: str, at: int | None) -> tuple[str, int]:
+    """``chatcli fork``: a child holding the parent's first ``at`` exchanges (default all), counted as
+    ``chatcli ls`` counts turns. Returns (child id, positions of KV state it got)."""
     parent = store.resolve(ref)
     meta = parent.read_meta()
     r = replay_events(parent.read_transcript().events)
@@ -39,25 +42,46 @@ def fork_conversation(store: ConversationStore, ref: str, at: int | None) -> tup
                                 f"fork at {gone}..{turns}, or export the conversation")
     kept = at - gone  # exchanges of the context the fork keeps
     cut = users[kept].p0 if kept < len(users) else (r.active[-1].p1 if r.active else len(r.prefix_tokens))
-    keep = [m for m in r.active if m.p1 <= cut]
+    n_messages = sum(1 for m in r.active if m.p1 <= cut)
+    return fork_after(store, parent, n_messages,
+                      {"title": f"{meta.get('title') or parent.id} (fork at {at})"})
 
+
+def fork_after(store: ConversationStore, parent: ConversationDir, k: int,
+               meta_update: dict[str, Any]) -> tuple[str, int]:
+    """The one fork of CLI and server: a new conversation holding the parent's persona and first ``k``
+    active messages, with the KV records covering them shared (or copied, see ``fork_state``; the logits
+    after them when the parent kept those): nothing evaluated. ``meta_update`` goes into the child's
+    metadata. The parent is only read: its later turns stay where they are for whoever is on them. A fork
+    that fails leaves nothing behind. Returns (child id, positions of KV state the child holds).
+    """
+    meta = parent.read_meta()
+    events = parent.read_transcript().events
+    r = replay_events(events)
+    if not 0 <= k <= len(r.active):
+        raise ConversationError(f"cannot fork {parent.id} after {k} messages: it has {len(r.active)}")
+    keep = r.active[:k]
+    cut = keep[-1].p1 if keep else len(r.prefix_tokens)
     # A checkpoint (a llama-server slot file) belongs to the parent: the child saves its own under a new name.
-    child_meta = {k: v for k, v in meta.items() if k not in ("id", "created", "updated", "checkpoint")}
-    child_meta.update(title=f"{meta.get('title') or parent.id} (fork at {at})", forked_from=parent.id,
-                      turns=kept, tokens=cut)
+    child_meta = {key: v for key, v in meta.items() if key not in ("id", "created", "updated", "checkpoint")}
+    child_meta.update(forked_from=parent.id, turns=sum(1 for m in keep if m.role == "user"), tokens=cut,
+                      **meta_update)
     child = store.create(child_meta)
     child.lock()
     try:
-        prefix = next(e for e in parent.read_transcript().events if e.get("type") == "prefix")
-        child.append_event({k: v for k, v in prefix.items() if k not in ("v", "ts")})
+        prefix = next(e for e in events if e.get("type") == "prefix")
+        child.append_event({key: v for key, v in prefix.items() if key not in ("v", "ts")})
         for new_mid, m in enumerate(keep):
             child.append_event({
                 "type": "message", "mid": new_mid, "role": m.role, "text": m.text, "tokens": m.tokens,
                 "span": [m.p0, m.p1], "turn": m.turn, "alt": 0, **({"stop": m.stop} if m.stop else {}),
             })
         copied = fork_state(parent.state_path, child.state_path, cut)
-    finally:
+    except BaseException:
         child.unlock()
+        store.remove(child)
+        raise
+    child.unlock()
     return child.id, copied
 
 

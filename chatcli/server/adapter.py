@@ -2,8 +2,8 @@
 
 Everything the server does to a conversation goes through these functions, so a change in the core
 (``Conversation``'s split into transcript / state log / policy) is absorbed here. Appending a client-written
-message without generating is the core's (``Conversation.append_user`` / ``append_reply``); forking at any
-message boundary lives here (``chatcli fork`` cuts at whole exchanges).
+message without generating is the core's (``Conversation.append_user`` / ``append_reply``), and so is
+forking at any message boundary (``core.forking.fork_after``, which ``chatcli fork`` uses at whole exchanges).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from chatcli.core.conversation import (
     replay_events,
 )
 from chatcli.core.files.store import ConversationDir, ConversationStore
-from chatcli.core.forking import fork_state
+from chatcli.core.forking import fork_after, fork_state
 from chatcli.core.kv.log import CellLog
 from chatcli.core.loading import create_conversation, open_conversation
 from chatcli.core.opening import Opening
@@ -126,38 +126,9 @@ def append(conv: Conversation, message: Message) -> Iterator[Progress]:
 
 
 def fork_at(store: ConversationStore, parent: ConversationDir, k: int, meta_update: dict[str, Any]) -> tuple[str, int]:
-    """A new conversation holding the parent's persona and first ``k`` active messages, with the KV records
-    covering them shared (or copied, see ``copy_state``; the logits after them when the parent kept those):
-    nothing evaluated.
-
-    The parent is only read: its later turns stay where they are for whoever is on them.
-    """
-    meta = parent.read_meta()
-    events = parent.read_transcript().events
-    r = replay_events(events)
-    if not 0 <= k <= len(r.active):
-        raise ValueError(f"cannot fork {parent.id} after {k} messages: it has {len(r.active)}")
-    keep = r.active[:k]
-    cut = keep[-1].p1 if keep else len(r.prefix_tokens)
-    child_meta = {key: v for key, v in meta.items() if key not in ("id", "created", "updated")}
-    child_meta.update(forked_from=parent.id, turns=sum(1 for m in keep if m.role == "user"), tokens=cut, **meta_update)
-    child = store.create(child_meta)
-    child.lock()
-    try:
-        prefix = next(e for e in events if e.get("type") == "prefix")
-        child.append_event({key: v for key, v in prefix.items() if key not in ("v", "ts")})
-        for new_mid, m in enumerate(keep):
-            child.append_event({
-                "type": "message", "mid": new_mid, "role": m.role, "text": m.text, "tokens": m.tokens,
-                "span": [m.p0, m.p1], "turn": m.turn, "alt": 0, **({"stop": m.stop} if m.stop else {}),
-            })
-        copied = copy_state(parent.state_path, child.state_path, cut)
-    except BaseException:
-        child.unlock()
-        store.remove(child)
-        raise
-    child.unlock()
-    return child.id, copied
+    """A new conversation holding the parent's persona and first ``k`` active messages (``core.forking``'s
+    one fork, as ``chatcli fork`` makes them): nothing evaluated, the parent only read."""
+    return fork_after(store, parent, k, meta_update)
 
 
 def copy_state(src: Path, dst: Path, cut: int) -> int:
