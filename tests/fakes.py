@@ -8,7 +8,8 @@ from ``tokens``: saved cells carry their tokens, and loading cells that do not m
 error, so a state log that restores the wrong cells fails here instead of replying differently.
 
 The memory's abilities are data (``caps``, a constructor argument): pass ``replace(ALL_CAPS, shift=False)``
-to run the same policy over a memory that cannot shift, ``CHECKPOINT_CAPS`` for a llama-server-like one.
+to run the same policy over a memory that cannot shift, ``HYBRID_CAPS`` / ``WHOLE_CAPS`` for memories that
+cannot be cut back (rewound to saved records), ``CHECKPOINT_CAPS`` for a llama-server-like one.
 A new ``Capabilities`` field is added in ``ALL_CAPS`` (and where the fake honours it), nowhere else.
 
 Conversation policy (rollback, shift, alternatives, forks, undo/redo, edit) is tested on it in
@@ -47,7 +48,11 @@ BOS = 257  # "<|im_start|>"
 SPECIALS = {EOS: b"<|im_end|>", BOS: b"<|im_start|>"}
 N_VOCAB = 258
 
-ALL_CAPS = Capabilities(cells=True, checkpoint=False, logits=True, local_sampling=True, shift=True)
+ALL_CAPS = Capabilities(cells=True, checkpoint=False, logits=True, local_sampling=True, shift=True, truncate=True,
+                        ranges=True, memory="attention", restore_reuse=True)
+# The local memories the engine's probe finds (backends/llamacpp.py), and a llama-server's slot files.
+HYBRID_CAPS = replace(ALL_CAPS, shift=False, truncate=False, memory="hybrid")  # ranges, rewound to a record's end
+WHOLE_CAPS = replace(ALL_CAPS, shift=False, truncate=False, ranges=False, memory="whole")  # the whole sequence only
 CHECKPOINT_CAPS = replace(ALL_CAPS, cells=False, checkpoint=True, logits=False, local_sampling=False, shift=False)
 
 _CELLS_MAGIC = b"FKV1"
@@ -212,11 +217,32 @@ class FakeBackend:
         if not 0 <= n <= self.n_past:
             raise BackendError(f"cannot truncate to {n}: context holds {self.n_past}")
         dropped = self.n_past - n
+        if dropped and n and not self.caps.truncate:
+            raise BackendError(f"this memory ({self.caps.memory}) cannot be cut back to {n}")
         if dropped:
             del self.tokens[n:]
             del self.kv[n:]
             self._logits = None
         return dropped
+
+    def rewind(self, n: int, p0: int, data: bytes | memoryview) -> None:
+        """End at ``n`` with the state of the saved record [p0, n) (see ``Backend.rewind``)."""
+        if not 0 < n <= self.n_past:
+            raise BackendError(f"cannot rewind to {n}: context holds {self.n_past}")
+        if self.caps.truncate:
+            self.truncate(n)
+            return
+        kept = self.tokens[:n]
+        if not self.caps.ranges:
+            self.clear()
+            self.load_cells(0, n, data, kept)
+            return
+        # Hybrid: the attention cells [0, n) stay, the record brings the recurrent state it ended with.
+        self._check_cells(p0, n, data, kept[p0:])
+        del self.tokens[n:]
+        del self.kv[n:]
+        self._logits = None
+        self.loads += 1
 
     def shift(self, keep: int, drop: int) -> None:
         if not self.caps.shift:
@@ -265,6 +291,10 @@ class FakeBackend:
             raise BackendError(f"bad cell range {p0}..{p1} (context holds {self.n_past})")
         if p0 == p1:
             return b""
+        if not self.caps.truncate and p1 != self.n_past:  # the recurrent part is as it is now
+            raise BackendError(f"this memory ({self.caps.memory}) can only be saved where it ends, not at {p1}")
+        if not self.caps.ranges and p0 != 0:
+            raise BackendError(f"this memory ({self.caps.memory}) is saved whole, not from {p0}")
         cells = [t for t in self.kv[p0:p1] for _ in range(self.cell_words)]
         return _CELLS_MAGIC + struct.pack(f"<ii{len(cells)}i", p0, p1, *cells)
 
@@ -279,22 +309,33 @@ class FakeBackend:
             raise ContextFullError(f"saved state of {p1} tokens does not fit in n_ctx={self.n_ctx}")
         if p0 == p1:
             return
-        raw = bytes(data)
-        n_words = (p1 - p0) * self.cell_words
-        if not raw.startswith(_CELLS_MAGIC) or len(raw) != len(_CELLS_MAGIC) + 4 * (2 + n_words):
-            raise BackendError("not fake cells")
-        lo, hi, *words = struct.unpack(f"<ii{n_words}i", raw[len(_CELLS_MAGIC):])
-        cells = words[::self.cell_words]
-        if (lo, hi) != (p0, p1) or cells != [int(t) for t in tokens]:
-            raise BackendError(f"saved cells {lo}..{hi} do not hold the tokens {p0}..{p1}")
+        if not self.caps.ranges and p0 != 0:
+            raise BackendError(f"this memory ({self.caps.memory}) is restored whole, not from {p0}")
+        cells = self._check_cells(p0, p1, data, tokens)
         self.tokens.extend(int(t) for t in tokens)
         self.kv.extend(cells)
         self._logits = None
         self.loads += 1
 
-    def checkpoint(self, name: str) -> int:
+    def _check_cells(self, p0: int, p1: int, data: bytes | memoryview, tokens: Sequence[int]) -> list[int]:
+        raw = bytes(data)
+        n_words = (p1 - p0) * self.cell_words
+        if not raw.startswith(_CELLS_MAGIC) or len(raw) != len(_CELLS_MAGIC) + 4 * (2 + n_words):
+            raise BackendError("not fake cells")
+        lo, hi, *words = struct.unpack(f"<ii{n_words}i", raw[len(_CELLS_MAGIC):])
+        cells: list[int] = words[::self.cell_words]
+        if (lo, hi) != (p0, p1) or cells != [int(t) for t in tokens]:
+            raise BackendError(f"saved cells {lo}..{hi} do not hold the tokens {p0}..{p1}")
+        return cells
+
+    def flush(self, n: int | None = None) -> int:
+        return 0  # every evaluation already happened
+
+    def checkpoint(self, name: str, n: int | None = None) -> int:
         if not self.caps.checkpoint:
             raise BackendError("this memory saves cell ranges, not checkpoints")
+        if n is not None and n != self.n_past:
+            raise BackendError(f"a checkpoint is of the whole sequence ({self.n_past}), not of {n}")
         self.checkpoints[name] = list(self.kv)
         return 4 * len(self.kv)
 

@@ -18,11 +18,24 @@ from chatcli.core.conversation import Conversation
 from chatcli.core.events import ConversationError, MessageTooLongError, Notice
 from chatcli.core.files.store import ConversationStore
 from chatcli.core.forking import fork_conversation
-from tests.fakes import ALL_CAPS, CHECKPOINT_CAPS, EOS, FakeBackend, logits_for, new_conversation, open_again, say, text_tokens
+from tests.fakes import (
+    ALL_CAPS,
+    CHECKPOINT_CAPS,
+    EOS,
+    HYBRID_CAPS,
+    WHOLE_CAPS,
+    FakeBackend,
+    logits_for,
+    new_conversation,
+    open_again,
+    say,
+    text_tokens,
+)
 
 pytestmark = pytest.mark.fast
 
-MEMORIES = {"cells": ALL_CAPS, "cells-no-shift": replace(ALL_CAPS, shift=False), "checkpoint": CHECKPOINT_CAPS}
+MEMORIES = {"cells": ALL_CAPS, "cells-no-shift": replace(ALL_CAPS, shift=False), "hybrid": HYBRID_CAPS,
+            "whole": WHOLE_CAPS, "checkpoint": CHECKPOINT_CAPS}
 
 
 @pytest.fixture
