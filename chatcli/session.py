@@ -151,9 +151,9 @@ class Session:
         overrides it; CHATCLI_MODEL and the config choose the model of *new* conversations, and the
         fallback when the file is gone), its llama-server (only an explicit ``server`` setting or the
         ``model`` flag moves it), its context size (unless ``n_ctx``) and its KV type (unless ``kv_type``;
-        another one rebuilds the KV from the transcript, and the open says so), its chat template and thinking
-        switch (unless set explicitly). ``settings`` is adjusted
-        in place. The conversation is resolved and its lock tried first, so a wrong id or a conversation
+        another one rebuilds the KV from the transcript, and the open says so), its chat template and
+        thinking switch (unless set explicitly). ``settings`` is adjusted in place. The conversation is
+        resolved and its lock tried first, so a wrong id or a conversation
         open elsewhere fails before a model loads. ``build(settings, model_path, template)`` loads the session
         (default: ``Session.build`` / ``build_remote``; the CLI passes one that shows a spinner). The
         opening's first events are the policy's own warnings (a model that is gone, a server's notices).
