@@ -10,7 +10,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,22 +104,25 @@ def build_session(home: str | Path, *, model: str | None, n_ctx: int, threads: i
     return Session.build(settings, paths, model=ref, explicit=explicit)
 
 
-def drain(gen: Iterator[Any]) -> tuple[Any, Any, list[Any], list[Any]]:
-    """Run a chatcli event generator to its end: (conversation, resume report, reply ends, notices)."""
+def drain(gen: Iterable[Any]) -> tuple[Any, Any, list[Any], list[Any]]:
+    """Run a chatcli opening or event generator to its end: (conversation, resume report, reply ends, notices)."""
     try:
+        from chatcli.core import opening
         from chatcli.core.events import Notice, ReplyEnd
-        from chatcli.core.opening import split_opening
     except ImportError:  # chatcli before #12 (the --before tree of bench/run.py)
         return _drain_old(gen)
-    events, opened = split_opening(gen)
-    ends: list[Any] = []
-    notices: list[Any] = []
-    for ev in events:
-        if isinstance(ev, ReplyEnd):
-            ends.append(ev)
-        elif isinstance(ev, Notice):
-            notices.append(ev)
-    return opened.conversation, opened.report, ends, notices
+    events: Iterable[Any] = gen
+    box: Any = None
+    if hasattr(opening, "split_opening"):  # chatcli before #25: openings were a mixed stream
+        events, box = opening.split_opening(gen)
+    seen = [ev for ev in events if isinstance(ev, (ReplyEnd, Notice))]
+    ends = [ev for ev in seen if isinstance(ev, ReplyEnd)]
+    notices = [ev for ev in seen if isinstance(ev, Notice)]
+    if box is not None:
+        return box.conversation, box.report, ends, notices
+    if isinstance(gen, getattr(opening, "Opening", ())):
+        return gen.conversation, gen.report, ends, notices
+    return None, None, ends, notices
 
 
 def _drain_old(gen: Iterator[Any]) -> tuple[Any, Any, list[Any], list[Any]]:

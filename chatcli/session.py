@@ -6,6 +6,7 @@ same engine (one context per process, never re-created).
 
 from __future__ import annotations
 
+import os
 import secrets
 import sqlite3
 from dataclasses import dataclass, field
@@ -14,10 +15,10 @@ from typing import Any, Callable, Iterable, Iterator
 from chatcli.backends.llama_server import LlamaServerBackend, ServerConfig
 from chatcli.backends.llamacpp import Engine
 from chatcli.config.personas import Persona, get_persona, load_personas
-from chatcli.config.settings import Paths, Settings
+from chatcli.config.settings import Paths, Settings, fit_reserve
 from chatcli.core.backend import Sampling
 from chatcli.core.conversation import Conversation
-from chatcli.core.events import Event, Notice, ResumeReport
+from chatcli.core.events import Event, Notice
 from chatcli.core.files.fsutil import ensure_private_dir
 from chatcli.core.files.index import IndexUnavailable
 from chatcli.core.files.store import ConversationStore
@@ -25,6 +26,7 @@ from chatcli.core.kv import prefix
 from chatcli.core.kv.budget import Freed, enforce, prefix_bytes, resync_index, total_bytes
 from chatcli.core.kv.prefix import effective_n_ctx
 from chatcli.core.loading import create_conversation, open_conversation
+from chatcli.core.opening import Opening
 from chatcli.core.template import ChatTemplate, read_template_file
 from chatcli.models.resolve import ModelRef, resolve_model
 from chatcli.units import parse_size
@@ -139,6 +141,76 @@ class Session:
         store = ConversationStore(paths.conversations_dir)
         return cls(settings, paths, None, backend, template, store, set(explicit or ()), notices, server=backend.url)
 
+    @classmethod
+    def open(
+        cls, settings: Settings, paths: Paths, ref: str | None, *, explicit: set[str] | None = None,
+        model: str | None = None, n_ctx: int | None = None, kv_type: str | None = None,
+        build: Callable[[Settings, str | None, tuple[str, str] | None], Session] | None = None,
+    ) -> tuple[Session, Opening[Conversation]]:
+        """The session a stored conversation resumes in, and its opening: the resume policy.
+
+        A conversation keeps what its saved KV state is valid for: its model file (only the ``model`` flag
+        overrides it; CHATCLI_MODEL and the config choose the model of *new* conversations, and the
+        fallback when the file is gone), its llama-server (only an explicit ``server`` setting or the
+        ``model`` flag moves it), its context size (unless ``n_ctx``) and its KV type (unless ``kv_type``;
+        another one rebuilds the KV from the transcript, and the open says so), its chat template and
+        thinking switch (unless set explicitly). ``settings`` is adjusted in place. The conversation is
+        resolved and its lock tried first, so a wrong id or a conversation
+        open elsewhere fails before a model loads. ``build(settings, model_path, template)`` loads the session
+        (default: ``Session.build`` / ``build_remote``; the CLI passes one that shows a spinner). The
+        opening's first events are the policy's own warnings (a model that is gone, a server's notices).
+        """
+        explicit = set(explicit or ())
+        store = ConversationStore(paths.conversations_dir)
+        conv_dir = store.resolve(ref)
+        meta = conv_dir.read_meta()
+        conv_dir.lock()  # open in another process? say so now, not after loading the model
+        conv_dir.unlock()
+        saved_model = meta.get("model") or {}
+        params = meta.get("params") or {}
+        model_path = model
+        notes: list[Notice] = []
+        if "server" not in explicit:
+            settings.server = None if model else saved_model.get("server")
+        if settings.server:
+            model_path = None
+        elif not model_path:
+            saved = saved_model.get("path")
+            if saved and os.path.exists(saved):
+                model_path = saved
+            else:
+                model_path = settings.model
+                if saved:
+                    notes.append(Notice(f"the conversation's model {saved} is gone; using "
+                                        f"{settings.model or 'the default model'}", "warn"))
+        if n_ctx is None:
+            settings.n_ctx = int(params.get("n_ctx", settings.n_ctx))
+            fit_reserve(settings, explicit)
+        saved_kv = str(params.get("type_k", "f16"))
+        if kv_type is None and saved_kv in ("f16", "q8_0", "q4_0"):
+            settings.kv_type = saved_kv
+        # It keeps the template it started with (and its thinking switch); only flags or the environment
+        # change them. The config file's choice is for new conversations.
+        remembered = None
+        tmpl_meta = meta.get("chat_template")
+        if "chat_template" not in explicit:
+            settings.chat_template = None
+            if isinstance(tmpl_meta, dict) and isinstance(tmpl_meta.get("source"), str):
+                remembered = (str(tmpl_meta["source"]), str(tmpl_meta.get("file", "")))
+        if "thinking" not in explicit:
+            saved_thinking = meta.get("thinking")
+            settings.thinking = saved_thinking if isinstance(saved_thinking, bool) else None
+        if build is None:
+            def build(s: Settings, path: str | None, template: tuple[str, str] | None) -> Session:
+                if s.server:
+                    return cls.build_remote(s, paths, explicit=explicit, chat_template=template)
+                return cls.build(s, paths, model=resolve_model(path or s.model), explicit=explicit,
+                                 chat_template=template)
+        session = build(settings, model_path, remembered)
+        if session.server:
+            notes += [Notice(n, "warn") for n in session.notices]
+        return session, session.open_conversation(conv_dir.id).before(notes)
+
     @property
     def local_model(self) -> ModelRef:
         """The local model file (front ends that need one, such as ``chatcli serve``, refuse ``--server``)."""
@@ -171,10 +243,10 @@ class Session:
     def personas(self) -> dict[str, Persona]:
         return load_personas(self.paths.personas_dir)
 
-    def new_conversation(self, persona_name: str, *, seed: int | None = None) -> Iterator[Event | Conversation]:
+    def new_conversation(self, persona_name: str, *, seed: int | None = None) -> Opening[Conversation]:
         persona = get_persona(persona_name, self.paths.personas_dir)
         s = self.settings
-        yield from self._budgeted(create_conversation(
+        return self._budgeted(create_conversation(
             self.store, self.engine, self.template,
             persona_name=persona.name, persona_messages=persona.messages(), persona_hash=persona.text_hash(),
             identity=self.identity(), model_path=str(self.model.path) if self.model is not None else str(self.server),
@@ -200,7 +272,7 @@ class Session:
             return int(dict(persona.sampling)["max_tokens"])
         return self.settings.max_tokens
 
-    def open_conversation(self, ref: str | None) -> Iterator[Event | ResumeReport | Conversation]:
+    def open_conversation(self, ref: str | None) -> Opening[Conversation]:
         conv_dir = self.store.resolve(ref)
         meta = conv_dir.read_meta()
         persona = None
@@ -208,7 +280,7 @@ class Session:
             persona = get_persona(str(meta.get("persona", "")), self.paths.personas_dir)
         except Exception:
             persona = None  # a deleted persona file must not make a conversation unopenable
-        yield from self._budgeted(open_conversation(
+        return self._budgeted(open_conversation(
             self.store, conv_dir.id, self.engine, self.template, identity=self.identity(),
             sampling=sampling_from(self.settings, persona, self.explicit),
             max_tokens=self._max_tokens(persona), reserve=self.settings.reserve,
@@ -217,15 +289,15 @@ class Session:
 
     # -- state budget ---------------------------------------------------------------------------------
 
-    def _budgeted(self, events: Iterator[Any]) -> Iterator[Any]:
-        """Pass the events through; the opened conversation gets the budget hook, applied once right away
-        (opening may have written a whole state file)."""
-        for ev in events:
-            if isinstance(ev, Conversation):
-                text = self.attach_budget(ev)
-                if text:
-                    yield Notice(text)
-            yield ev
+    def _budgeted(self, opening: Opening[Conversation]) -> Opening[Conversation]:
+        """The opening, then the budget hook given to its conversation and applied once right away (opening
+        may have written a whole state file): every conversation a session opens has it."""
+        def budget(conv: Conversation) -> Iterator[Event]:
+            text = self.attach_budget(conv)
+            if text:
+                yield Notice(text)
+
+        return opening.then(budget)
 
     def attach_budget(self, conv: Conversation) -> str | None:
         """Give ``conv`` the state-budget hook (every later state write applies the budget) and apply it

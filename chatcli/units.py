@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import re
 
+from chatcli.errors import ChatcliError, Kind
+
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 _UNLIMITED = frozenset({"0", "none", "unlimited", "off", ""})
 
 
-class SizeError(ValueError):
+class SizeError(ChatcliError, ValueError):
     """A size that cannot be read; the message is one line."""
+
+    kind: Kind = "usage"
 
 
 def parse_size(text: str) -> int | None:

@@ -12,6 +12,9 @@ from chatcli.models.resolve import bundled_model_path
 from tests.archs import SKIP_REASON as ARCHS_SKIP_REASON
 from tests.archs import ArchFixtures, archs_binary
 
+# The promise tests' shared conversation and its fixtures (sess, golden, one_thread), for any test module.
+pytest_plugins = ["tests.golden"]
+
 
 @pytest.fixture(autouse=True)
 def chatcli_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

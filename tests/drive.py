@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from chatcli.config.settings import get_paths, load_settings_explicit
 from chatcli.core.conversation import Conversation, ReplyEnd, ResumeReport
-from chatcli.core.opening import split_opening
+from chatcli.core.opening import Opening
 from chatcli.models.resolve import resolve_model
 from chatcli.session import Session
 
@@ -59,9 +59,12 @@ def rebind(session: Session) -> Session:
 
 
 def drain(gen: Any) -> tuple[Conversation | None, ResumeReport | None, list[ReplyEnd]]:
-    events, opened = split_opening(gen)
-    ends = [ev for ev in events if isinstance(ev, ReplyEnd)]
-    return opened.conversation, opened.report, ends
+    """Run an opening or an operation's events to the end: (conversation, resume report, reply ends); the
+    first two are None for an operation."""
+    ends = [ev for ev in gen if isinstance(ev, ReplyEnd)]
+    if isinstance(gen, Opening):
+        return gen.conversation, gen.report, ends
+    return None, None, ends
 
 
 def say(conv: Conversation, text: str) -> tuple[list[int], np.ndarray]:

@@ -230,3 +230,52 @@ def test_where_a_link_cannot_be_made_the_fork_copies(monkeypatch: pytest.MonkeyP
     child = drive("--resume", child_id, *says(M[1:2]), logits=tmp_path / "child.npy")
     assert child["report"]["reevaluated"] == 0 and child["replies"] == parent["replies"][1:]
     assert np.array_equal(np.load(tmp_path / "child.npy"), np.load(tmp_path / "parent.npy")[1:])
+
+
+# -- the one fork function, on the fake backend (tests/fakes.py): CLI forks at exchanges, the server anywhere --
+
+
+@pytest.mark.fast
+def test_a_fork_after_any_message_holds_exactly_those_messages(tmp_path: Path) -> None:
+    from chatcli.core.files.store import ConversationStore
+    from chatcli.core.forking import fork_after
+    from tests.fakes import FakeBackend, new_conversation, open_again, say
+
+    eng = FakeBackend()
+    store_dir = tmp_path / "conversations"
+    conv = new_conversation(eng, store_dir)
+    say(conv, "one", reply="uno")
+    say(conv, "two", reply="dos")
+    upto = {k: list(conv.r.prefix_tokens) + [t for m in conv.r.active[:k] for t in m.tokens] for k in range(5)}
+    parent = conv.dir
+    conv.close()
+    store = ConversationStore(store_dir)
+    for k in (0, 1, 3):  # the persona alone, a user message without its reply, mid-conversation
+        child_id, held = fork_after(store, parent, k, {"source": "api"})
+        assert held == len(upto[k])
+        eng.clear()
+        n0 = eng.n_evaluated_total
+        child, report = open_again(eng, store_dir, child_id)
+        assert eng.tokens == eng.kv == upto[k] and report.reevaluated == 0 and eng.n_evaluated_total == n0
+        assert child.meta["forked_from"] == parent.id and child.meta["source"] == "api"
+        child.close()
+
+
+@pytest.mark.fast
+def test_a_fork_that_fails_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from chatcli.core import forking
+    from chatcli.core.events import ConversationError
+    from chatcli.core.files.store import ConversationStore
+    from tests.fakes import FakeBackend, new_conversation, say
+
+    conv = new_conversation(FakeBackend(), tmp_path / "conversations")
+    say(conv, "one", reply="uno")
+    conv.close()
+    store = ConversationStore(tmp_path / "conversations")
+    ids = store.ids()
+    with pytest.raises(ConversationError):
+        forking.fork_after(store, conv.dir, 3, {})  # it has two messages
+    monkeypatch.setattr(forking, "fork_state", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left")))
+    with pytest.raises(OSError):
+        forking.fork_conversation(store, conv.id, 1)
+    assert store.ids() == ids

@@ -17,6 +17,7 @@ import pytest
 
 from chatcli.config.settings import get_paths
 from chatcli.core.files.store import ConversationStore
+from tests.golden import REPO
 
 HEAVY = ("llama_cpp", "numpy")
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,3 +114,14 @@ def test_design_module_map_matches_the_tree() -> None:
     assert listed, "no module map table found in docs/DESIGN.md"
     assert not tree - listed, f"modules missing from DESIGN.md's module map: {sorted(tree - listed)}"
     assert not listed - tree, f"DESIGN.md's module map names files that do not exist: {sorted(listed - tree)}"
+
+
+def test_no_pickle_eval_or_exec_of_anything() -> None:
+    banned = re.compile(r"\bpickle\b|\bmarshal\b|\bshelve\b|allow_pickle\s*=\s*True|(?<![.\w])(?<!def )(eval|exec)\s*\(")
+    hits = []
+    for src in sorted((REPO / "chatcli").rglob("*.py")):
+        for n, line in enumerate(src.read_text("utf-8").splitlines(), 1):
+            if banned.search(line.split("#", 1)[0]):
+                hits.append(f"{src.relative_to(REPO)}:{n}: {line.strip()}")
+    assert hits == []
+    assert banned.search("x = pickle.loads(data)") and banned.search("eval(text)") and not banned.search("eng.eval(t)")

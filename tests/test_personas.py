@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from chatcli.cli.app import app
 from chatcli.config.personas import (
     Persona,
     PersonaError,
@@ -18,6 +20,7 @@ from chatcli.config.personas import (
 )
 from chatcli.config.settings import Settings, get_paths
 from chatcli.core.template import Message
+from tests.golden import install, one_line, open_conv, runner
 
 SHIPPED = {"alice", "coder", "pirate", "tutor"}
 
@@ -240,3 +243,32 @@ def test_valid_sampling_and_examples_are_parsed(user_dir: Path) -> None:
     assert bob.greeting == "Hey"
     assert bob.sampling_dict() == {"temperature": 1.0, "top_k": 5}
     assert isinstance(bob.sampling_dict()["temperature"], float)
+
+
+def test_malformed_user_persona_names_file_and_line_before_loading(
+    chatcli_home: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    loads: list[object] = []
+    monkeypatch.setattr("chatcli.session.Engine", lambda *a, **k: loads.append(a))
+    personas = chatcli_home / "config" / "personas"  # made by this module's user_dir fixture
+    assert personas.is_dir()
+    bad = personas / "x.toml"
+    bad.write_text('name = "x"\nsystem = "unterminated\n')
+    result = runner.invoke(app, ["talk", "--persona", "x"], input="hi\n")
+    assert result.exit_code == 2
+    line = one_line(result.stderr)
+    assert str(bad) in line and "line 2" in line
+    bad.write_bytes(b'system = "caf\xe9"\n')
+    result = runner.invoke(app, ["talk", "--persona", "x"], input="hi\n")
+    assert result.exit_code == 2 and str(bad) in one_line(result.stderr)
+    assert loads == []
+
+
+def test_conversation_whose_persona_file_broke_still_resumes(sess: Any, golden: dict[str, Any]) -> None:
+    cid = install(golden)
+    personas = get_paths().personas_dir
+    personas.mkdir(parents=True, exist_ok=True)
+    (personas / "alice.toml").write_text("system = [unclosed\n")
+    conv, report, _ = open_conv(sess, cid)
+    conv.close()
+    assert report.reevaluated == 0 and sess.engine.tokens == golden["main"]["tokens"]

@@ -22,7 +22,7 @@ from chatcli.config.settings import get_paths, load_settings
 from chatcli.core.backend import BackendError
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import ReplyEnd, ReplyText, ResumeReport
-from chatcli.core.opening import split_opening
+from chatcli.core.opening import Opening
 from chatcli.session import Session
 from tests.remote_server import SKIP_REASON, LlamaServer, running_server, server_binary
 
@@ -52,10 +52,11 @@ def remote_session(url: str, **flags: Any) -> Session:
 
 
 def drain(gen: Any) -> tuple[Conversation | None, ResumeReport | None, list[ReplyEnd]]:
-    """Run an operation to its end through the front ends' own drain (core/opening.split_opening)."""
-    events, opened = split_opening(gen)
-    ends = [ev for ev in events if isinstance(ev, ReplyEnd)]
-    return opened.conversation, opened.report, ends
+    """Run an opening or an operation to its end: (conversation, resume report, reply ends)."""
+    ends = [ev for ev in gen if isinstance(ev, ReplyEnd)]
+    if isinstance(gen, Opening):
+        return gen.conversation, gen.report, ends
+    return None, None, ends
 
 
 def say(conv: Conversation, text: str) -> ReplyEnd:

@@ -25,7 +25,7 @@ from chatcli.cli.app import app
 from chatcli.config.settings import get_paths, load_settings
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import Notice, Progress, ReplyEnd, ResumeReport
-from chatcli.core.opening import split_opening
+from chatcli.core.opening import Opening
 from chatcli.session import Session
 from tests.archs import ArchFixtures
 from tests.remote_server import SKIP_REASON, LlamaServer, server_binary
@@ -62,9 +62,10 @@ def remote_session(url: str) -> Session:
 
 
 def drain(gen: Any) -> tuple[Conversation | None, ResumeReport | None, list[ReplyEnd]]:
-    events, opened = split_opening(gen)
-    ends = [ev for ev in events if isinstance(ev, ReplyEnd)]  # consumed first: that fills ``opened``
-    return opened.conversation, opened.report, ends
+    ends = [ev for ev in gen if isinstance(ev, ReplyEnd)]
+    if isinstance(gen, Opening):
+        return gen.conversation, gen.report, ends
+    return None, None, ends
 
 
 def say(conv: Conversation, text: str) -> ReplyEnd:

@@ -13,7 +13,7 @@ import re
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Generator, Iterator
 
 import pytest
 from prompt_toolkit.document import Document
@@ -37,6 +37,7 @@ from chatcli.core.events import (
     TurnStats,
 )
 from chatcli.core.export import to_markdown
+from chatcli.core.opening import Opening
 from chatcli.core.template import Message
 from chatcli.core.transcript import ActiveMessage, Replay
 from chatcli.repl.commands import REGISTRY, CommandError
@@ -229,13 +230,16 @@ class FakeSession:
     def personas(self) -> dict[str, FakePersona]:
         return {"alice": FakePersona("friendly"), "pirate": FakePersona("arr"), "coder": FakePersona("terse")}
 
-    def new_conversation(self, name: str) -> Iterator[Any]:
-        if name not in self.personas():
-            raise ConversationError(f"unknown persona {name!r}")
-        yield Progress("evaluating persona prefix", 10, 10, 0.1)
-        conv = FakeConversation(cid=f"new{len(self.created)}", persona=name)
-        self.created.append(conv)
-        yield conv
+    def new_conversation(self, name: str) -> Opening[Any]:
+        def steps() -> Generator[Any, None, tuple[Any, None]]:
+            if name not in self.personas():
+                raise ConversationError(f"unknown persona {name!r}")
+            yield Progress("evaluating persona prefix", 10, 10, 0.1)
+            conv = FakeConversation(cid=f"new{len(self.created)}", persona=name)
+            self.created.append(conv)
+            return conv, None
+
+        return Opening(steps())  # a FakeConversation stands for the real one
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
@@ -423,9 +427,15 @@ def test_edit_offers_the_old_message_for_editing_and_continues_from_it() -> None
 
 def test_ctrl_c_during_an_operation_that_cannot_stop_lets_it_finish() -> None:
     class SlowSession(FakeSession):
-        def new_conversation(self, name: str) -> Iterator[Any]:
-            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the persona prefix is evaluated
-            yield from super().new_conversation(name)
+        def new_conversation(self, name: str) -> Opening[Any]:
+            inner = super().new_conversation(name)
+
+            def interrupted() -> Generator[Any, None, tuple[Any, None]]:
+                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the persona prefix is evaluated
+                yield from inner
+                return inner.conversation, None
+
+            return Opening(interrupted())
 
     session = SlowSession()
     repl, out, _ = drive("/persona pirate\rstill alive\r\x04", FakeConversation(), session=session)

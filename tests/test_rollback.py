@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 
+from chatcli.core.conversation import Conversation
+from chatcli.core.events import ConversationError, MessageTooLongError, ReplyEnd
+from chatcli.core.forking import fork_conversation
 from chatcli.core.kv import records as sf
 from tests.drive import build_session, drain, say, says
 from tests.drive import run_process as drive
@@ -252,3 +258,89 @@ def test_regen_with_an_explicit_seed_is_reproducible() -> None:
     assert replies[0] == replies[1] != replies[2]
     conv.close()
     session.close()
+
+
+# -- every rollback operation validates first (one engine for these tests, n_ctx 512) ------------------------
+
+N_CTX = 512
+
+
+@pytest.fixture(scope="module")
+def base_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from tests.drive import isolated_session
+
+    session = isolated_session(tmp_path_factory.mktemp("base") / "home", threads=2, n_ctx=N_CTX, max_tokens=16, reserve=64)
+    yield session
+    session.close()
+
+
+@pytest.fixture
+def sess(base_session: Any, chatcli_home: Path) -> Any:
+    """The module's session (its engine) bound to this test's CHATCLI_HOME."""
+    from tests.drive import rebind
+
+    return rebind(base_session)
+
+
+def new_conv(session: Any, *msgs: str) -> Conversation:
+    conv = session.new_conversation("alice").conversation
+    for m in msgs:
+        assert any(isinstance(ev, ReplyEnd) for ev in conv.send(m))
+    return conv
+
+
+def snapshot(conv: Conversation) -> tuple[Any, ...]:
+    """Everything a refused operation must leave alone."""
+    return (
+        [(m.mid, m.role, m.text, tuple(m.tokens), m.p0) for m in conv.messages],
+        conv.context.n_past, list(conv.engine.tokens), [list(x) for x in conv.r.redo],
+        conv.dir.transcript_path.read_bytes(), conv.dir.state_path.read_bytes(), conv.dir.meta_path.read_bytes(),
+    )
+
+
+def test_refused_rollbacks_change_nothing(sess: Any) -> None:
+    conv = new_conv(sess, "Hi, who are you?", "Name a colour.")
+    try:
+        before = snapshot(conv)
+        refusals = {
+            "edit too long for the context": lambda: list(conv.edit(1, "word " * 600)),
+            "edit of the last message too long": lambda: list(conv.edit(None, "word " * 600)),
+            "edit of a message that does not exist": lambda: list(conv.edit(3, "hello")),
+            "edit of message 0": lambda: list(conv.edit(0, "hello")),
+            "edit to empty text": lambda: list(conv.edit(1, "   ")),
+            "undo of nothing": lambda: conv.undo(0),
+            "undo of more than there is": lambda: conv.undo(3),
+            "redo with nothing undone": lambda: conv.redo(),
+            "alt that does not exist": lambda: conv.switch_alt(1),
+            "alt -1": lambda: conv.switch_alt(-1),
+        }
+        for what, op in refusals.items():
+            with pytest.raises(ConversationError):
+                op()
+            assert snapshot(conv) == before, what
+        # A refused fork creates nothing and leaves the parent alone.
+        ids = sess.store.ids()
+        with pytest.raises(ConversationError):
+            fork_conversation(sess.store, conv.id, 5)
+        assert sess.store.ids() == ids and snapshot(conv) == before
+        # Refused, yet usable: a real edit still works afterwards, and an undo can be redone.
+        assert any(isinstance(ev, ReplyEnd) for ev in conv.edit(2, "Name a fruit."))
+        conv.undo()
+        undone = snapshot(conv)
+        with pytest.raises(MessageTooLongError):
+            list(conv.edit(1, "word " * 600))
+        assert snapshot(conv) == undone  # the redo stack survived the refusal
+        conv.redo()
+        assert [m.role for m in conv.messages] == ["user", "assistant", "user", "assistant"]
+    finally:
+        conv.close()
+    empty = new_conv(sess)
+    try:
+        before = snapshot(empty)
+        with pytest.raises(ConversationError):
+            list(empty.regen())
+        with pytest.raises(ConversationError):
+            list(empty.edit(None, "hello"))
+        assert snapshot(empty) == before
+    finally:
+        empty.close()

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from chatcli.backends.llamacpp import ContextFullError
 from chatcli.core.conversation import Notice
+from chatcli.core.events import MessageTooLongError
 from tests.drive import build_session, drain, run_process, say
 
 N_CTX = 512
@@ -78,7 +78,7 @@ def test_message_too_long_is_refused_and_nothing_changes() -> None:
     say(conv, "Hello")
     transcript = conv.dir.transcript_path.read_text()
     tokens = list(session.engine.tokens)
-    with pytest.raises(ContextFullError, match="too long"):
+    with pytest.raises(MessageTooLongError, match="too long"):
         drain(conv.send("word " * 2000))
     assert conv.dir.transcript_path.read_text() == transcript
     assert session.engine.tokens == tokens
@@ -111,8 +111,9 @@ def test_persona_prefix_is_evaluated_once_and_reused(tmp_path: Path) -> None:
     n_prefix = len(first.r.prefix_tokens)
     assert eng.n_evaluated_total == n_prefix > 0
     first.close()
-    events = list(session.new_conversation("alice"))
-    second = events[-1]
+    opening = session.new_conversation("alice")
+    events = list(opening)
+    second = opening.conversation
     assert eng.n_evaluated_total == n_prefix  # loaded from the cache: nothing evaluated
     assert any(isinstance(e, Notice) and "from cache" in e.text for e in events)
     cached_tokens = list(eng.tokens)

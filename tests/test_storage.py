@@ -16,7 +16,7 @@ import pytest
 
 from chatcli import units
 from chatcli.config.settings import SettingsError, get_paths, load_settings
-from chatcli.core.conversation import Conversation, Notice, Progress, ResumeReport
+from chatcli.core.conversation import Conversation, Notice, Progress
 from chatcli.core.files.store import ConversationStore
 from chatcli.core.kv import budget
 from chatcli.core.kv import records as sf
@@ -150,12 +150,13 @@ def test_tiny_budget_evicts_in_lru_order_and_spares_the_open_conversation(engine
     conv.close()
     # Opening an evicted conversation rebuilds its KV with a progress bar and says why.
     s.settings.state_budget = "20GB"
-    events = list(s.open_conversation(b.id))
+    opening = s.open_conversation(b.id)
+    events = list(opening)
     bars = [ev for ev in events if isinstance(ev, Progress)]
     assert bars and bars[-1].label == "rebuilding context from the transcript" and bars[-1].done == bars[-1].total
-    report = next(ev for ev in events if isinstance(ev, ResumeReport))
-    assert "state budget" in report.reason and report.restored_tokens == 0
-    next(ev for ev in events if isinstance(ev, Conversation)).close()
+    report = opening.report
+    assert report is not None and "state budget" in report.reason and report.restored_tokens == 0
+    opening.conversation.close()
 
 
 def _prefix_of(session: Any, conv_id: str) -> Path:

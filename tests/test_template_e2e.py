@@ -15,7 +15,7 @@ import pytest
 
 from chatcli.config.settings import get_paths, load_settings_explicit
 from chatcli.core.conversation import Conversation
-from chatcli.core.events import ReplyEnd, ResumeReport
+from chatcli.core.events import ReplyEnd
 from chatcli.models.resolve import resolve_model
 from chatcli.session import Session
 from tests.test_templates_all import TEMPLATE_DIR
@@ -49,9 +49,7 @@ def sess(session: Session, chatcli_home: Path) -> Session:
 
 
 def _new(session: Session) -> Conversation:
-    conv = list(session.new_conversation("alice"))[-1]
-    assert isinstance(conv, Conversation)
-    return conv
+    return session.new_conversation("alice").conversation
 
 
 def _say(conv: Conversation, text: str) -> ReplyEnd:
@@ -80,9 +78,9 @@ def test_talk_resume_regen_under_a_reasoning_template(sess: Session) -> None:
     conv.close()
     sess.engine.clear()
 
-    events = list(sess.open_conversation(cid))
-    conv2, report = events[-1], events[-2]
-    assert isinstance(conv2, Conversation) and isinstance(report, ResumeReport)
+    opening = sess.open_conversation(cid)
+    conv2, report = opening.conversation, opening.report
+    assert report is not None
     assert report.reevaluated == 0 and list(sess.engine.tokens) == tokens
 
     end = [ev for ev in conv2.regen() if isinstance(ev, ReplyEnd)][-1]

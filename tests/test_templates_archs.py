@@ -17,7 +17,7 @@ import pytest
 
 from chatcli.config.settings import get_paths, load_settings_explicit
 from chatcli.core.conversation import Conversation
-from chatcli.core.events import ReplyEnd, ResumeReport
+from chatcli.core.events import ReplyEnd
 from chatcli.models.resolve import resolve_model
 from chatcli.session import Session
 from tests.archs import ArchFixtures, with_template
@@ -71,17 +71,16 @@ def _say(conv: Conversation, text: str) -> ReplyEnd:
 
 def test_talk_resume_regen(sess: Session) -> None:
     sess.engine.clear()
-    conv = list(sess.new_conversation("alice"))[-1]
-    assert isinstance(conv, Conversation)
+    conv = sess.new_conversation("alice").conversation
     for q in ("hi there", "and then"):
         _say(conv, q)
     assert list(sess.engine.tokens) == conv.r.tokens()
     tokens, cid = list(sess.engine.tokens), conv.id
     conv.close()
     sess.engine.clear()
-    events = list(sess.open_conversation(cid))
-    conv2, report = events[-1], events[-2]
-    assert isinstance(conv2, Conversation) and isinstance(report, ResumeReport)
+    opening = sess.open_conversation(cid)
+    conv2, report = opening.conversation, opening.report
+    assert report is not None
     assert report.reevaluated == 0 and list(sess.engine.tokens) == tokens
     end = [ev for ev in conv2.regen() if isinstance(ev, ReplyEnd)][-1]
     assert end.stats.n_prompt == 0 and not end.stats.reevaluated

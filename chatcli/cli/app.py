@@ -245,64 +245,18 @@ def resume(
 def _open(settings: Settings, paths: Paths, explicit: set[str], conv_id: str | None, model_flag: str | None,
           n_ctx_flag: int | None, *, show_history: bool = True,
           kv_type_flag: str | None = None) -> tuple[Session, Conversation, Renderer, bool]:
-    """Resolve the conversation first (cheap errors before loading a model), then restore it."""
-    from chatcli.config.settings import fit_reserve, get_paths
-    from chatcli.core.files.store import ConversationStore
+    """Resume a conversation with the session's resume policy (``Session.open``) and show how it went."""
     from chatcli.repl.loop import open_events
+    from chatcli.session import Session
     from chatcli.units import format_size
 
-    store = ConversationStore(get_paths().conversations_dir)
-    conv_dir = store.resolve(conv_id)
-    meta = conv_dir.read_meta()
-    # Open in another process? Say so now rather than after loading the model (opening takes the lock).
-    conv_dir.lock()
-    conv_dir.unlock()
-    # Only --model overrides the conversation's own model: its saved KV state is valid for that model
-    # alone. CHATCLI_MODEL and the config file choose the model of *new* conversations (and the fallback).
-    saved = (meta.get("model") or {}).get("path")
-    model_path = model_flag
-    note = ""
-    # Likewise a conversation remembers its llama-server: only --server (or --model) moves it elsewhere;
-    # CHATCLI_SERVER and the config choose where *new* conversations run.
-    if "server" not in explicit:
-        settings.server = None if model_flag else (meta.get("model") or {}).get("server")
-    if settings.server:
-        model_path = None
-    elif not model_path:
-        if saved and os.path.exists(saved):
-            model_path = saved
-        else:
-            model_path = settings.model
-            if saved:
-                note = f"the conversation's model {saved} is gone; using {settings.model or 'the default model'}"
-    if n_ctx_flag is None:
-        settings.n_ctx = int((meta.get("params") or {}).get("n_ctx", settings.n_ctx))
-        fit_reserve(settings, explicit)
-    # Like n_ctx: the conversation keeps its KV type unless --kv-type asks for another (then its KV is
-    # rebuilt from the transcript, and the open says so).
-    saved_kv = str((meta.get("params") or {}).get("type_k", "f16"))
-    if kv_type_flag is None and saved_kv in ("f16", "q8_0", "q4_0"):
-        settings.kv_type = saved_kv
-    # A conversation keeps the template it started with (and its thinking switch); only the flags or the
-    # environment change them. The config file's choice is for new conversations.
-    remembered = None
-    tmpl_meta = meta.get("chat_template")
-    if "chat_template" not in explicit:
-        settings.chat_template = None
-        if isinstance(tmpl_meta, dict) and isinstance(tmpl_meta.get("source"), str):
-            remembered = (str(tmpl_meta["source"]), str(tmpl_meta.get("file", "")))
-    if "thinking" not in explicit:
-        saved_thinking = meta.get("thinking")
-        settings.thinking = saved_thinking if isinstance(saved_thinking, bool) else None
+    session, opening = Session.open(
+        settings, paths, conv_id, explicit=explicit, model=model_flag, n_ctx=n_ctx_flag, kv_type=kv_type_flag,
+        build=lambda s, model_path, template: _build_session(s, paths, explicit, model_path=model_path,
+                                                             chat_template=template))
     interactive = _interactive()
-    session = _build_session(settings, paths, explicit, model_path=model_path, chat_template=remembered)
     renderer = _renderer(settings, interactive)
-    if note:
-        renderer.notice(note, "warn")
-    if session.server:
-        for n in session.notices:
-            renderer.notice(n, "warn")
-    conv, report = open_events(session.open_conversation(conv_dir.id), renderer)
+    conv, report = open_events(opening, renderer)
     if show_history:
         renderer.history(conv.messages, settings.history_preview)
     if report is not None:

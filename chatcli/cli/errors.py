@@ -12,16 +12,24 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from chatcli.errors import EXIT_CODES, ChatcliError
+
 if TYPE_CHECKING:
     from rich.console import Console
 
-EXIT_USAGE = 2
+EXIT_USAGE = EXIT_CODES["usage"]
 
 
-class CliError(Exception):
+class CliError(ChatcliError):
+    """A command's own refusal (a missing extra, an unknown format), with the exit code it gives."""
+
     def __init__(self, message: str, code: int = 1) -> None:
-        super().__init__(message)
+        super().__init__(message, kind="usage" if code == EXIT_USAGE else "refused")
         self.code = code
+
+    @property
+    def exit_code(self) -> int:
+        return self.code
 
 
 def err_console() -> Console:
@@ -50,14 +58,11 @@ def user_errors() -> Iterator[None]:
     """Core errors become one line and an exit code, never a traceback."""
     try:
         yield
-    except CliError as exc:
-        fail(str(exc), exc.code)
+    except ChatcliError as exc:  # before OSError: a chatcli error may also be one
+        fail(first_line(exc), exc.exit_code)
     except KeyboardInterrupt:
         fail("interrupted", 130)
     except Exception as exc:
-        code = _user_error_code(exc)  # first: a core error may also be an OSError
-        if code is not None:
-            fail(first_line(exc), code)
         if isinstance(exc, BrokenPipeError):
             # The reader left (`chatcli ls | head -1`): nothing to report, and nothing more to write.
             _drop_stdout()
@@ -65,30 +70,6 @@ def user_errors() -> Iterator[None]:
         if isinstance(exc, OSError):
             fail(f"{exc.strerror or exc}" + (f": {exc.filename}" if getattr(exc, "filename", None) else ""), 1)
         raise
-
-
-# The core's errors that are the user's to fix (exit 2) or that say what went wrong (exit 1), by module.
-# They are looked up when one is raised, and only in modules already imported (an exception's class is
-# imported by whoever raised it): `chatcli ls` does not import the model and template modules for this.
-_USAGE_ERRORS = (("chatcli.models.resolve", "ModelError"), ("chatcli.models.gguf", "GGUFError"),
-                 ("chatcli.config.settings", "SettingsError"), ("chatcli.config.personas", "PersonaError"),
-                 ("chatcli.core.files.store", "StoreError"))
-_RUN_ERRORS = (("chatcli.core.events", "ConversationError"), ("chatcli.core.template", "TemplateError"),
-               ("chatcli.core.backend", "BackendError"), ("chatcli.core.files.migrations", "FormatError"))
-
-
-def _loaded(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ...]:
-    return tuple(getattr(sys.modules[m], c) for m, c in names if m in sys.modules)
-
-
-def _user_error_code(exc: Exception) -> int | None:
-    """The exit code for a core error (a locked conversation is not a usage error), None for anything else."""
-    if isinstance(exc, _loaded(_USAGE_ERRORS)):
-        locked = _loaded((("chatcli.core.files.store", "LockedError"),))
-        return 1 if locked and isinstance(exc, locked) else EXIT_USAGE
-    if isinstance(exc, _loaded(_RUN_ERRORS)):
-        return 1
-    return None
 
 
 def _drop_stdout() -> None:

@@ -18,14 +18,17 @@ from typing import Any
 
 from chatcli.config.settings import SettingsError, check_setting, toml_error_message
 from chatcli.core.template import Message
+from chatcli.errors import ChatcliError, Kind
 
 NAME_RE = re.compile(r"[a-z0-9_-]+")
 SAMPLING_KEYS: tuple[str, ...] = ("temperature", "top_p", "top_k", "repeat_penalty", "max_tokens")
 _KEYS = frozenset({"name", "description", "system", "greeting", "examples", "sampling"})
 
 
-class PersonaError(ValueError):
+class PersonaError(ChatcliError, ValueError):
     """A persona is unknown or its file is invalid; the message is one line naming the file and field."""
+
+    kind: Kind = "usage"
 
 
 @dataclass(frozen=True)

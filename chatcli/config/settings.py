@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import platformdirs
 
 from chatcli.backends.kvformat import KV_TYPE_NAMES  # no llama_cpp behind it
+from chatcli.errors import ChatcliError, Kind
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -33,8 +34,10 @@ ENV_PREFIX = "CHATCLI_"
 HOME_ENV = "CHATCLI_HOME"
 
 
-class SettingsError(ValueError):
+class SettingsError(ChatcliError, ValueError):
     """A setting or config file is invalid; the message is one line and says where the value came from."""
+
+    kind: Kind = "usage"
 
 
 # ---------------------------------------------------------------------------------------------- paths

@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
+from chatcli.errors import ChatcliError, DoesNotFitError, Kind
+
 if TYPE_CHECKING:  # numpy only for type checking: importing this module must stay cheap
     import numpy as np
     import numpy.typing as npt
@@ -34,12 +36,16 @@ else:
     Logits = Any
 
 
-class BackendError(RuntimeError):
+class BackendError(ChatcliError, RuntimeError):
     """The engine refused or failed an operation (model load, decode, restore, connection)."""
 
+    kind: Kind = "engine"
 
-class ContextFullError(BackendError):
-    """The tokens to evaluate do not fit in the remaining context."""
+
+class ContextFullError(BackendError, DoesNotFitError):
+    """The tokens to evaluate do not fit in the remaining context (the engine's own check; nothing evaluated)."""
+
+    kind: Kind = "refused"
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Generator, Iterator, Mapping, Sequence
 
-from chatcli.core.backend import Backend, BackendError, ContextFullError, Sampling
+from chatcli.core.backend import Backend, BackendError, Sampling
 from chatcli.core.events import (
     ConversationError,
     Event,
+    MessageTooLongError,
     Notice,
     Progress,
     ReplyEnd,
@@ -380,7 +381,7 @@ class Conversation(ConversationViews):
     def _check_fits(self, tokens: Sequence[int]) -> None:
         eng = self.backend
         if eng.n_past + len(tokens) + self.reserve > eng.n_ctx:
-            raise ContextFullError(f"the history does not fit the context ({eng.n_past + len(tokens)} tokens, "
+            raise MessageTooLongError(f"the history does not fit the context ({eng.n_past + len(tokens)} tokens, "
                                    f"n_ctx {eng.n_ctx})")
 
     def _append_evaluated(self, role: str, text: str, tokens: list[int], turn: int, *, alt: int = 0,
@@ -504,7 +505,7 @@ class Conversation(ConversationViews):
         target = users[idx - 1]
         before = self.r.active[:self.r.active.index(target)]
         tokens = self._user_tokens(before, text)
-        self._plan_room(target.p0, before, len(tokens))  # raises ContextFullError if it cannot fit
+        self._plan_room(target.p0, before, len(tokens))  # raises MessageTooLongError if it cannot fit
         if self.title == make_title(target.text):
             # The title was made from the message being replaced (not set by the user): it follows the edit.
             self.meta["title"] = make_title(text)
@@ -525,14 +526,14 @@ class Conversation(ConversationViews):
 
     def _plan_room(self, n_past: int, active: list[ActiveMessage], n_new: int) -> tuple[int, int]:
         """Tokens (and messages) to drop from the oldest exchanges so ``n_new`` tokens fit after
-        ``active`` (which ends at ``n_past``); (0, 0) when they fit as it is. Raises ContextFullError."""
+        ``active`` (which ends at ``n_past``); (0, 0) when they fit as it is. Raises MessageTooLongError."""
         n_ctx = self.backend.n_ctx
         if n_past + n_new + self.reserve <= n_ctx:
             return 0, 0
         keep = len(self.r.prefix_tokens)
         budget = n_ctx - self.reserve - n_new
         if keep + n_new + 1 > n_ctx or budget < keep:
-            raise ContextFullError(
+            raise MessageTooLongError(
                 f"message too long: {n_new} tokens, at most {max(0, n_ctx - keep - self.reserve)} fit "
                 f"(n_ctx {n_ctx}, persona {keep}, reserve {self.reserve})")
         # Drop the oldest whole exchanges until what is left fits.
@@ -544,7 +545,7 @@ class Conversation(ConversationViews):
                 drop += len(active[i].tokens)
                 i += 1
         if n_past - drop > budget:
-            raise ContextFullError("message does not fit even after dropping all earlier turns")
+            raise MessageTooLongError("message does not fit even after dropping all earlier turns")
         return drop, i
 
     def _make_room(self, n_new: int, stats: TurnStats) -> Iterator[Event]:

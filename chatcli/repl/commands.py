@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from chatcli.core.events import ConversationError, TurnStats
+from chatcli.errors import ChatcliError, Kind
 
 if TYPE_CHECKING:
     from chatcli.repl.context import CommandContext
@@ -19,8 +20,10 @@ class ReplExit(Exception):
     """Leave the REPL (raised by /exit; never sys.exit inside a handler)."""
 
 
-class CommandError(ValueError):
+class CommandError(ChatcliError, ValueError):
     """Bad use of a command: shown as one line, the loop goes on."""
+
+    kind: Kind = "usage"
 
 
 class UnknownCommand(CommandError):

@@ -24,14 +24,12 @@ from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.input import Input
 from prompt_toolkit.output import Output
 
-from chatcli.config.personas import PersonaError
-from chatcli.core.backend import BackendError, ContextFullError
 from chatcli.core.conversation import Conversation
-from chatcli.core.events import ConversationError, Event, Progress, ResumeReport
+from chatcli.core.events import Event, Progress, ResumeReport
 from chatcli.core.files.fsutil import ensure_private_dir
-from chatcli.core.opening import split_opening
+from chatcli.core.opening import Opening
 from chatcli.core.search import hit_lines, run_search
-from chatcli.core.template import TemplateError
+from chatcli.errors import ChatcliError
 from chatcli.repl.commands import REGISTRY, CommandError, ReplExit, UnknownCommand, dispatch
 from chatcli.repl.context import ChatConversation, ChatIO, CommandContext
 from chatcli.repl.render import Renderer
@@ -40,7 +38,8 @@ from chatcli.units import format_size
 if TYPE_CHECKING:
     from chatcli.session import Session
 
-USER_ERRORS = (CommandError, ConversationError, ContextFullError, PersonaError, TemplateError, BackendError, OSError)
+# Every chatcli error is shown as one line and the loop goes on; so is a file the OS refused (e.g. /export).
+USER_ERRORS = (ChatcliError, OSError)
 
 
 class ReadingStopped(Exception):
@@ -459,14 +458,10 @@ def _one_line(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
-def open_events(events: Iterable[Event | ResumeReport | Conversation],
-                renderer: Renderer) -> tuple[Conversation, ResumeReport | None]:
-    """Drain a create/open generator: render its events, return the conversation (and resume report)."""
-    only_events, opened = split_opening(events)
-    renderer.stream(only_events, label="loading")
-    if opened.conversation is None:
-        raise ConversationError("the conversation could not be opened")  # the generator ended early
-    return opened.conversation, opened.report
+def open_events(opening: Opening[Conversation], renderer: Renderer) -> tuple[Conversation, ResumeReport | None]:
+    """Render an opening's events; return its conversation (and resume report)."""
+    renderer.stream(opening, label="loading")
+    return opening.conversation, opening.report
 
 
 def is_tty(stream: IO[str]) -> bool:

@@ -2,8 +2,8 @@
 
 Everything the server does to a conversation goes through these functions, so a change in the core
 (``Conversation``'s split into transcript / state log / policy) is absorbed here. Appending a client-written
-message without generating is the core's (``Conversation.append_user`` / ``append_reply``); forking at any
-message boundary lives here (``chatcli fork`` cuts at whole exchanges).
+message without generating is the core's (``Conversation.append_user`` / ``append_reply``), and so is
+forking at any message boundary (``core.forking.fork_after``, which ``chatcli fork`` uses at whole exchanges).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 from chatcli.backends.llamacpp import Engine, Sampling
 from chatcli.core.conversation import (
     Conversation,
+    ConversationError,
     Event,
     Notice,
     Progress,
@@ -23,10 +24,12 @@ from chatcli.core.conversation import (
     replay_events,
 )
 from chatcli.core.files.store import ConversationDir, ConversationStore
-from chatcli.core.forking import fork_state, write_child_transcript
+from chatcli.core.forking import fork_after, fork_state
 from chatcli.core.kv.log import CellLog
 from chatcli.core.loading import create_conversation, open_conversation
+from chatcli.core.opening import Opening
 from chatcli.core.template import Message
+from chatcli.errors import ChatcliError
 from chatcli.session import Session
 
 
@@ -34,8 +37,10 @@ class OpenCancelled(Exception):
     """Opening stopped between two batches because the request's client went away."""
 
 
-class StaleForkError(ValueError):
+class StaleForkError(ChatcliError):
     """The parent no longer has the boundary a fork was asked for (changed since it was indexed)."""
+
+    kind = "conflict"
 
 
 @dataclass
@@ -45,30 +50,23 @@ class Opened:
     report: ResumeReport | None = None
 
 
-def _drain(gen: Iterator[Any], session: Session | None = None, cancelled: Callable[[], bool] | None = None) -> Opened:
-    conv: Conversation | None = None
-    report: ResumeReport | None = None
+def _drain(opening: Opening[Conversation], session: Session, cancelled: Callable[[], bool] | None = None) -> Opened:
+    """Run an opening to its end, its notices collected; its conversation gets the state budget hook
+    (applied after every state write, see Session). ``cancelled`` is asked between evaluated batches of a
+    rebuild: True closes the opening (releasing the conversation's lock; the state file is rewritten only
+    once a rebuild completes, so it is left as it was) and raises ``OpenCancelled``."""
     notices: list[str] = []
-    for ev in gen:
+    for ev in opening:
         if cancelled is not None and isinstance(ev, Progress) and cancelled():
-            # Between two evaluated batches of a rebuild: closing the opening releases the conversation's
-            # lock; the state file is rewritten only once a rebuild completes, so it is left as it was.
-            close = getattr(gen, "close", None)
-            if close is not None:
-                close()
+            opening.close()
             raise OpenCancelled("the client went away")
-        if isinstance(ev, Conversation):
-            conv = ev
-            if session is not None:  # the state budget applies after every state write (see Session)
-                text = session.attach_budget(conv)
-                if text:
-                    notices.append(text)
-        elif isinstance(ev, ResumeReport):
-            report = ev
-        elif isinstance(ev, Notice):
+        if isinstance(ev, Notice):
             notices.append(ev.text)
-    assert conv is not None
-    return Opened(conv, notices, report)
+    conv = opening.conversation
+    text = session.attach_budget(conv)
+    if text:
+        notices.append(text)
+    return Opened(conv, notices, opening.report)
 
 
 def create(session: Session, engine: Engine, *, persona: Sequence[Message], persona_name: str, persona_hash: str, seed: int,
@@ -150,34 +148,15 @@ def append(conv: Conversation, message: Message) -> Iterator[Progress]:
 
 
 def fork_at(store: ConversationStore, parent: ConversationDir, k: int, meta_update: dict[str, Any]) -> tuple[str, int]:
-    """A new conversation holding the parent's persona and first ``k`` active messages, with the KV records
-    covering them shared (or copied, see ``copy_state``; the logits after them when the parent kept those):
-    nothing evaluated.
-
-    The parent is only read: its later turns stay where they are for whoever is on them.
-    """
-    meta = parent.read_meta()
-    events = parent.read_transcript().events
-    r = replay_events(events)
-    if not 0 <= k <= len(r.active):
-        raise StaleForkError(f"cannot fork {parent.id} after {k} messages: it has {len(r.active)}")
-    keep = r.active[:k]
-    cut = keep[-1].p1 if keep else len(r.prefix_tokens)
-    # "evicted" describes the parent's state file, not the child's (whose state is shared or copied).
-    child_meta = {key: v for key, v in meta.items() if key not in ("id", "created", "updated", "evicted")}
-    child_meta.update(forked_from=parent.id, turns=sum(1 for m in keep if m.role == "user"), tokens=cut, **meta_update)
-    child = store.create(child_meta)
-    child.lock()
+    """A new conversation holding the parent's persona and first ``k`` active messages (``core.forking``'s
+    one fork, as ``chatcli fork`` makes them, shifted-out messages carried along): nothing evaluated, the
+    parent only read. ``StaleForkError`` when the parent no longer has ``k`` messages."""
     try:
-        # The messages shifts took out come along: the child's chain keys are the parent's up to ``k``.
-        write_child_transcript(child, events, r, keep)
-        copied = copy_state(parent.state_path, child.state_path, cut)
-    except BaseException:
-        child.unlock()
-        store.remove(child)
+        return fork_after(store, parent, k, meta_update)
+    except ConversationError as exc:
+        if exc.kind == "conflict":
+            raise StaleForkError(str(exc)) from exc
         raise
-    child.unlock()
-    return child.id, copied
 
 
 def copy_state(src: Path, dst: Path, cut: int) -> int:

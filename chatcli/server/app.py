@@ -31,14 +31,14 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from chatcli.server.errors import APIError
+from chatcli.errors import ChatcliError
+from chatcli.server.errors import APIError, from_error
 from chatcli.server.schemas import ChatCompletionBody, parse_chat_request
 from chatcli.server.service import (
     ChatRequest,
     ChatService,
     Delta,
     Finished,
-    ServiceError,
     Started,
 )
 
@@ -180,8 +180,8 @@ def create_app(service: ChatService, *, api_keys: Sequence[str] = (), limits: Se
         if run.cancel.is_set() or first is _END:
             # Stopped before its reply started (between batches of its prompt): what was appended is kept.
             return _stopped(rid, "before its reply started")
-        if isinstance(first, ServiceError):
-            err = APIError(first.kind, str(first), first.param)
+        if isinstance(first, ChatcliError):
+            err = from_error(first)
             log.info("%s %d %s", rid, err.status, err.message)
             return error_response(err)
         assert isinstance(first, Started)
@@ -207,8 +207,8 @@ def create_app(service: ChatService, *, api_keys: Sequence[str] = (), limits: Se
                                  "finish_reason": ev.finish_reason, "logprobs": None}],
                     "usage": _usage(ev), "chatcli": _extension(ev),
                 }, headers=headers)
-            elif isinstance(ev, ServiceError):
-                err = APIError(ev.kind, str(ev), ev.param)
+            elif isinstance(ev, ChatcliError):
+                err = from_error(ev)
                 log.info("%s %d %s", rid, err.status, err.message)
                 return error_response(err, headers)
             elif ev is _END:
@@ -287,11 +287,11 @@ class _Run:
                 self._put(ev)
                 if self.cancel.is_set():
                     break  # the client left: closing the iterator records the reply so far
-        except ServiceError as exc:
+        except ChatcliError as exc:
             self._put(exc)
         except Exception as exc:  # never a traceback to the client; the log has it
             log.exception("request failed")
-            self._put(ServiceError("server_error", f"internal error ({type(exc).__name__})"))
+            self._put(ChatcliError(f"internal error ({type(exc).__name__})", kind="engine"))
         finally:
             try:
                 close = getattr(it, "close", None)
@@ -372,8 +372,8 @@ async def _sse(run: _Run, rid: str, created: int, model: str, include_usage: boo
                                                "model": model, "choices": [], "usage": _usage(ev)})}
                 yield {"data": "[DONE]"}
                 return
-            elif isinstance(ev, ServiceError):
-                err = APIError(ev.kind, str(ev), ev.param)
+            elif isinstance(ev, ChatcliError):
+                err = from_error(ev)
                 log.info("%s %d %s (mid-stream)", rid, err.status, err.message)
                 yield {"data": json.dumps(err.body())}
                 return

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from chatcli.errors import ChatcliError, DoesNotFitError, Kind
+
 # service error kind -> (HTTP status, OpenAI error type)
 KINDS: dict[str, tuple[int, str]] = {
     "invalid_request": (400, "invalid_request_error"),
@@ -41,3 +43,18 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": KINDS[self.kind][1], "param": self.param,
                           "code": CODES.get(self.kind, self.kind if self.kind != "server_error" else None)}}
+
+
+# chatcli error kind -> the OpenAI error kind above; the status is the kind's (chatcli.errors.HTTP_STATUSES)
+_API_KINDS: dict[Kind, str] = {"usage": "invalid_request", "refused": "invalid_request", "conflict": "conflict",
+                               "not_found": "not_found", "engine": "server_error", "io": "server_error"}
+
+
+def from_error(exc: ChatcliError) -> APIError:
+    """The server's one mapping of chatcli errors to answers (the CLI's is ``cli.errors.user_errors``)."""
+    param = getattr(exc, "param", None)
+    if isinstance(exc, DoesNotFitError):
+        return APIError("context_length_exceeded", str(exc), param or "messages", status=exc.http_status)
+    if exc.kind == "not_found":
+        param = param or "conversation"  # the only thing a request names that can be missing
+    return APIError(_API_KINDS[exc.kind], str(exc), param, status=exc.http_status)

@@ -21,12 +21,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from chatcli.core.template import Message, strip_reasoning
+from chatcli.errors import ChatcliError, Kind
 
 ROLES = ("system", "user", "assistant")
 
 
-class HistoryError(ValueError):
+class HistoryError(ChatcliError, ValueError):
     """The message list cannot be a chatcli conversation (one line for the client)."""
+
+    kind: Kind = "usage"
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)

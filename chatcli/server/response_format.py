@@ -9,9 +9,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from chatcli.errors import ChatcliError
 
-class ResponseFormatError(ValueError):
+
+class ResponseFormatError(ChatcliError, ValueError):
     """A ``response_format`` that cannot become a grammar (one line for the client)."""
+
+    kind = "usage"
 
 
 def grammar_for(response_format: dict[str, Any] | None) -> str:

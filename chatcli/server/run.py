@@ -11,6 +11,7 @@ from pathlib import Path
 from types import FrameType
 
 from chatcli.config.settings import Paths, Settings
+from chatcli.errors import ChatcliError
 from chatcli.session import Session
 
 
@@ -31,8 +32,10 @@ def _server_class(on_exit: Callable[[], None]) -> type:
     return Server
 
 
-class ApiKeysError(ValueError):
+class ApiKeysError(ChatcliError, ValueError):
     """The API keys cannot be used (an unreadable keys file, a short key): one line for the user."""
+
+    kind = "usage"
 
 
 def api_keys(settings: Settings, extra: Sequence[str] = ()) -> list[str]:

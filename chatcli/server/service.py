@@ -27,10 +27,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chatcli.backends.llamacpp import ContextFullError, Engine, EngineError, Sampling
+from chatcli.backends.llamacpp import Engine, Sampling
 from chatcli.core.conversation import (
     Conversation,
-    ConversationError,
     Notice,
     Progress,
     ReplyEnd,
@@ -38,10 +37,12 @@ from chatcli.core.conversation import (
     ReplyText,
     replay_events,
 )
+from chatcli.core.events import MessageTooLongError
 from chatcli.core.files.migrations import FormatError
 from chatcli.core.files.store import ConversationDir, LockedError, StoreError
 from chatcli.core.kv.prefix import persona_prefix_tokens
-from chatcli.core.template import Message, TemplateError
+from chatcli.core.template import Message
+from chatcli.errors import ChatcliError, DoesNotFitError, Kind
 from chatcli.server import adapter, history
 from chatcli.server.history import HistoryError, SplitHistory
 from chatcli.server.index import REPL_OWNER, Entry, PrefixIndex, conversation_keys, owner_of
@@ -51,12 +52,11 @@ _TURN_OVERHEAD = 8  # template tokens around one message (ChatML: 5), rounded up
 API_PERSONA = "(api)"  # persona name of conversations whose prefix came from a request's system message
 
 
-class ServiceError(Exception):
-    """A request the service refuses; ``kind`` says which (the HTTP layer maps it to a status code)."""
+class ServiceError(ChatcliError):
+    """A request the service refuses; ``kind`` says which (``server.errors.from_error`` gives the status)."""
 
-    def __init__(self, kind: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.kind = kind  # invalid_request | context_length_exceeded | not_found | conflict | server_error
+    def __init__(self, kind: Kind, message: str, param: str | None = None) -> None:
+        super().__init__(message, kind=kind)
         self.param = param
 
 
@@ -203,10 +203,6 @@ class ChatService:
             yield from self._run(req, rq, prep, cancelled)
         except adapter.OpenCancelled:
             return  # the client left while its conversation was being restored: no reply, nothing kept
-        except HistoryError as exc:
-            raise ServiceError("invalid_request", str(exc), exc.param) from None
-        except ContextFullError as exc:
-            raise ServiceError("context_length_exceeded", str(exc), "messages") from None
         except LockedError:
             # Not the store's message: it names the process holding the lock, nothing a client should see.
             raise ServiceError("conflict", "the conversation is in use (by another request or a chatcli "
@@ -214,13 +210,12 @@ class ChatService:
         except StoreError:
             # The store's messages name folders and other ids: a client is told only that it is gone.
             raise ServiceError("not_found", "the conversation is no longer available", "conversation") from None
-        except (ConversationError, TemplateError) as exc:
-            raise ServiceError("invalid_request", str(exc)) from None
-        except EngineError as exc:
-            with self._cond:
-                if rq.slot is not None:
-                    rq.slot.conv = None  # what its context holds is unknown now: restore next time
-            raise ServiceError("server_error", str(exc)) from None
+        except ChatcliError as exc:  # the app answers it with the status its kind gives (server.errors)
+            if exc.kind == "engine":
+                with self._cond:
+                    if rq.slot is not None:
+                        rq.slot.conv = None  # what its context holds is unknown now: restore next time
+            raise
         finally:
             with self._cond:
                 self._give_back(rq)
@@ -268,7 +263,7 @@ class ChatService:
                 return
             gen = (adapter.send(conv, tail[-1].content, seed=prep.seed) if tail
                    else adapter.reply_pending(conv, seed=prep.seed))
-        except ContextFullError:
+        except DoesNotFitError:
             self._abandon(conv, rq, remove=prep.created)
             raise
         except BaseException:
@@ -301,7 +296,7 @@ class ChatService:
                         emitted = safe
                 elif isinstance(ev, ReplyEnd):
                     end = ev
-        except ContextFullError:
+        except DoesNotFitError:
             try:
                 _close(gen)
             finally:
@@ -372,10 +367,9 @@ class ChatService:
         room = eng.n_ctx - self.session.settings.reserve
         for n, m in enumerate(sh.turns[start:], start=start):
             if m.role == "user" and len(eng.tokenize(m.content, add_special=False)) >= room:
-                raise ServiceError(
-                    "context_length_exceeded",
+                raise MessageTooLongError(
                     f"message {len(sh.persona) + n} is longer than the context allows "
-                    f"(n_ctx {eng.n_ctx}, {self.session.settings.reserve} kept for the reply)", "messages")
+                    f"(n_ctx {eng.n_ctx}, {self.session.settings.reserve} kept for the reply)")
 
     def _check_persona_fits(self, sh: SplitHistory) -> None:
         """A new conversation's persona prefix must leave room for a message and the reply: checked before
@@ -384,10 +378,9 @@ class ChatService:
         eng = self.engine
         n = len(persona_prefix_tokens(eng, self.session.template, list(sh.persona)))
         if n >= eng.n_ctx - self.session.settings.reserve:
-            raise ServiceError(
-                "context_length_exceeded",
+            raise MessageTooLongError(
                 f"the messages before the first user message are {n} tokens, longer than the context allows "
-                f"(n_ctx {eng.n_ctx}, {self.session.settings.reserve} kept for the reply)", "messages")
+                f"(n_ctx {eng.n_ctx}, {self.session.settings.reserve} kept for the reply)")
 
     def _sampling(self, req: ChatRequest) -> Sampling:
         """The request's sampling, checked against the model before anything is written."""
@@ -395,10 +388,10 @@ class ChatService:
         n_vocab = self.engine.n_vocab
         for tok, _bias in req.logit_bias:
             if not 0 <= tok < n_vocab:
-                raise ServiceError("invalid_request", f"logit_bias: token {tok} is not in the vocabulary "
+                raise ServiceError("usage", f"logit_bias: token {tok} is not in the vocabulary "
                                    f"(0..{n_vocab - 1})", "logit_bias")
         if req.grammar and not self.session.local_engine.grammar_ok(req.grammar):
-            raise ServiceError("invalid_request", "response_format: llama.cpp cannot build a grammar for it",
+            raise ServiceError("usage", "response_format: llama.cpp cannot build a grammar for it",
                                "response_format")
         return Sampling(
             temperature=s.temperature if req.temperature is None else req.temperature,

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from chatcli.errors import ChatcliError
+
 if TYPE_CHECKING:
     from chatcli.core.files.store import ConversationDir
 
@@ -77,8 +79,10 @@ CREATE TABLE IF NOT EXISTS extra(name TEXT NOT NULL, conv TEXT NOT NULL, value T
 """
 
 
-class IndexUnavailable(Exception):
+class IndexUnavailable(ChatcliError):
     """The index could not be used for this operation (locked past the busy timeout)."""
+
+    kind = "io"
 
 
 @dataclass(frozen=True)

@@ -34,13 +34,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from chatcli.errors import ChatcliError, Kind
+
 META_VERSION = 1
 TRANSCRIPT_VERSION = 1
 STATE_VERSION = 2
 
 
-class FormatError(ValueError):
+class FormatError(ChatcliError, ValueError):
     """A file was written by a newer chatcli in a format this one cannot read; nothing was changed."""
+
+    kind: Kind = "io"
 
 
 def check(what: str, found: object, supported: int, *, where: str = "") -> int:

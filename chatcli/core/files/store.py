@@ -36,17 +36,22 @@ from chatcli.core.files.fsutil import (
 from chatcli.core.files.index import Index, IndexUnavailable
 from chatcli.core.files.migrations import META_VERSION, TRANSCRIPT_VERSION, FormatError
 from chatcli.core.kv import records
+from chatcli.errors import ChatcliError, Kind
 
 _ID_ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"  # no 0/o, 1/l/i: ids get read aloud and typed
 _ID_RE = re.compile(r"\A[a-z0-9]{1,32}\Z")  # \Z: "$" would also match before a final newline
 
 
-class StoreError(ValueError):
+class StoreError(ChatcliError, ValueError):
     """A conversation id or folder is unusable; the message is one line for the user."""
+
+    kind: Kind = "not_found"
 
 
 class LockedError(StoreError):
     """Another live process has the conversation open."""
+
+    kind: Kind = "conflict"
 
 
 def new_id(n: int = 6) -> str:

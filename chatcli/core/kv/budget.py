@@ -82,9 +82,6 @@ class Usage:
     def prefixes(self) -> int:
         return _distinct(i for i in self.items if i.conv_id is None)
 
-    def warm_ids(self) -> set[str]:
-        return {i.conv_id for i in self.items if i.conv_id is not None and i.size > 0}
-
 
 @dataclass
 class Freed:

@@ -52,6 +52,7 @@ from typing import Any, Callable, Self
 
 from chatcli.core.files import migrations
 from chatcli.core.files.fsutil import append_durably, atomic_write_bytes
+from chatcli.errors import ChatcliError, Kind
 
 MAGIC = b"CKV1"
 FORMAT_VERSION = migrations.STATE_VERSION
@@ -72,8 +73,10 @@ MAX_BASE_DEPTH = 8  # a fork of a fork of ... : deeper chains are copied instead
 _BASE_NAME = re.compile(r"^[A-Za-z0-9_-]+\.base-[0-9a-f]{8,32}\.kv$")
 
 
-class StateFileError(ValueError):
+class StateFileError(ChatcliError, ValueError):
     """The state file is unusable as a whole (foreign, wrong version, other model)."""
+
+    kind: Kind = "io"
 
 
 @dataclass

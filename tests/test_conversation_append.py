@@ -10,9 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from chatcli.core.backend import ContextFullError
 from chatcli.core.conversation import Conversation
-from chatcli.core.events import ConversationError, ReplyEnd
+from chatcli.core.events import ConversationError, MessageTooLongError, ReplyEnd
 from chatcli.core.kv import records as sf
 from chatcli.session import Session
 from tests.drive import drain, isolated_session, rebind, say
@@ -113,7 +112,7 @@ def test_closing_an_append_mid_message_takes_it_back_out(session: Session) -> No
                for e in conv.dir.read_transcript().events)
     # Too long for what is left of the context: refused before anything is written.
     n_events = len(conv.dir.read_transcript().events)
-    with pytest.raises(ContextFullError):
+    with pytest.raises(MessageTooLongError):
         list(conv.append_user("word " * (eng.n_ctx - eng.n_past)))
     assert len(conv.dir.read_transcript().events) == n_events and eng.tokens == before
     _, _, ends = drain(conv.send("Another one?"))

@@ -1,0 +1,65 @@
+"""bench/faults.py's crash harness in the suite: SIGKILL at chosen points loses at most the reply in flight.
+
+The promises are listed in docs/PROMISES.md; `python bench/faults.py` runs many more kill points."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.golden import faults
+
+# The shared fixtures (sess, golden: tests/golden.py, a plugin of tests/conftest.py), on one llama.cpp thread.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# bench/faults.py's session without its last line: it still compacts and shifts, a little faster.
+CRASH_SCRIPT = faults.SCRIPT[:-1]
+
+
+@pytest.fixture(scope="module")
+def fault_ref(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The scripted session, uninterrupted (with turns, /undo compaction and a context shift)."""
+    return faults.reference(tmp_path_factory.mktemp("faults"), CRASH_SCRIPT)
+
+
+KILL_POINTS = {
+    # SIGKILL half-way through appending the cells of the second reply: a torn state record.
+    "torn-state-append": ("write:state", "torn", "message:assistant", 2, 0),
+    # SIGKILL while the third reply streams, after five decodes.
+    "mid-reply": ("decode", "before", "message:user", 3, 5),
+    # SIGKILL half-way through writing the compacted state file after /undo (temp file of an atomic rewrite).
+    "mid-compaction": ("write:state_tmp", "torn", "truncate:undo", 1, 0),
+    # SIGKILL after the oldest exchange left the context, before the snapshot that follows it is written.
+    "after-shift": ("shift", "after", "shift:", 1, 0),
+}  # (torn transcript lines: bench/faults.py and test_torn_last_transcript_line_is_dropped_reported_and_repaired)
+
+
+@pytest.mark.parametrize("name", list(KILL_POINTS))
+def test_sigkill_loses_at_most_the_reply_in_flight(name: str, fault_ref: Any, tmp_path: Path) -> None:
+    event, phase, note, k, skip = KILL_POINTS[name]
+    if event == "shift":
+        point = faults.KillPoint(f"shift #1 {phase}", {"event": "shift", "n": 1, "phase": phase})
+    else:
+        point = faults.point_after(fault_ref, event, phase, note, k, skip)
+    out = faults.run_point(fault_ref, point, tmp_path, CRASH_SCRIPT)
+    assert out.killed, point.label
+    assert out.problems == [], (point.label, out.problems)
+    assert out.lost == 0
+    if name in ("mid-reply", "mid-compaction"):
+        # The state on disk was complete for everything the transcript holds: restored, not re-evaluated,
+        # and the conversation continues exactly as if it had never been killed.
+        assert out.intact and out.identical, point.label
+    if name == "torn-state-append":
+        assert not out.intact  # the torn record was detected and its cells re-evaluated
+
+
+def test_remaining_lines_after_a_kill(fault_ref: Any) -> None:
+    """The harness itself: which scripted lines a resume must still send."""
+    script = CRASH_SCRIPT
+    assert faults.remaining_lines(fault_ref, script, 0) == (script, False)
+    first_user_only = fault_ref.line_spans[0][0] + 1
+    assert faults.remaining_lines(fault_ref, script, first_user_only) == (script[1:], True)
+    assert faults.remaining_lines(fault_ref, script, len(fault_ref.events)) == ([], False)
