@@ -45,6 +45,14 @@ def one_thread(chatcli_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CHATCLI_THREADS", "1")
 
 
+def new_conv(session: Any, *msgs: str) -> Conversation:
+    """A new conversation of the alice persona with ``msgs`` sent (each got a reply)."""
+    conv = session.new_conversation("alice").conversation
+    for m in msgs:
+        assert any(isinstance(ev, ReplyEnd) for ev in conv.send(m))
+    return conv
+
+
 def open_conv(session: Any, cid: str) -> tuple[Conversation, ResumeReport, list[str]]:
     opening = session.open_conversation(cid)
     notices = [ev.text for ev in opening if isinstance(ev, Notice)]
@@ -101,10 +109,13 @@ def wait_for(predicate: Any, what: str, proc: subprocess.Popen[bytes] | None = N
 
 
 @pytest.fixture(scope="module")
-def base_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def base_session(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The real model loaded once per module; a module's ``BASE_SESSION`` dict overrides these settings."""
     from tests.drive import isolated_session
 
-    session = isolated_session(tmp_path_factory.mktemp("base") / "home", threads=1, n_ctx=N_CTX, max_tokens=12, reserve=64)
+    kw = {"threads": 1, "n_ctx": N_CTX, "max_tokens": 12, "reserve": 64,
+          **getattr(request.module, "BASE_SESSION", {})}
+    session = isolated_session(tmp_path_factory.mktemp("base") / "home", **kw)
     yield session
     session.close()
 

@@ -5,43 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
 from chatcli.config.personas import get_persona
 from chatcli.core.conversation import Conversation
-from chatcli.core.events import Notice, Progress, ReplyEnd, ResumeReport
+from chatcli.core.events import Notice, Progress, ResumeReport
 from chatcli.core.kv.log import CellLog
 from chatcli.core.template import ChatTemplate
 from chatcli.persona_prefixes import prefix_status, warm_prefix
+from tests.golden import new_conv
 
 N_CTX = 512
-
-
-@pytest.fixture(scope="module")
-def base_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tests.drive import isolated_session
-
-    session = isolated_session(tmp_path_factory.mktemp("base") / "home", threads=2, n_ctx=N_CTX, max_tokens=16, reserve=64)
-    yield session
-    session.close()
-
-
-@pytest.fixture
-def sess(base_session: Any, chatcli_home: Path) -> Any:
-    """The module's session (its engine) bound to this test's CHATCLI_HOME."""
-    from tests.drive import rebind
-
-    return rebind(base_session)
-
-
-def new_conv(session: Any, *msgs: str) -> Conversation:
-    conv = session.new_conversation("alice").conversation
-    for m in msgs:
-        assert any(isinstance(ev, ReplyEnd) for ev in conv.send(m))
-    return conv
+BASE_SESSION = {"threads": 2, "n_ctx": N_CTX, "max_tokens": 16}  # golden.base_session, this module's settings
 
 
 def open_conv(session: Any, cid: str) -> tuple[Conversation, ResumeReport]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from chatcli.core.forking import fork_conversation
 from chatcli.core.kv import records as sf
 from tests.drive import build_session, drain, say, says
 from tests.drive import run_process as drive
+from tests.golden import new_conv
 
 M = ["Hi! What is your name?", "What is the capital of France?", "And of Italy?"]
 
@@ -263,30 +263,7 @@ def test_regen_with_an_explicit_seed_is_reproducible() -> None:
 # -- every rollback operation validates first (one engine for these tests, n_ctx 512) ------------------------
 
 N_CTX = 512
-
-
-@pytest.fixture(scope="module")
-def base_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tests.drive import isolated_session
-
-    session = isolated_session(tmp_path_factory.mktemp("base") / "home", threads=2, n_ctx=N_CTX, max_tokens=16, reserve=64)
-    yield session
-    session.close()
-
-
-@pytest.fixture
-def sess(base_session: Any, chatcli_home: Path) -> Any:
-    """The module's session (its engine) bound to this test's CHATCLI_HOME."""
-    from tests.drive import rebind
-
-    return rebind(base_session)
-
-
-def new_conv(session: Any, *msgs: str) -> Conversation:
-    conv = session.new_conversation("alice").conversation
-    for m in msgs:
-        assert any(isinstance(ev, ReplyEnd) for ev in conv.send(m))
-    return conv
+BASE_SESSION = {"threads": 2, "n_ctx": N_CTX, "max_tokens": 16}  # golden.base_session, this module's settings
 
 
 def snapshot(conv: Conversation) -> tuple[Any, ...]:

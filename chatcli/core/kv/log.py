@@ -616,10 +616,7 @@ class CellLog:
         except (OSError, sf.StateFileError):
             self._rewrite_state()
             return
-        recs = [self._header(), *lead, *copies, *added]
-        if self._turn_logits is not None and self._turn_logits[0] <= self.eng.n_past:
-            pos, arr = self._turn_logits
-            recs.append(sf.encode_record(sf.LOGITS, pos, pos, arr.astype("<f4").tobytes()))
+        recs = [self._header(), *lead, *copies, *added, *self._logits_record()]
         try:
             self.writer.rewrite(recs)
         except OSError as exc:
@@ -635,6 +632,14 @@ class CellLog:
         if self.on_saved is not None:
             self.on_saved()
 
+    def _logits_record(self) -> list[bytes]:
+        """The LOGITS record of the turn's logits when they lie within what the backend holds (a rewrite
+        keeps them: /regen after a compaction still evaluates nothing)."""
+        if self._turn_logits is None or self._turn_logits[0] > self.eng.n_past:
+            return []
+        pos, arr = self._turn_logits
+        return [sf.encode_record(sf.LOGITS, pos, pos, arr.astype("<f4").tobytes())]
+
     def _rewrite_state(self) -> bytes | None:
         """Write the whole live state as one snapshot (compaction, shifts, recovery); returns its cells."""
         self._pending = None  # the snapshot holds those cells (and the logits, below)
@@ -643,9 +648,7 @@ class CellLog:
         recs = [self._header()]
         kv = eng.save_cells(0, n)
         recs.append(sf.encode_record(sf.SNAPSHOT, 0, n, sf.cells_payload(eng.tokens, kv)))
-        if self._turn_logits is not None and self._turn_logits[0] <= n:
-            pos, arr = self._turn_logits
-            recs.append(sf.encode_record(sf.LOGITS, pos, pos, arr.astype("<f4").tobytes()))
+        recs.extend(self._logits_record())
         try:
             self.writer.rewrite(recs)
         except OSError as exc:
