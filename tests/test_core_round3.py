@@ -35,7 +35,7 @@ def sess(base_session: Any, chatcli_home: Path) -> Any:
 
 
 def new_conv(session: Any, *msgs: str, max_tokens: int = 12) -> Conversation:
-    conv = list(session.new_conversation("alice"))[-1]
+    conv = session.new_conversation("alice").conversation
     assert isinstance(conv, Conversation)
     conv.set_options(max_tokens=max_tokens)
     for m in msgs:
@@ -51,11 +51,12 @@ def send(conv: Conversation, text: str) -> tuple[ReplyEnd, list[Any]]:
 
 
 def open_conv(session: Any, cid: str, max_tokens: int = 12) -> tuple[Conversation, ResumeReport, list[Any]]:
-    events = list(session.open_conversation(cid))
-    conv, report = events[-1], events[-2]
+    opening = session.open_conversation(cid)
+    events = list(opening)
+    conv, report = opening.conversation, opening.report
     assert isinstance(conv, Conversation) and isinstance(report, ResumeReport)
     conv.set_options(max_tokens=max_tokens)
-    return conv, report, events[:-2]
+    return conv, report, events
 
 
 def kv_bytes(conv: Conversation) -> bytes:

@@ -228,8 +228,9 @@ def test_fork_at_counts_exchanges_as_show_does_after_a_shift(chat: dict[str, Any
     at = gone + 2
     child = cli(moved, monkeypatch, "fork", chat["id"], "--at", str(at)).split()[2]
     msgs = json.loads(cli(moved, monkeypatch, "export", child, "--format", "json"))
-    # The fork holds the context's exchanges up to exchange `at` of the whole conversation.
-    assert [(m["role"], m["content"]) for m in msgs[len(chat["persona"]):]] == chat["in_context"][:4]
+    # The fork holds the whole history up to exchange `at`: the shifted-out exchanges come along as such
+    # (issue #24 item 9), the context's ones up to `at` after them.
+    assert [(m["role"], m["content"]) for m in msgs[len(chat["persona"]):]] == chat["path"][:2 * at]
     assert chat["path"][2 * at - 2:2 * at] == chat["in_context"][2:4]
     rows = {r["id"]: r for r in json.loads(cli(moved, monkeypatch, "ls", "--json"))}
-    assert rows[child]["turns"] == 2 and rows[child]["title"].endswith(f"(fork at {at})")
+    assert rows[child]["turns"] == at and rows[child]["title"].endswith(f"(fork at {at})")

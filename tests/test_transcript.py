@@ -185,15 +185,15 @@ def test_disk_full_while_writing_a_reply_then_regen(sess: Any, golden: dict[str,
     try:
         import chatcli.core.files.store as store_mod
 
-        real = store_mod.append_line_durably
+        real = store_mod.append_durably
 
-        def fail_on_reply(path: Path, line: str) -> None:
-            if '"role":"assistant"' in line:
+        def fail_on_reply(path: Path, data: bytes) -> None:
+            if b'"role":"assistant"' in data:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            real(path, line)
+            real(path, data)
 
         with pytest.MonkeyPatch.context() as mp, pytest.raises(OSError):
-            mp.setattr(store_mod, "append_line_durably", fail_on_reply)
+            mp.setattr(store_mod, "append_durably", fail_on_reply)
             reply(conv.send(MSGS[2]))
         assert sess.engine.tokens == conv.r.tokens()
         reply(conv.regen())

@@ -225,7 +225,14 @@ class PrefixIndex:
             return
         old = self._convs.get(cid)
         if old is not None and old.size == st.st_size and old.mtime == st.st_mtime_ns:
-            return
+            # Changed all the same (the index says so): its metadata, which names its owner. Who may match
+            # it follows at once (a conversation shared with, or taken from, the API).
+            try:
+                owner = owner_of(ConversationDir(self.store.root / cid).read_meta())
+            except (StoreError, FormatError, OSError):
+                return
+            if owner == old.owner:
+                return
         self._index_dir(ConversationDir(self.store.root / cid), st.st_size, st.st_mtime_ns)
 
     def _refresh_all(self) -> None:

@@ -39,7 +39,7 @@ from chatcli.errors import ChatcliError
 if TYPE_CHECKING:
     from chatcli.core.files.store import ConversationDir
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: meta_mtime (a hand-edited meta.json is seen)
 FILE_NAME = "index.sqlite"
 BUSY_TIMEOUT_S = 5.0
 _ID_RE = re.compile(r"^[a-z0-9]{1,32}$")  # the store's rule for a conversation folder (store._ID_RE)
@@ -59,6 +59,7 @@ CREATE TABLE IF NOT EXISTS convs(
     counts_size INTEGER NOT NULL DEFAULT -1, counts_mtime INTEGER NOT NULL DEFAULT -1,  -- transcript they count
     tx_size INTEGER NOT NULL DEFAULT 0, tx_mtime INTEGER NOT NULL DEFAULT 0,  -- transcript as indexed
     tx_crc INTEGER NOT NULL DEFAULT 0,     -- crc32 of the transcript's first tx_size bytes
+    meta_mtime INTEGER NOT NULL DEFAULT 0, -- meta.json's mtime when last read (edited in place: re-read)
     state_bytes INTEGER NOT NULL DEFAULT 0,
     open_pid INTEGER,                      -- the process that has it open (a dead one: re-read it)
     seq INTEGER NOT NULL DEFAULT 0         -- bumped by every change: others follow changes by it
@@ -173,6 +174,13 @@ def _message_fields(ev: dict[str, Any]) -> tuple[str, str] | None:
     return str(ev.get("text", "")), ""
 
 
+def _mtime(path: Path) -> int:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return 0
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -229,6 +237,13 @@ class Index:
         return db
 
     def _connect(self) -> sqlite3.Connection:
+        # Created private before SQLite opens it: it holds message text, and SQLite gives its -wal and -shm
+        # files the database file's mode (sqlite3 alone would create it 0644 under the usual umask).
+        try:
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
+            os.chmod(self.path, 0o600)
+        except OSError:
+            pass  # sqlite3 says what is wrong with the path, as an error the caller handles
         db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
         db.execute("PRAGMA journal_mode=WAL")
         # NORMAL in WAL mode: a power loss may lose the last commits, never corrupt; the folders are the truth
@@ -412,8 +427,8 @@ class Index:
             w.execute("INSERT INTO convs(id, dir_mtime, ok, seq) VALUES(?, 0, 0, ?)", (cid, seq))
             row = (0, 0, -1, -1)
         self._read_transcript(w, conv, int(row[0]), int(row[1]), meta, problem)
-        w.execute("UPDATE convs SET dir_mtime=?, ok=?, problem=?, seq=? WHERE id=?",
-                  (dir_mtime, 0 if problem else 1, problem, seq, cid))
+        w.execute("UPDATE convs SET dir_mtime=?, ok=?, problem=?, seq=?, meta_mtime=? WHERE id=?",
+                  (dir_mtime, 0 if problem else 1, problem, seq, _mtime(conv.meta_path), cid))
         if meta:
             try:
                 self._set_meta(w, cid, meta)
@@ -625,8 +640,8 @@ class Index:
                               (int(s.get("exchanges", 0)), int(s.get("in_context", 0)),
                                int(s["transcript"][0]), int(s["transcript"][1]), conv.id))
                 self._set_files(w, conv.id, self._stat_files(conv))
-                w.execute("UPDATE convs SET dir_mtime=?, ok=1, problem='', seq=? WHERE id=?",
-                          (dir_mtime, self._next_seq(w), conv.id))
+                w.execute("UPDATE convs SET dir_mtime=?, ok=1, problem='', seq=?, meta_mtime=? WHERE id=?",
+                          (dir_mtime, self._next_seq(w), _mtime(conv.meta_path), conv.id))
         if stale:
             self.refresh(conv.id)
 
@@ -704,8 +719,8 @@ class Index:
         changed = False
         db = self.db()
         for r in rows:
-            row = db.execute("SELECT tx_size, tx_mtime, counts_size, counts_mtime, state_bytes, server FROM convs "
-                             "WHERE id=?", (r.id,)).fetchone()
+            row = db.execute("SELECT tx_size, tx_mtime, counts_size, counts_mtime, state_bytes, server, meta_mtime "
+                             "FROM convs WHERE id=?", (r.id,)).fetchone()
             if row is None:
                 continue
             folder = self.root / r.id
@@ -715,7 +730,8 @@ class Index:
             except OSError:
                 stamp = (0, 0)
             files = self._stat_files_at(folder)
-            if stamp[0] != int(row[0]) or (not row[5] and sum(s for _, _, s in files) != int(row[4])):
+            if (stamp[0] != int(row[0]) or (not row[5] and sum(s for _, _, s in files) != int(row[4]))
+                    or _mtime(folder / "meta.json") != int(row[6])):
                 self.refresh(r.id)
                 changed = True
                 row = db.execute("SELECT tx_size, tx_mtime, counts_size, counts_mtime FROM convs WHERE id=?",
@@ -725,9 +741,15 @@ class Index:
             if (int(row[2]), int(row[3])) != stamp:
                 got = counter(r.id)
                 if got is None:
+                    from chatcli.core.files.store import ConversationDir
+
+                    problem = f"conversation {r.id}: its transcript is unreadable"
+                    try:  # say why, as every other command does (a newer format, damage)
+                        ConversationDir(folder).read_transcript()
+                    except Exception as exc:
+                        problem = str(exc) or problem
                     with self.write() as w:
-                        w.execute("UPDATE convs SET ok=0, problem=? WHERE id=?",
-                                  (f"conversation {r.id}: its transcript is unreadable", r.id))
+                        w.execute("UPDATE convs SET ok=0, problem=? WHERE id=?", (problem, r.id))
                 else:
                     self.set_counts(r.id, *got)
                 changed = True
