@@ -223,11 +223,20 @@ class Index:
         except sqlite3.DatabaseError as exc:
             return self._rebuild(f"damaged ({exc})")
         if version is None:
-            if existed:
+            # No schema row yet: a new index, or another process creating it right now (its file already has
+            # SQLite's header). Deleting it then would orphan that process's connection, and every write it
+            # makes after would be lost, so it is completed instead: the creation script is idempotent.
+            self.rebuilt = not existed
+            try:
+                self._init(db)
+            except sqlite3.OperationalError as exc:
+                if "locked" in str(exc) or "busy" in str(exc):
+                    raise IndexUnavailable(f"index {self.path} is locked by another process") from None
                 db.close()
-                return self._rebuild("incomplete")
-            self.rebuilt = True
-            self._init(db)
+                return self._rebuild(f"incomplete ({exc})")
+            except sqlite3.DatabaseError as exc:
+                db.close()
+                return self._rebuild(f"incomplete ({exc})")
         elif version > SCHEMA_VERSION:
             db.close()
             return self._rebuild(f"from a newer chatcli (schema {version}, this one reads {SCHEMA_VERSION})")
