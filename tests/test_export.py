@@ -19,8 +19,8 @@ from chatcli.cli.app import app
 from chatcli.core.conversation import Conversation
 from chatcli.repl.commands import dispatch
 from chatcli.repl.context import CommandContext
-from chatcli.repl.loop import LineIO
 from chatcli.repl.render import Renderer
+from chatcli.repl.terminal import LineIO
 from tests.drive import build_session, drain
 
 runner = CliRunner()

@@ -74,7 +74,7 @@ def test_prompt_history_file_is_private() -> None:
     from prompt_toolkit.output import DummyOutput
 
     from chatcli.core.files.fsutil import ensure_private_dir
-    from chatcli.repl.loop import TerminalIO
+    from chatcli.repl.terminal import TerminalIO
 
     class AnyRepl:  # TerminalIO only asks the REPL for callbacks (toolbar, hints)
         def __getattr__(self, name: str) -> Any:

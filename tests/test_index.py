@@ -364,8 +364,9 @@ def test_repl_search_shows_hits_and_how_to_continue(chatcli_home: Path) -> None:
 
     from rich.console import Console
 
-    from chatcli.repl.loop import LineIO, Repl
+    from chatcli.repl.loop import Repl
     from chatcli.repl.render import Renderer
+    from chatcli.repl.terminal import LineIO
     from tests.test_repl import FakeConversation, FakeSession
 
     store = _store()

@@ -163,7 +163,7 @@ def test_a_fork_copies_when_links_are_missing(tmp_path: Path, monkeypatch: pytes
 
 
 def test_the_repl_runs_without_termios(monkeypatch: pytest.MonkeyPatch) -> None:
-    from chatcli.repl.loop import TerminalIO
+    from chatcli.repl.terminal import TerminalIO
 
     real_import = builtins.__import__
 

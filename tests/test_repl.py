@@ -41,8 +41,10 @@ from chatcli.core.opening import Opening
 from chatcli.core.template import Message
 from chatcli.core.transcript import ActiveMessage, Replay
 from chatcli.repl.commands import REGISTRY, CommandError
-from chatcli.repl.loop import LineIO, Repl, SlashCompleter, TerminalIO, context_bar, copy_to_clipboard, open_events
+from chatcli.repl.loop import Repl, open_events
 from chatcli.repl.render import Renderer, stats_line
+from chatcli.repl.terminal import LineIO, SlashCompleter, TerminalIO, copy_to_clipboard
+from chatcli.repl.toolbar import context_bar
 
 CODE_REPLY = "Here you are:\n\n```python\ndef add(a, b):\n    return a + b\n```\n\nThat is **all**."
 

@@ -145,7 +145,8 @@ def _renderer(settings: Settings, interactive: bool) -> Renderer:
 
 def _run_repl(session: Session, conv: Conversation, renderer: Renderer, interactive: bool) -> int:
     from chatcli.repl.context import ChatIO
-    from chatcli.repl.loop import LineIO, Repl, TerminalIO
+    from chatcli.repl.loop import Repl
+    from chatcli.repl.terminal import LineIO, TerminalIO
 
     factory: Callable[[Repl], ChatIO]
     if interactive:
