@@ -107,6 +107,13 @@ def build_session(home: str | Path, *, model: str | None, n_ctx: int, threads: i
 def drain(gen: Iterable[Any]) -> tuple[Any, Any, list[Any], list[Any]]:
     """Run a chatcli opening or event generator to its end: (conversation, resume report, reply ends, notices)."""
     try:
+        from chatcli.core.steps import drain as core_drain
+    except ImportError:  # chatcli before #25 had no drain of its own: the loops below
+        pass
+    else:
+        done = core_drain(gen)
+        return done.conversation, done.report, done.ends, done.notices
+    try:
         from chatcli.core import opening
         from chatcli.core.events import Notice, ReplyEnd
     except ImportError:  # chatcli before #12 (the --before tree of bench/run.py)

@@ -19,8 +19,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from chatcli.config.settings import get_paths, load_settings_explicit
+from chatcli.core import steps
 from chatcli.core.conversation import Conversation, ReplyEnd, ResumeReport
-from chatcli.core.opening import Opening
 from chatcli.models.resolve import resolve_model
 from chatcli.session import Session
 
@@ -61,10 +61,8 @@ def rebind(session: Session) -> Session:
 def drain(gen: Any) -> tuple[Conversation | None, ResumeReport | None, list[ReplyEnd]]:
     """Run an opening or an operation's events to the end: (conversation, resume report, reply ends); the
     first two are None for an operation."""
-    ends = [ev for ev in gen if isinstance(ev, ReplyEnd)]
-    if isinstance(gen, Opening):
-        return gen.conversation, gen.report, ends
-    return None, None, ends
+    done = steps.drain(gen)
+    return done.conversation, done.report, done.ends
 
 
 def say(conv: Conversation, text: str) -> tuple[list[int], np.ndarray]:

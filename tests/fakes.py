@@ -41,6 +41,7 @@ from chatcli.core.backend import (
 from chatcli.core.conversation import Conversation
 from chatcli.core.files.store import ConversationStore
 from chatcli.core.loading import create_conversation, open_conversation
+from chatcli.core.steps import drain
 from chatcli.core.template import ChatTemplate, Message
 
 EOS = 256  # "<|im_end|>": ends a reply, as on SmolLM2
@@ -388,6 +389,5 @@ def say(conv: Conversation, text: str, *, reply: str | None = None) -> str:
     if reply is not None:
         assert isinstance(conv.backend, FakeBackend)
         conv.backend.queue(reply)
-    for _ in conv.send(text):
-        pass
+    drain(conv.send(text))
     return conv.messages[-1].text

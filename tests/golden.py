@@ -22,9 +22,10 @@ import pytest
 from typer.testing import CliRunner
 
 from chatcli.config.settings import get_paths
-from chatcli.core.conversation import Conversation, Notice, ReplyEnd, ResumeReport
+from chatcli.core.conversation import Conversation, ReplyEnd, ResumeReport
 from chatcli.core.files.store import ConversationStore
 from chatcli.core.kv import records as sf
+from chatcli.core.steps import drain
 
 REPO = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("chatcli_faults", REPO / "bench" / "faults.py")
@@ -49,20 +50,18 @@ def new_conv(session: Any, *msgs: str) -> Conversation:
     """A new conversation of the alice persona with ``msgs`` sent (each got a reply)."""
     conv = session.new_conversation("alice").conversation
     for m in msgs:
-        assert any(isinstance(ev, ReplyEnd) for ev in conv.send(m))
+        assert drain(conv.send(m)).ends
     return conv
 
 
 def open_conv(session: Any, cid: str) -> tuple[Conversation, ResumeReport, list[str]]:
-    opening = session.open_conversation(cid)
-    notices = [ev.text for ev in opening if isinstance(ev, Notice)]
-    conv, report = opening.conversation, opening.report
-    assert report is not None
-    return conv, report, notices
+    opened = drain(session.open_conversation(cid))
+    assert opened.conversation is not None and opened.report is not None
+    return opened.conversation, opened.report, [n.text for n in opened.notices]
 
 
 def reply(events: Iterator[Any]) -> ReplyEnd:
-    ends = [ev for ev in events if isinstance(ev, ReplyEnd)]
+    ends = drain(events).ends
     assert ends, "no reply"
     return ends[-1]
 

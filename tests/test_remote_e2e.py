@@ -22,8 +22,8 @@ from chatcli.config.settings import get_paths, load_settings
 from chatcli.core.backend import BackendError
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import ReplyEnd, ReplyText, ResumeReport
-from chatcli.core.opening import Opening
 from chatcli.session import Session
+from tests.drive import drain
 from tests.remote_server import SKIP_REASON, LlamaServer, running_server, server_binary
 
 pytestmark = pytest.mark.skipif(server_binary() is None, reason=SKIP_REASON)
@@ -49,14 +49,6 @@ def remote_session(url: str, **flags: Any) -> Session:
     base = {"server": url, "temperature": 0.0, "seed": 1234, "max_tokens": 32, "persona": "alice"}
     settings = load_settings({**base, **flags}, paths=get_paths())
     return Session.build_remote(settings, get_paths(), explicit=set(base) | set(flags))
-
-
-def drain(gen: Any) -> tuple[Conversation | None, ResumeReport | None, list[ReplyEnd]]:
-    """Run an opening or an operation to its end: (conversation, resume report, reply ends)."""
-    ends = [ev for ev in gen if isinstance(ev, ReplyEnd)]
-    if isinstance(gen, Opening):
-        return gen.conversation, gen.report, ends
-    return None, None, ends
 
 
 def say(conv: Conversation, text: str) -> ReplyEnd:

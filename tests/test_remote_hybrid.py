@@ -15,7 +15,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -24,10 +23,10 @@ from chatcli.backends.llama_server import LlamaServerBackend
 from chatcli.cli.app import app
 from chatcli.config.settings import get_paths, load_settings
 from chatcli.core.conversation import Conversation
-from chatcli.core.events import Notice, Progress, ReplyEnd, ResumeReport
-from chatcli.core.opening import Opening
+from chatcli.core.events import Notice, Progress, ReplyEnd
 from chatcli.session import Session
 from tests.archs import ArchFixtures
+from tests.drive import drain
 from tests.remote_server import SKIP_REASON, LlamaServer, server_binary
 
 pytestmark = pytest.mark.skipif(server_binary() is None, reason=SKIP_REASON)
@@ -59,13 +58,6 @@ def live(hybrid: LlamaServer) -> LlamaServer:
 def remote_session(url: str) -> Session:
     flags = {"server": url, "temperature": 0.0, "seed": 1234, "max_tokens": 8, "reserve": 32, "persona": "alice"}
     return Session.build_remote(load_settings(flags, paths=get_paths()), get_paths(), explicit=set(flags))
-
-
-def drain(gen: Any) -> tuple[Conversation | None, ResumeReport | None, list[ReplyEnd]]:
-    ends = [ev for ev in gen if isinstance(ev, ReplyEnd)]
-    if isinstance(gen, Opening):
-        return gen.conversation, gen.report, ends
-    return None, None, ends
 
 
 def say(conv: Conversation, text: str) -> ReplyEnd:

@@ -41,6 +41,7 @@ from chatcli.core.reply import (
     returned_tokens,
     stream_reply,
 )
+from chatcli.core.steps import evaluate
 from chatcli.core.template import ChatTemplate, Message, ReasoningStream
 from chatcli.core.transcript import ActiveMessage, Replay, Transcript, replay_events
 from chatcli.core.views import Alternative, ConversationViews
@@ -392,11 +393,8 @@ class Conversation(ConversationViews):
         eng = self.backend
         p0 = eng.n_past
         self.transcript.message(role, text, tokens, p0, turn, alt=alt, stop=stop)
-        t0 = time.perf_counter()
         try:
-            for done, total in eng.eval_steps(tokens):
-                if total > bar_above:
-                    yield Progress(label, done, total, time.perf_counter() - t0, stoppable=True)
+            seconds = yield from evaluate(eng, tokens, label, stoppable=True, above=bar_above)
         except BaseException:
             # Closed early or failed: not in the context means not in the conversation (kept in the
             # transcript, out of the active path; a front end gives the text back to the user).
@@ -404,7 +402,7 @@ class Conversation(ConversationViews):
             if eng.n_past > p0:
                 self.log.rollback(p0, persist=False)
             raise
-        return time.perf_counter() - t0
+        return seconds
 
     # -- rollback ---------------------------------------------------------------------------------
 
@@ -567,9 +565,7 @@ class Conversation(ConversationViews):
                 yield Notice(f"context full and this model's memory {why}: {n_msgs} oldest message(s) "
                              f"({drop} tokens) left; rebuilding the kept {len(kept)} tokens", "warn")
                 self._warned_no_shift = True
-            t0 = time.perf_counter()
-            for done, total in eng.eval_steps(kept):
-                yield Progress("rebuilding context", done, total, time.perf_counter() - t0)
+            yield from evaluate(eng, kept, "rebuilding context")
             stats.reevaluated = (stats.reevaluated or 0) + len(kept)
         self.log.shifted()
 

@@ -18,7 +18,6 @@ from chatcli.core.conversation import (
     Conversation,
     ConversationError,
     Event,
-    Notice,
     Progress,
     ResumeReport,
     replay_events,
@@ -28,6 +27,7 @@ from chatcli.core.forking import fork_after, fork_state
 from chatcli.core.kv.log import CellLog
 from chatcli.core.loading import create_conversation, open_conversation
 from chatcli.core.opening import Opening
+from chatcli.core.steps import drain
 from chatcli.core.template import Message
 from chatcli.errors import ChatcliError
 from chatcli.session import Session
@@ -55,13 +55,10 @@ def _drain(opening: Opening[Conversation], session: Session, cancelled: Callable
     (applied after every state write, see Session). ``cancelled`` is asked between evaluated batches of a
     rebuild: True closes the opening (releasing the conversation's lock; the state file is rewritten only
     once a rebuild completes, so it is left as it was) and raises ``OpenCancelled``."""
-    notices: list[str] = []
-    for ev in opening:
-        if cancelled is not None and isinstance(ev, Progress) and cancelled():
-            opening.close()
-            raise OpenCancelled("the client went away")
-        if isinstance(ev, Notice):
-            notices.append(ev.text)
+    done = drain(opening, stop=cancelled)
+    if done.stopped:
+        raise OpenCancelled("the client went away")
+    notices = [n.text for n in done.notices]
     conv = opening.conversation
     text = session.attach_budget(conv)
     if text:

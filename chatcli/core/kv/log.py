@@ -39,9 +39,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 import numpy as np
 
 from chatcli.core.backend import Backend, BackendError
-from chatcli.core.events import Event, Progress, ResumeReport, TurnStats
+from chatcli.core.events import Event, ResumeReport, TurnStats
 from chatcli.core.kv import prefix, rebuild
 from chatcli.core.kv import records as sf
+from chatcli.core.steps import evaluate, progress
 
 if TYPE_CHECKING:
     from chatcli.core.backend import Logits
@@ -261,8 +262,8 @@ class CellLog:
                 def at(pos: int) -> None:
                     rebuilt.append(self._point_record(last[0], pos))
                     last[0] = pos
-            for done, total in rebuild.evaluate(eng, want, n_ok, segs or [(0, len(want))], stops=stops, at=at):
-                yield Progress("rebuilding context from the transcript", done, total, time.perf_counter() - t1)
+            yield from progress(rebuild.evaluate(eng, want, n_ok, segs or [(0, len(want))], stops=stops, at=at),
+                                "rebuilding context from the transcript", since=t1)
             report.reevaluated = len(tail)
         # Bring the state file in line with the context (one rewrite; the common case writes nothing).
         if not self._cuts and (tail or not usable or res.dropped_bytes or n_ok < res.live()[2]):
@@ -713,9 +714,7 @@ class CheckpointLog:
         return caps.checkpoint and not caps.truncate and caps.restore_reuse
 
     def _eval(self, tokens: list[int], label: str) -> Iterator[Event]:
-        t0 = time.perf_counter()
-        for done, total in self.eng.eval_steps(tokens):
-            yield Progress(label, done, total, time.perf_counter() - t0)
+        yield from evaluate(self.eng, tokens, label)
 
     def start(self, prefix_tokens: list[int], cache_file: Path | None) -> Iterator[Event]:
         # The persona prefix is a checkpoint of its own (named after the prefix cache key: model, context,

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any, Generator, Sequence
 
 from chatcli.core.backend import Backend
-from chatcli.core.events import Event, Notice, Progress
+from chatcli.core.events import Event, Notice
 from chatcli.core.files.fsutil import ensure_private_dir, remove_stale_temp_files
+from chatcli.core.steps import evaluate
 from chatcli.core.template import ChatTemplate, Message
 
 
@@ -106,9 +107,7 @@ def load_or_build(
         if problem:
             yield Notice(f"persona cache entry unusable ({problem}); evaluating the prefix", "warn")
     if n:
-        t0 = time.perf_counter()
-        for done, total in engine.eval_steps(prefix_tokens):
-            yield Progress("evaluating persona prefix", done, total, time.perf_counter() - t0)
+        yield from evaluate(engine, prefix_tokens, "evaluating persona prefix")
     kv = engine.save_cells(0, n)
     records = [header, sf.encode_record(sf.CELLS, 0, n, sf.cells_payload(prefix_tokens, kv))]
     if cache_file is not None and n:
