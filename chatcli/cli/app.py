@@ -9,7 +9,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Annotated, Callable
+from typing import TYPE_CHECKING, Annotated, Any, Callable
 
 import typer
 
@@ -64,45 +64,55 @@ def main_callback(
 
 # -- shared options -------------------------------------------------------------------------------------
 
-ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="GGUF file, or hf:REPO:FILE. Default: bundled SmolLM2.")]
-NCtxOpt = Annotated[int | None, typer.Option("--n-ctx", help="Context size in tokens (capped at the model's).")]
-ThreadsOpt = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (0 = all cores).")]
-SeedOpt = Annotated[int | None, typer.Option("--seed", help="Sampling seed (same seed ⇒ same replies).")]
-TempOpt = Annotated[float | None, typer.Option(
-    "--temperature",
-    help="Randomness of replies; 0 means greedy (always the likeliest token).")]
-TopPOpt = Annotated[float | None, typer.Option(
-    "--top-p",
-    help="Nucleus sampling: sample from the likeliest tokens adding up to this probability.")]
-TopKOpt = Annotated[int | None, typer.Option("--top-k", help="Sample only from the K likeliest tokens (0 = no limit).")]
-RepeatOpt = Annotated[float | None, typer.Option("--repeat-penalty", help="Penalty for repeating recent tokens (1.0 = none).")]
-MaxTokOpt = Annotated[int | None, typer.Option("--max-tokens", help="Longest reply in tokens.")]
-ReserveOpt = Annotated[int | None, typer.Option(
-    "--reserve",
-    help="Tokens kept free for a reply when old turns must leave the context.")]
-PlainOpt = Annotated[bool | None, typer.Option(
-    "--plain/--rich",
-    help="Plain text: no colours, no Markdown rendering, no toolbar (also when NO_COLOR is set or output is piped).")]
-ServerOpt = Annotated[str | None, typer.Option(
-    "--server",
-    help="Run the model on a llama-server at this URL (http://HOST:PORT; 'none' = the local model).")]
-KvTypeOpt = Annotated[str | None, typer.Option(
-    "--kv-type",
-    help="KV cache type: f16, q8_0 (about half the state bytes) or q4_0. "
-         "A conversation keeps its type; resuming with another rebuilds its KV.")]
-TemplateOpt = Annotated[str | None, typer.Option(
-    "--chat-template", metavar="FILE",
-    help="A Jinja chat template file to use instead of the model's own ('none' = the model's). "
-         "A conversation remembers it.")]
-ThinkingOpt = Annotated[bool | None, typer.Option(
-    "--thinking/--no-thinking",
-    help="Reasoning models: thinking on or off (the template's enable_thinking). A conversation remembers it.")]
-ReasoningOpt = Annotated[bool, typer.Option(
-    "--reasoning", help="Include each reply's reasoning (reasoning models), apart from its answer.")]
-BudgetOpt = Annotated[str | None, typer.Option(
-    "--state-budget",
-    help="Disk budget for all saved KV state, e.g. 20GB, 500MB; 0/none = no limit. "
-         "Least recently used conversations' state is dropped (their transcripts stay).")]
+# One help text per option that several commands take; ``_opt`` builds the typer option from it.
+_HELP = {
+    "--model": "GGUF file, or hf:REPO:FILE. Default: bundled SmolLM2.",
+    "--n-ctx": "Context size in tokens (capped at the model's).",
+    "--threads": "CPU threads (0 = all cores).",
+    "--seed": "Sampling seed (same seed ⇒ same replies).",
+    "--temperature": "Randomness of replies; 0 means greedy (always the likeliest token).",
+    "--top-p": "Nucleus sampling: sample from the likeliest tokens adding up to this probability.",
+    "--top-k": "Sample only from the K likeliest tokens (0 = no limit).",
+    "--repeat-penalty": "Penalty for repeating recent tokens (1.0 = none).",
+    "--max-tokens": "Longest reply in tokens.",
+    "--reserve": "Tokens kept free for a reply when old turns must leave the context.",
+    "--plain/--rich": "Plain text: no colours, no Markdown rendering, no toolbar (also when NO_COLOR is set or "
+                      "output is piped).",
+    "--server": "Run the model on a llama-server at this URL (http://HOST:PORT; 'none' = the local model).",
+    "--kv-type": "KV cache type: f16, q8_0 (about half the state bytes) or q4_0. "
+                 "A conversation keeps its type; resuming with another rebuilds its KV.",
+    "--chat-template": "A Jinja chat template file to use instead of the model's own ('none' = the model's). "
+                       "A conversation remembers it.",
+    "--thinking/--no-thinking": "Reasoning models: thinking on or off (the template's enable_thinking). "
+                                "A conversation remembers it.",
+    "--reasoning": "Include each reply's reasoning (reasoning models), apart from its answer.",
+    "--state-budget": "Disk budget for all saved KV state, e.g. 20GB, 500MB; 0/none = no limit. "
+                      "Least recently used conversations' state is dropped (their transcripts stay).",
+}
+
+
+def _opt(*names: str, metavar: str | None = None) -> Any:
+    """The typer option ``names`` (long name first), with its help text from ``_HELP``."""
+    return typer.Option(*names, help=_HELP[names[0]], metavar=metavar)
+
+
+ModelOpt = Annotated[str | None, _opt("--model", "-m")]
+NCtxOpt = Annotated[int | None, _opt("--n-ctx")]
+ThreadsOpt = Annotated[int | None, _opt("--threads", "-t")]
+SeedOpt = Annotated[int | None, _opt("--seed")]
+TempOpt = Annotated[float | None, _opt("--temperature")]
+TopPOpt = Annotated[float | None, _opt("--top-p")]
+TopKOpt = Annotated[int | None, _opt("--top-k")]
+RepeatOpt = Annotated[float | None, _opt("--repeat-penalty")]
+MaxTokOpt = Annotated[int | None, _opt("--max-tokens")]
+ReserveOpt = Annotated[int | None, _opt("--reserve")]
+PlainOpt = Annotated[bool | None, _opt("--plain/--rich")]
+ServerOpt = Annotated[str | None, _opt("--server")]
+KvTypeOpt = Annotated[str | None, _opt("--kv-type")]
+TemplateOpt = Annotated[str | None, _opt("--chat-template", metavar="FILE")]
+ThinkingOpt = Annotated[bool | None, _opt("--thinking/--no-thinking")]
+ReasoningOpt = Annotated[bool, _opt("--reasoning")]
+BudgetOpt = Annotated[str | None, _opt("--state-budget")]
 
 
 def _settings(flags: Mapping[str, object]) -> tuple[Settings, Paths, set[str]]:
