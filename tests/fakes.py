@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
@@ -43,6 +42,7 @@ from chatcli.core.files.store import ConversationStore
 from chatcli.core.loading import create_conversation, open_conversation
 from chatcli.core.steps import drain
 from chatcli.core.template import ChatTemplate, Message
+from chatcli.core.token_loop import token_loop
 
 EOS = 256  # "<|im_end|>": ends a reply, as on SmolLM2
 BOS = 257  # "<|im_start|>"
@@ -171,41 +171,14 @@ class FakeBackend:
         if not self.has_logits:
             self.ensure_logits()
         text = self.replies.popleft() if self.replies else f"reply {seed}"
-        planned = [*text_tokens(text), EOS]
-        t0 = time.perf_counter()
-        decoded = b""
-        pending: int | None = None
+        planned = iter([*text_tokens(text), EOS])
         try:
-            for tok in planned:
-                if self._cancel:
-                    res.stop_reason = "cancelled"
-                    break
-                if len(res.tokens) >= max_tokens:
-                    res.stop_reason = "length"
-                    break
-                if self.n_past + 1 > self.n_ctx:
-                    res.stop_reason = "context"
-                    break
-                res.tokens.append(tok)
-                pending = tok
-                eog = self.is_eog(tok)
-                piece = b"" if eog else self.piece(tok, special=False)
-                decoded += piece
-                yield TokenEvent(tok, piece, eog, time.perf_counter() - t0)
-                self._decode([tok])
-                pending = None
-                if eog:
-                    res.stop_reason = "eog"
-                    break
-                if stop_strings and any(s in decoded.decode("utf-8", "ignore") for s in stop_strings):
-                    res.stop_reason = "stop"
-                    break
+            yield from token_loop(
+                res, sample=lambda: next(planned), decode=lambda tok, logits: self._decode([tok]),
+                is_eog=self.is_eog, piece=lambda tok: self.piece(tok, special=False),
+                room=lambda: self.n_ctx - self.n_past, cancelled=lambda: self._cancel,
+                max_tokens=max_tokens, stop_strings=stop_strings)
         finally:
-            if pending is not None:  # closed between yield and decode: the consumer saw it, so it joins
-                self._decode([pending])
-                res.stop_reason = res.stop_reason or "cancelled"
-            res.seconds = time.perf_counter() - t0
-            res.n_decoded = len(res.tokens)
             self._cancel = False
 
     def cancel(self) -> None:

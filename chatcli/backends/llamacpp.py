@@ -40,6 +40,7 @@ from chatcli.core.backend import (
     Sampling,
     TokenEvent,
 )
+from chatcli.core.token_loop import token_loop
 
 SEQ = 0  # the conversation
 SCRATCH = 1  # staging area for saving/restoring cell ranges
@@ -479,46 +480,14 @@ class Engine:
         if not self.has_logits:
             self.ensure_logits()
         chain = self._make_sampler(sampling, seed)
-        t0 = time.perf_counter()
-        text = b""
-        pending: int | None = None
         try:
-            while True:
-                if self._cancel_flag.is_set():
-                    res.stop_reason = "cancelled"
-                    break
-                if len(res.tokens) >= max_tokens:
-                    res.stop_reason = "length"
-                    break
-                if self.n_past + 1 > self.n_ctx:
-                    res.stop_reason = "context"
-                    break
-                tok = self._sample(chain)
-                if not res.tokens:
-                    res.ttft = time.perf_counter() - t0
-                res.tokens.append(tok)
-                pending = tok
-                eog = self.is_eog(tok)
-                piece = self.piece(tok, special=False) if not eog else b""
-                text += piece
-                yield TokenEvent(tok, piece, eog, time.perf_counter() - t0)
-                self._decode([tok], last_logits=not eog)
-                pending = None
-                if eog:
-                    res.stop_reason = "eog"
-                    break
-                if stop_strings:
-                    decoded = text.decode("utf-8", errors="ignore")
-                    if any(s in decoded for s in stop_strings):
-                        res.stop_reason = "stop"
-                        break
+            yield from token_loop(
+                res, sample=lambda: self._sample(chain),
+                decode=lambda tok, logits: self._decode([tok], last_logits=logits),
+                is_eog=self.is_eog, piece=lambda tok: self.piece(tok, special=False),
+                room=lambda: self.n_ctx - self.n_past, cancelled=self._cancel_flag.is_set,
+                max_tokens=max_tokens, stop_strings=stop_strings)
         finally:
-            if pending is not None:
-                # Closed between yield and decode: the consumer saw this token, so it joins the context.
-                self._decode([pending], last_logits=True)
-                res.stop_reason = res.stop_reason or "cancelled"
-            res.seconds = time.perf_counter() - t0
-            res.n_decoded = len(res.tokens)
             llama_cpp.llama_sampler_free(chain)
             self._cancel_flag.clear()  # a cancel request ends with the generation it stopped
 

@@ -1,0 +1,81 @@
+"""The token loop of ``Backend.generate`` for a backend that samples locally: sample, show, decode, until a stop.
+
+The local engine and the tests' fake backend run this one loop, so the fake keeps the engine's contract
+(when a reply stops and why, what joins the context when the consumer goes away) by construction.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from chatcli.core.backend import GenerationResult, TokenEvent
+
+
+def token_loop(
+    res: GenerationResult, *, sample: Callable[[], int], decode: Callable[[int, bool], None],
+    is_eog: Callable[[int], bool], piece: Callable[[int], bytes], room: Callable[[], int],
+    cancelled: Callable[[], bool], max_tokens: int, stop_strings: Sequence[str] = (),
+) -> Iterator[TokenEvent]:
+    """Sample tokens into ``res`` until the end of generation, ``max_tokens``, no ``room()`` left in the
+    context, ``cancelled()`` or one of ``stop_strings`` in the text (``res.stop_reason`` says which).
+
+    Args:
+        res: filled in as it goes (tokens, stop reason, time to first token, seconds, tokens decoded).
+        sample: the next token, from the current logits.
+        decode: ``decode(token, logits)`` puts the token into the context; ``logits``: whether the next
+            position's logits are needed (not after the end-of-generation token).
+        is_eog: whether a token ends the generation.
+        piece: a token's text (not shown for the end-of-generation token).
+        room: positions left in the context.
+        cancelled: asked before each token (a Ctrl-C, a client gone).
+        max_tokens: the longest reply.
+        stop_strings: texts that end the reply once they appear in it.
+
+    Each token is yielded before it is decoded, and decoded before the next is sampled, so the context
+    always holds the reply so far; a consumer that closes the loop right after a token still gets that token
+    into the context (it saw it), with "cancelled" when nothing else had stopped the reply.
+    """
+    t0 = time.perf_counter()
+    text = b""
+    pending: int | None = None
+    try:
+        while True:
+            if cancelled():
+                res.stop_reason = "cancelled"
+                break
+            if len(res.tokens) >= max_tokens:
+                res.stop_reason = "length"
+                break
+            if room() < 1:
+                res.stop_reason = "context"
+                break
+            tok = sample()
+            if not res.tokens:
+                res.ttft = time.perf_counter() - t0
+            res.tokens.append(tok)
+            pending = tok
+            eog = is_eog(tok)
+            shown = b"" if eog else piece(tok)
+            text += shown
+            yield TokenEvent(tok, shown, eog, time.perf_counter() - t0)
+            decode(tok, not eog)
+            pending = None
+            if eog:
+                res.stop_reason = "eog"
+                break
+            if stop_strings:
+                decoded = text.decode("utf-8", errors="ignore")
+                if any(s in decoded for s in stop_strings):
+                    res.stop_reason = "stop"
+                    break
+    finally:
+        if pending is not None:
+            # Closed between yield and decode: the consumer saw this token, so it joins the context.
+            decode(pending, True)
+            res.stop_reason = res.stop_reason or "cancelled"
+        res.seconds = time.perf_counter() - t0
+        res.n_decoded = len(res.tokens)
+
+
+__all__ = ["token_loop"]
