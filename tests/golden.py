@@ -127,6 +127,29 @@ def sess(base_session: Any, chatcli_home: Path) -> Any:
     return rebind(base_session)
 
 
+@pytest.fixture
+def chat_service(sess: Any, tmp_path: Path) -> Iterator[Any]:
+    """A ``ChatService`` (one context) over the module's engine, cleared first, on this test's store and index:
+    the server's service in-process, for modules that set ``BASE_SESSION`` as they need."""
+    from chatcli.server.service import ChatService
+
+    sess.engine.clear()
+    svc = ChatService(sess, parallel=1, index_path=tmp_path / "index.json")
+    yield svc
+    svc.close()
+
+
+@pytest.fixture
+def chat_http(chat_service: Any) -> Iterator[Any]:
+    """The HTTP app over ``chat_service``, as a starlette ``TestClient`` (needs the 'serve' extra)."""
+    from starlette.testclient import TestClient
+
+    from chatcli.server.app import create_app
+
+    with TestClient(create_app(chat_service)) as client:
+        yield client
+
+
 @pytest.fixture(scope="module")
 def golden(base_session: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A greedy two-exchange conversation saved as a folder, what came next, and another conversation."""

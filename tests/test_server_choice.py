@@ -6,8 +6,6 @@ module's engine, so the tests' conversations never meet.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,26 +16,12 @@ from chatcli.core.conversation import replay_events
 from chatcli.core.kv import budget
 from chatcli.core.template import Message
 from chatcli.server.service import ChatRequest, ChatService, Finished, Started
-from chatcli.session import Session
-from tests.drive import isolated_session, rebind
 
 SYSTEM = "You are terse."
 
 
-@pytest.fixture(scope="module")
-def module_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
-    s = isolated_session(tmp_path_factory.mktemp("choice-home"), max_tokens=12)
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def service(module_session: Session, tmp_path: Path) -> Iterator[ChatService]:
-    s = rebind(module_session)
-    s.engine.clear()
-    svc = ChatService(s, parallel=1, index_path=tmp_path / "index.json")
-    yield svc
-    svc.close()
+# The module's model load and its ChatService per test: tests/golden.py's base_session and chat_service.
+BASE_SESSION = {"threads": 2, "n_ctx": 2048, "max_tokens": 12}
 
 
 def ask(svc: ChatService, msgs: list[tuple[str, str]]) -> tuple[Started, Finished]:
@@ -57,37 +41,37 @@ def meta(svc: ChatService, cid: str) -> dict[str, Any]:
     return svc.store.resolve(cid).read_meta()
 
 
-def test_a_new_conversation_sharing_only_the_persona_is_not_a_fork(service: ChatService) -> None:
-    _, a = ask(service, [("system", SYSTEM), ("user", "Name a fruit.")])
-    st, b = ask(service, [("system", SYSTEM), ("user", "What is a ship?")])
+def test_a_new_conversation_sharing_only_the_persona_is_not_a_fork(chat_service: ChatService) -> None:
+    _, a = ask(chat_service, [("system", SYSTEM), ("user", "Name a fruit.")])
+    st, b = ask(chat_service, [("system", SYSTEM), ("user", "What is a ship?")])
     assert b.conversation != a.conversation
     assert (st.forked_from, b.forked_from, b.state) == (None, None, "new")
-    assert "forked_from" not in meta(service, b.conversation)
+    assert "forked_from" not in meta(chat_service, b.conversation)
     # No system message at all: also new, also no parent.
-    _, c = ask(service, [("user", "Name a colour.")])
-    _, d = ask(service, [("user", "Name a city.")])
+    _, c = ask(chat_service, [("user", "Name a colour.")])
+    _, d = ask(chat_service, [("user", "Name a city.")])
     assert (c.forked_from, d.forked_from, d.state) == (None, None, "new")
-    assert "forked_from" not in meta(service, d.conversation)
+    assert "forked_from" not in meta(chat_service, d.conversation)
 
 
-def test_a_cold_longest_match_loses_to_a_warm_shorter_one(service: ChatService) -> None:
+def test_a_cold_longest_match_loses_to_a_warm_shorter_one(chat_service: ChatService) -> None:
     """After `chatcli gc` dropped A's state: a request extending A forks the warm C at the boundary they
     share (evaluating only what comes after it) instead of rebuilding all of A."""
     s = [("system", SYSTEM)]
-    _, a1 = ask(service, [*s, ("user", "Name a fruit.")])
+    _, a1 = ask(chat_service, [*s, ("user", "Name a fruit.")])
     h1 = [*s, ("user", "Name a fruit."), ("assistant", a1.text)]
-    _, a2 = ask(service, [*h1, ("user", "Name a colour.")])
+    _, a2 = ask(chat_service, [*h1, ("user", "Name a colour.")])
     assert a2.conversation == a1.conversation
-    _, c = ask(service, [*h1, ("user", "Name an animal.")])  # an edit: C forks A after its first reply
+    _, c = ask(chat_service, [*h1, ("user", "Name an animal.")])  # an edit: C forks A after its first reply
     assert c.forked_from == a1.conversation
-    store = service.store
+    store = chat_service.store
     freed = budget.enforce(store.root, None, 0, keep_ids=[c.conversation])
     assert [i.conv_id for i in freed.evicted] == [a1.conversation]
     cold = store.resolve(a1.conversation)
     assert not cold.state_path.exists()
 
     h2 = [*h1, ("user", "Name a colour."), ("assistant", a2.text)]
-    st, f = ask(service, [*h2, ("user", "Name a city.")])
+    st, f = ask(chat_service, [*h2, ("user", "Name a city.")])
     assert (f.state, f.forked_from) == ("fork", c.conversation)
     # cached = the tokens up to the shared boundary (C's first reply), all of them not evaluated.
     cr = replay_events(store.resolve(c.conversation).read_transcript().events)
@@ -101,25 +85,25 @@ def test_a_cold_longest_match_loses_to_a_warm_shorter_one(service: ChatService) 
     assert len(replay_events(cold.read_transcript().events).active) == 4
 
 
-def test_a_cold_conversation_is_not_forked_when_nothing_warm_matches(service: ChatService) -> None:
+def test_a_cold_conversation_is_not_forked_when_nothing_warm_matches(chat_service: ChatService) -> None:
     """Nothing warm beyond the persona: an edit of a cold conversation starts a new one from the persona
     prefix (a fork would rebuild everything), and a cold conversation's own end is still continued."""
     s = [("system", SYSTEM + " (cold)")]
-    _, a1 = ask(service, [*s, ("user", "Name a fruit.")])
+    _, a1 = ask(chat_service, [*s, ("user", "Name a fruit.")])
     h1 = [*s, ("user", "Name a fruit."), ("assistant", a1.text)]
-    _, a2 = ask(service, [*h1, ("user", "Name a colour.")])
-    budget.enforce(service.store.root, None, 0)  # the resident one too: it is restored from disk then
-    _, e = ask(service, [*h1, ("user", "Name an animal.")])
+    _, a2 = ask(chat_service, [*h1, ("user", "Name a colour.")])
+    budget.enforce(chat_service.store.root, None, 0)  # the resident one too: it is restored from disk then
+    _, e = ask(chat_service, [*h1, ("user", "Name an animal.")])
     assert (e.state, e.forked_from) == ("new", None)
-    prefix = len(replay_events(service.store.resolve(e.conversation).read_transcript().events).prefix_tokens)
+    prefix = len(replay_events(chat_service.store.resolve(e.conversation).read_transcript().events).prefix_tokens)
     assert e.cached_tokens == prefix  # from the prefix cache: the persona only
     h2 = [*h1, ("user", "Name a colour."), ("assistant", a2.text)]
-    budget.enforce(service.store.root, None, 0)
-    _, g = ask(service, [*h2, ("user", "Name a city.")])
+    budget.enforce(chat_service.store.root, None, 0)
+    _, g = ask(chat_service, [*h2, ("user", "Name a city.")])
     assert (g.conversation, g.state, g.cached_tokens) == (a1.conversation, "disk", 0)  # rebuilt whole, honestly
 
 
-def test_a_warm_boundary_whose_remaining_history_does_not_fit_is_not_chosen(service: ChatService) -> None:
+def test_a_warm_boundary_whose_remaining_history_does_not_fit_is_not_chosen(chat_service: ChatService) -> None:
     """A long conversation A (shifted) is cold; its warm fork C shares only the first exchange. Continuing
     from C would append A's later messages without a shift (appends never shift): they do not fit, so the
     request continues A's own end (rebuilt) instead of failing with a 400."""
@@ -128,14 +112,14 @@ def test_a_warm_boundary_whose_remaining_history_does_not_fit_is_not_chosen(serv
     a = c = None
     for n, w in enumerate(("apple", "river", "stone", "cloud", "grass")):
         q = f"Count the words: {' '.join([w] * 400)}"
-        _, a = ask(service, [*h, ("user", q)])
+        _, a = ask(chat_service, [*h, ("user", q)])
         h += [("user", q), ("assistant", a.text)]
         if n == 1:  # an edit after A's first reply, before A shifts it out: a warm fork of A
-            _, c = ask(service, [*h[:3], ("user", "Name a colour.")])
+            _, c = ask(chat_service, [*h[:3], ("user", "Name a colour.")])
             assert c.forked_from == a.conversation
     assert a is not None and c is not None
-    assert replay_events(service.store.resolve(a.conversation).read_transcript().events).out_of_context
-    budget.enforce(service.store.root, None, 0, keep_ids=[c.conversation])  # A's state dropped: cold
-    assert not service.store.resolve(a.conversation).state_path.exists()
-    _, f = ask(service, [*h, ("user", "Name a city.")])  # was: a fork of C, then 400 (context full)
+    assert replay_events(chat_service.store.resolve(a.conversation).read_transcript().events).out_of_context
+    budget.enforce(chat_service.store.root, None, 0, keep_ids=[c.conversation])  # A's state dropped: cold
+    assert not chat_service.store.resolve(a.conversation).state_path.exists()
+    _, f = ask(chat_service, [*h, ("user", "Name a city.")])  # was: a fork of C, then 400 (context full)
     assert (f.conversation, f.state, f.forked_from) == (a.conversation, "disk", None)

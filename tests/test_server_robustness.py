@@ -7,7 +7,6 @@ import errno
 import json
 import os
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,39 +20,15 @@ from chatcli.core.conversation import replay_events
 from chatcli.core.files.store import ConversationDir, LockedError, StoreError
 from chatcli.core.template import Message
 from chatcli.server import adapter
-from chatcli.server.app import create_app
 from chatcli.server.service import ChatRequest, ChatService, Finished, ServiceError, Started
 from chatcli.session import Session
-from tests.drive import isolated_session, rebind
 
 SYSTEM = "You are terse."
 
 
-@pytest.fixture(scope="module")
-def module_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
-    s = isolated_session(tmp_path_factory.mktemp("robust-home"), max_tokens=8)
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def session(module_session: Session) -> Session:
-    s = rebind(module_session)
-    s.engine.clear()
-    return s
-
-
-@pytest.fixture
-def service(session: Session, tmp_path: Path) -> Iterator[ChatService]:
-    svc = ChatService(session, parallel=1, index_path=tmp_path / "index.json")
-    yield svc
-    svc.close()
-
-
-@pytest.fixture
-def http(service: ChatService) -> Iterator[TestClient]:
-    with TestClient(create_app(service)) as client:
-        yield client
+# The module's model load, its ChatService and HTTP app per test: tests/golden.py's base_session, sess,
+# chat_service and chat_http.
+BASE_SESSION = {"threads": 2, "n_ctx": 2048, "max_tokens": 8}
 
 
 def body(*msgs: tuple[str, str], **kw: Any) -> dict[str, Any]:
@@ -81,21 +56,21 @@ def assert_error(r: Any, status: int) -> dict[str, Any]:
 # -- bodies found by fuzzing ------------------------------------------------------------------------------
 
 
-def test_a_lone_surrogate_is_a_400_and_leaves_nothing(http: TestClient, service: ChatService) -> None:
+def test_a_lone_surrogate_is_a_400_and_leaves_nothing(chat_http: TestClient, chat_service: ChatService) -> None:
     raw = '{"messages": [{"role": "user", "content": "hi \\ud800"}]}'
-    err = assert_error(http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"}),
+    err = assert_error(chat_http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"}),
                        400)
     assert "surrogate" in err["message"]
-    assert folders(service) == []
+    assert folders(chat_service) == []
     # A surrogate pair escaped the JSON way is one real character: accepted.
-    ok = http.post("/v1/chat/completions", content=json.dumps(body(("user", "Say \U0001F600.")), ensure_ascii=True),
+    ok = chat_http.post("/v1/chat/completions", content=json.dumps(body(("user", "Say \U0001F600.")), ensure_ascii=True),
                    headers={"content-type": "application/json"})
     assert ok.status_code == 200, ok.text
 
 
-def test_a_deeply_nested_body_is_a_400(http: TestClient) -> None:
+def test_a_deeply_nested_body_is_a_400(chat_http: TestClient) -> None:
     raw = '{"messages": ' + "[" * 5000 + "]" * 5000 + "}"
-    err = assert_error(http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"}),
+    err = assert_error(chat_http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"}),
                        400)
     assert "nested" in err["message"]
 
@@ -103,11 +78,11 @@ def test_a_deeply_nested_body_is_a_400(http: TestClient) -> None:
 # -- folders the server cannot use ------------------------------------------------------------------------
 
 
-def _bad_folders(service: ChatService) -> list[str]:
+def _bad_folders(chat_service: ChatService) -> list[str]:
     """A newer chatcli's folder, two with wrongly typed metadata, one whose transcript cannot be read."""
     out = []
     for change in ({"format": 2}, {"model": "x"}, {"updated": "x"}, None):
-        d = service.store.create({"title": "bad"})
+        d = chat_service.store.create({"title": "bad"})
         d.append_event({"type": "note", "text": "x"})
         if change is None:
             d.transcript_path.unlink()
@@ -121,11 +96,12 @@ def _bad_folders(service: ChatService) -> list[str]:
 
 
 def test_unusable_folders_are_skipped_at_start_and_at_run_time(
-        session: Session, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    svc0 = ChatService(session, parallel=1, index_path=tmp_path / "i0.json")
+        sess: Session, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    sess.engine.clear()
+    svc0 = ChatService(sess, parallel=1, index_path=tmp_path / "i0.json")
     bad = _bad_folders(svc0)
     svc0.close()
-    svc = ChatService(session, parallel=1, index_path=tmp_path / "i1.json")  # was: exits at start
+    svc = ChatService(sess, parallel=1, index_path=tmp_path / "i1.json")  # was: exits at start
     try:
         assert ask(svc, [("system", SYSTEM), ("user", "Name a fruit.")]).text
         bad += _bad_folders(svc)  # appear while it runs: was a 500 for every request
@@ -143,20 +119,20 @@ def test_unusable_folders_are_skipped_at_start_and_at_run_time(
 # -- nothing is left by a request that fails ---------------------------------------------------------------
 
 
-def test_an_oversized_system_prompt_creates_nothing_and_answers_the_same(http: TestClient,
-                                                                        service: ChatService) -> None:
+def test_an_oversized_system_prompt_creates_nothing_and_answers_the_same(chat_http: TestClient,
+                                                                        chat_service: ChatService) -> None:
     big = body(("system", "word " * 2500), ("user", "Hi."))
-    first = assert_error(http.post("/v1/chat/completions", json=big), 400)
-    second = assert_error(http.post("/v1/chat/completions", json=big), 400)
+    first = assert_error(chat_http.post("/v1/chat/completions", json=big), 400)
+    second = assert_error(chat_http.post("/v1/chat/completions", json=big), 400)
     assert first == second and first["code"] == "context_length_exceeded"
-    assert folders(service) == []
+    assert folders(chat_service) == []
 
 
-def test_a_failed_record_of_a_cut_reply_still_frees_the_lock(service: ChatService,
+def test_a_failed_record_of_a_cut_reply_still_frees_the_lock(chat_service: ChatService,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Client gone and disk full: recording the reply so far fails, the conversation is still unlocked and
     the context given back (the next request is served)."""
-    it = service.complete(ChatRequest([Message("user", "Count from one to twenty.")], temperature=0.0,
+    it = chat_service.complete(ChatRequest([Message("user", "Count from one to twenty.")], temperature=0.0,
                                       max_tokens=8, seed=1))
     started = next(it)
     assert isinstance(started, Started)
@@ -169,39 +145,39 @@ def test_a_failed_record_of_a_cut_reply_still_frees_the_lock(service: ChatServic
     with pytest.raises(OSError):
         it.close()
     monkeypatch.undo()
-    d = service.store.resolve(started.conversation)
+    d = chat_service.store.resolve(started.conversation)
     d.lock()  # was: LockedError, held until the server stops
     d.unlock()
-    assert ask(service, [("user", "Name a fruit.")]).text
+    assert ask(chat_service, [("user", "Name a fruit.")]).text
 
 
-def test_a_stale_fork_is_a_409(service: ChatService, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_stale_fork_is_a_409(chat_service: ChatService, monkeypatch: pytest.MonkeyPatch) -> None:
     """The parent lost the boundary the index knows (a REPL /undo between the refresh and the fork)."""
     h: list[tuple[str, str]] = [("system", SYSTEM)]
     for q in ("Name a fruit.", "Name a colour.", "Name a city."):
-        f = ask(service, [*h, ("user", q)])
+        f = ask(chat_service, [*h, ("user", q)])
         h += [("user", q), ("assistant", f.text)]
     cid = f.conversation
-    d = service.store.resolve(cid)
+    d = chat_service.store.resolve(cid)
     lines = d.transcript_path.read_bytes().splitlines(keepends=True)
     kept = [ln for ln in lines if json.loads(ln)["type"] != "message" or json.loads(ln)["mid"] < 2]
-    service.index.refresh()
-    monkeypatch.setattr(service.index, "refresh", lambda save=True: None)  # the index stays as it was
+    chat_service.index.refresh()
+    monkeypatch.setattr(chat_service.index, "refresh", lambda save=True: None)  # the index stays as it was
     d.transcript_path.write_bytes(b"".join(kept))
     with pytest.raises(ServiceError) as exc:
-        ask(service, [*h[:5], ("user", "Name a planet.")])  # an edit: fork after message 4
+        ask(chat_service, [*h[:5], ("user", "Name a planet.")])  # an edit: fork after message 4
     assert exc.value.kind == "conflict"  # was: a bare ValueError, a 500
 
 
 # -- what clients see of each other and of the store -----------------------------------------------------
 
 
-def test_a_locked_conversation_is_a_409_without_a_pid(http: TestClient, service: ChatService) -> None:
-    f = ask(service, [("user", "Name a fruit.")])
-    d = ConversationDir(service.store.root / f.conversation)
+def test_a_locked_conversation_is_a_409_without_a_pid(chat_http: TestClient, chat_service: ChatService) -> None:
+    f = ask(chat_service, [("user", "Name a fruit.")])
+    d = ConversationDir(chat_service.store.root / f.conversation)
     d.lock()
     try:
-        r = http.post("/v1/chat/completions", json=body(("user", "Name a fruit."), ("assistant", f.text),
+        r = chat_http.post("/v1/chat/completions", json=body(("user", "Name a fruit."), ("assistant", f.text),
                                                         ("user", "Another."), conversation=f.conversation))
         err = assert_error(r, 409)
         assert str(os.getpid()) not in err["message"] and "process " not in err["message"]
@@ -209,19 +185,19 @@ def test_a_locked_conversation_is_a_409_without_a_pid(http: TestClient, service:
         d.unlock()
 
 
-def test_a_title_set_in_the_repl_survives_the_next_request(service: ChatService) -> None:
-    f = ask(service, [("user", "Name a fruit.")])
-    d = service.store.resolve(f.conversation)
+def test_a_title_set_in_the_repl_survives_the_next_request(chat_service: ChatService) -> None:
+    f = ask(chat_service, [("user", "Name a fruit.")])
+    d = chat_service.store.resolve(f.conversation)
     meta = d.read_meta()
     d.write_meta({**meta, "title": "set in the REPL"})  # another process, between two requests
-    g = ask(service, [("user", "Name a fruit."), ("assistant", f.text), ("user", "Another.")])
+    g = ask(chat_service, [("user", "Name a fruit."), ("assistant", f.text), ("user", "Another.")])
     assert (g.conversation, g.state) == (f.conversation, "memory")  # still no restore for a title
     assert d.read_meta()["title"] == "set in the REPL"
 
 
-def test_the_finish_chunk_carries_usage_only_when_asked(http: TestClient) -> None:
+def test_the_finish_chunk_carries_usage_only_when_asked(chat_http: TestClient) -> None:
     def chunks(**kw: Any) -> list[dict[str, Any]]:
-        r = http.post("/v1/chat/completions", json=body(("user", "Name a fruit."), stream=True, **kw))
+        r = chat_http.post("/v1/chat/completions", json=body(("user", "Name a fruit."), stream=True, **kw))
         assert r.status_code == 200
         return [json.loads(ln[5:]) for ln in r.text.splitlines() if ln.startswith("data:") and "[DONE]" not in ln]
 
@@ -235,19 +211,19 @@ def test_the_finish_chunk_carries_usage_only_when_asked(http: TestClient) -> Non
 # -- small ones -----------------------------------------------------------------------------------------
 
 
-def test_an_id_with_a_trailing_newline_is_refused(service: ChatService) -> None:
+def test_an_id_with_a_trailing_newline_is_refused(chat_service: ChatService) -> None:
     with pytest.raises(StoreError):
-        service.store.validate_id("abc\n")
+        chat_service.store.validate_id("abc\n")
 
 
-def test_a_fork_does_not_copy_the_parents_eviction_mark(service: ChatService) -> None:
-    f = ask(service, [("user", "Name a fruit.")])
-    parent = service.store.resolve(f.conversation)
+def test_a_fork_does_not_copy_the_parents_eviction_mark(chat_service: ChatService) -> None:
+    f = ask(chat_service, [("user", "Name a fruit.")])
+    parent = chat_service.store.resolve(f.conversation)
     parent.write_meta({**parent.read_meta(), "evicted": {"at": 1.0}})
-    child, _ = adapter.fork_at(service.store, parent, 1, {"source": "api"})
-    meta = service.store.resolve(child).read_meta()
+    child, _ = adapter.fork_at(chat_service.store, parent, 1, {"source": "api"})
+    meta = chat_service.store.resolve(child).read_meta()
     assert "evicted" not in meta and meta["forked_from"] == parent.id
-    assert len(replay_events(service.store.resolve(child).read_transcript().events).active) == 1
+    assert len(replay_events(chat_service.store.resolve(child).read_transcript().events).active) == 1
 
 
 def test_an_ipv6_host_in_brackets_binds() -> None:
@@ -261,9 +237,9 @@ def test_an_ipv6_host_in_brackets_binds() -> None:
     assert listen_problem("[::1]", port) is None  # was: "cannot listen on [::1]: ..."
 
 
-def test_locked_error_is_still_what_the_store_raises(service: ChatService) -> None:
+def test_locked_error_is_still_what_the_store_raises(chat_service: ChatService) -> None:
     """The 409 above is the service's wording: the store's own message (with its PID) stays for the CLI."""
-    d = service.store.create({"title": "x"})
+    d = chat_service.store.create({"title": "x"})
     d.lock()
     try:
         with pytest.raises(LockedError, match="process"):
