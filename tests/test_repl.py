@@ -24,7 +24,6 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from chatcli.cli.app import app
-from chatcli.core.conversation import Alternative
 from chatcli.core.events import (
     ContextUsage,
     ConversationError,
@@ -40,6 +39,7 @@ from chatcli.core.export import to_markdown
 from chatcli.core.opening import Opening
 from chatcli.core.template import Message
 from chatcli.core.transcript import ActiveMessage, Replay
+from chatcli.core.views import Alternative
 from chatcli.repl.commands import REGISTRY, CommandError
 from chatcli.repl.loop import LineIO, Repl, SlashCompleter, TerminalIO, context_bar, copy_to_clipboard, open_events
 from chatcli.repl.render import Renderer, stats_line

@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from chatcli.core.conversation import replay_events
 from chatcli.core.kv import budget
 from chatcli.core.template import Message
+from chatcli.core.transcript import replay_events
 from chatcli.server.service import ChatRequest, ChatService, Finished, Started
 from chatcli.session import Session
 from tests.drive import isolated_session, rebind

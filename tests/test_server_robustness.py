@@ -17,10 +17,10 @@ pytest.importorskip("fastapi")
 
 from starlette.testclient import TestClient
 
-from chatcli.core.conversation import replay_events
 from chatcli.core.files.store import ConversationDir, LockedError, StoreError
+from chatcli.core.forking import fork_after
 from chatcli.core.template import Message
-from chatcli.server import adapter
+from chatcli.core.transcript import replay_events
 from chatcli.server.app import create_app
 from chatcli.server.service import ChatRequest, ChatService, Finished, ServiceError, Started
 from chatcli.session import Session
@@ -244,7 +244,7 @@ def test_a_fork_does_not_copy_the_parents_eviction_mark(service: ChatService) ->
     f = ask(service, [("user", "Name a fruit.")])
     parent = service.store.resolve(f.conversation)
     parent.write_meta({**parent.read_meta(), "evicted": {"at": 1.0}})
-    child, _ = adapter.fork_at(service.store, parent, 1, {"source": "api"})
+    child, _ = fork_after(service.store, parent, 1, {"source": "api"})
     meta = service.store.resolve(child).read_meta()
     assert "evicted" not in meta and meta["forked_from"] == parent.id
     assert len(replay_events(service.store.resolve(child).read_transcript().events).active) == 1

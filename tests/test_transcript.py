@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from chatcli.backends.llamacpp import EngineError
-from chatcli.core.conversation import ConversationError
+from chatcli.core.events import ConversationError
 from chatcli.core.files.store import ConversationDir, StoreError
 from tests.golden import MSGS, DiskFull, conv_path, install, open_conv, reply, state_tokens
 
