@@ -444,11 +444,11 @@ def test_ctrl_c_during_an_operation_that_cannot_stop_lets_it_finish() -> None:
 
 
 def test_an_error_in_the_middle_of_a_reply_keeps_what_was_shown() -> None:
-    from chatcli.backends.llamacpp import EngineError
+    from chatcli.core.backend import BackendError
 
     def boom(conv: FakeConversation, shown: str) -> None:
         if shown.count(" ") == 2:
-            raise EngineError("llama_decode failed (1): out of memory")
+            raise BackendError("llama_decode failed (1): out of memory")
 
     conv = FakeConversation(replies=["one two three four five six"], on_piece=boom)
     _, out, _ = drive("go\r\x04", conv)
