@@ -133,7 +133,8 @@ def drain(gen: Iterable[Any]) -> tuple[Any, Any, list[Any], list[Any]]:
 
 
 def _drain_old(gen: Iterator[Any]) -> tuple[Any, Any, list[Any], list[Any]]:
-    from chatcli.core.conversation import Conversation, Notice, ReplyEnd, ResumeReport
+    from chatcli.core.conversation import Conversation
+    from chatcli.core.events import Notice, ReplyEnd, ResumeReport
 
     conv = report = None
     ends: list[Any] = []
@@ -156,7 +157,7 @@ def first_token(conv: Any, gen: Iterator[Any]) -> tuple[float, Any]:
     Cancelling through ``conv.cancel()`` is chatcli's own Ctrl-C path: the (one- or two-token) reply is
     still recorded, so the conversation stays consistent for the next measurement.
     """
-    from chatcli.core.conversation import ReplyEnd, ReplyText
+    from chatcli.core.events import ReplyEnd, ReplyText
 
     t_first = 0.0
     end = None

@@ -457,9 +457,9 @@ def remaining_lines(ref: Reference, script: list[str], have: int) -> tuple[list[
 
 def check_disk(conv: Path) -> list[str]:
     """The folder after a clean end: state scans clean and holds exactly the transcript's tokens; no litter."""
-    from chatcli.core.conversation import replay_events
     from chatcli.core.files.store import ConversationDir
     from chatcli.core.kv import records as sf
+    from chatcli.core.transcript import replay_events
 
     problems = []
     d = ConversationDir(conv)

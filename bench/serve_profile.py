@@ -43,10 +43,10 @@ STEPS: list[tuple[str, str, str]] = [
     ("index lookup", "index", "PrefixIndex.lookup"),
     ("check the new messages fit (tokenize)", "service", "ChatService._check_fits"),
     ("acquire: find + lock + stamp (+restore)", "service", "ChatService._acquire"),
-    ("  of which stamp() (2 file stats)", "adapter", "stamp"),
+    ("  of which stamp() (2 file stats)", "service", "_stamp"),
     ("  of which lock (flock)", "store", "ConversationDir.lock"),
-    ("  of which restore from disk", "adapter", "open_"),
-    ("configure", "adapter", "configure"),
+    ("  of which restore from disk", "session", "Session.open_conversation"),
+    ("configure", "conversation", "Conversation.set_options"),
     ("render + tokenize the new message", "conversation", "Conversation._user_tokens"),
     ("context room check", "conversation", "Conversation._make_room"),
     ("transcript append (fsync)", "transcript", "Transcript.message"),
@@ -62,9 +62,9 @@ STEPS: list[tuple[str, str, str]] = [
 # The steps of a client's regenerate (its history minus the last reply): the conversation is forked at the
 # user message (its KV records copied) and the reply sampled from the saved logits.
 REGEN_STEPS: list[tuple[str, str, str]] = [
-    ("fork: transcript prefix + state copy (adapter.fork_at)", "adapter", "fork_at"),
-    ("  of which state copy + fsync (adapter.copy_state)", "adapter", "copy_state"),
-    ("adopt the resident cells (adapter.adopt)", "adapter", "adopt"),
+    ("fork: transcript prefix + state copy (core.forking.fork_after)", "forking", "fork_after"),
+    ("  of which state copy + fsync (core.forking.fork_state)", "forking", "fork_state"),
+    ("adopt the resident cells (Session.adopt)", "session", "Session.adopt"),
 ]
 
 
@@ -111,13 +111,13 @@ class Timer:
 def install(timer: Timer) -> None:
     from chatcli import session
     from chatcli.backends import llamacpp
-    from chatcli.core import conversation, transcript
+    from chatcli.core import conversation, forking, transcript
     from chatcli.core.files import store
     from chatcli.core.kv import log as statelog
     from chatcli.core.kv import records as statefile
-    from chatcli.server import adapter, history, index, service
+    from chatcli.server import history, index, service
 
-    mods: dict[str, Any] = {"index": index, "service": service, "history": history, "adapter": adapter,
+    mods: dict[str, Any] = {"index": index, "service": service, "history": history, "forking": forking,
                             "store": store, "conversation": conversation, "transcript": transcript,
                             "engine": llamacpp, "statelog": statelog, "statefile": statefile, "session": session}
     for label, owner, attr in STEPS + REGEN_STEPS:
@@ -132,7 +132,7 @@ def install(timer: Timer) -> None:
             w = timer.wrap(label, fn)
             setattr(mod, attr, w)
             # Modules that imported the function by name (``from … import``) see the wrapper too.
-            for m in (service, index, history, adapter):
+            for m in (service, index, history, forking):
                 if getattr(m, attr, None) is fn:
                     setattr(m, attr, w)
 

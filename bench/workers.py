@@ -56,8 +56,8 @@ def build(a: dict[str, Any]) -> dict[str, Any]:
     tokens are given to llama-cpp-python's ``Llama`` to produce its ``save_state()`` file and a
     ``LlamaDiskCache`` entry. Per turn, chatcli's append is compared with rewriting the whole state.
     """
-    from chatcli.core.conversation import replay_events
     from chatcli.core.kv import records as sf
+    from chatcli.core.transcript import replay_events
 
     home = Path(a["home"])
     session = build_session(home, model=a["model"], n_ctx=a["n_ctx"], threads=a["threads"], max_tokens=a["reply_tokens"])

@@ -10,13 +10,13 @@ import os
 import secrets
 import sqlite3
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from chatcli.backends.llama_server import LlamaServerBackend, ServerConfig
 from chatcli.backends.llamacpp import Engine
 from chatcli.config.personas import Persona, get_persona, load_personas
 from chatcli.config.settings import Paths, Settings, fit_reserve
-from chatcli.core.backend import Sampling
+from chatcli.core.backend import Backend, Sampling
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import Event, Notice
 from chatcli.core.files.fsutil import ensure_private_dir
@@ -25,9 +25,9 @@ from chatcli.core.files.store import ConversationStore
 from chatcli.core.kv import prefix
 from chatcli.core.kv.budget import Freed, enforce, prefix_bytes, resync_index, total_bytes
 from chatcli.core.kv.prefix import effective_n_ctx
-from chatcli.core.loading import create_conversation, open_conversation
+from chatcli.core.loading import adopt_conversation, create_conversation, open_conversation
 from chatcli.core.opening import Opening
-from chatcli.core.template import ChatTemplate, read_template_file
+from chatcli.core.template import ChatTemplate, Message, read_template_file
 from chatcli.models.resolve import ModelRef, resolve_model
 from chatcli.units import parse_size
 
@@ -249,12 +249,16 @@ class Session:
         return self._budgeted(create_conversation(
             self.store, self.engine, self.template,
             persona_name=persona.name, persona_messages=persona.messages(), persona_hash=persona.text_hash(),
-            identity=self.identity(), model_path=str(self.model.path) if self.model is not None else str(self.server),
+            identity=self.identity(), model_path=self._model_path(),
             sampling=sampling_from(s, persona, self.explicit),
             seed=seed if seed is not None else (s.seed if s.seed is not None else secrets.randbits(31)),
             prefix_cache_dir=ensure_private_dir(self.paths.prefix_cache_dir),
             max_tokens=self._max_tokens(persona), reserve=s.reserve, extra_meta=self.template_meta(),
         ))
+
+    def _model_path(self) -> str:
+        """What a new conversation records as its model's file: the local file, or the llama-server's URL."""
+        return str(self.model.path) if self.model is not None else str(self.server)
 
     def template_meta(self) -> dict[str, Any]:
         """What a new conversation remembers of its template beyond the model: a template file used instead
@@ -272,20 +276,54 @@ class Session:
             return int(dict(persona.sampling)["max_tokens"])
         return self.settings.max_tokens
 
-    def open_conversation(self, ref: str | None) -> Opening[Conversation]:
+    def open_conversation(self, ref: str | None, *, backend: Backend | None = None, sampling: Sampling | None = None,
+                          max_tokens: int | None = None) -> Opening[Conversation]:
+        """Resume a stored conversation in ``backend`` (default: the session's engine; the server passes one
+        of its contexts). ``sampling`` and ``max_tokens`` default to the settings and the conversation's
+        persona file; given both (the server's per-request values), the persona file is not read."""
         conv_dir = self.store.resolve(ref)
-        meta = conv_dir.read_meta()
         persona = None
-        try:
-            persona = get_persona(str(meta.get("persona", "")), self.paths.personas_dir)
-        except Exception:
-            persona = None  # a deleted persona file must not make a conversation unopenable
+        if sampling is None or max_tokens is None:
+            meta = conv_dir.read_meta()
+            try:
+                persona = get_persona(str(meta.get("persona", "")), self.paths.personas_dir)
+            except Exception:
+                persona = None  # a deleted persona file must not make a conversation unopenable
         return self._budgeted(open_conversation(
-            self.store, conv_dir.id, self.engine, self.template, identity=self.identity(),
-            sampling=sampling_from(self.settings, persona, self.explicit),
-            max_tokens=self._max_tokens(persona), reserve=self.settings.reserve,
+            self.store, conv_dir.id, backend or self.engine, self.template, identity=self.identity(),
+            sampling=sampling or sampling_from(self.settings, persona, self.explicit),
+            max_tokens=self._max_tokens(persona) if max_tokens is None else max_tokens, reserve=self.settings.reserve,
             persona_messages=persona.messages() if persona is not None else None,
         ))
+
+    def new_conversation_from(
+        self, persona: Sequence[Message], *, persona_name: str, persona_hash: str, seed: int, sampling: Sampling,
+        max_tokens: int, meta: Mapping[str, Any], backend: Backend | None = None,
+    ) -> Opening[Conversation]:
+        """A new conversation whose persona is given as messages (a request's system message), not a
+        persona file: its prefix comes from the shared prefix cache when one matches ``persona_hash``.
+        ``meta``: fields merged into its metadata (whose it is)."""
+        def tag(conv: Conversation) -> list[Event]:
+            conv.update_meta(meta)
+            return []
+
+        return self._budgeted(create_conversation(
+            self.store, backend or self.engine, self.template,
+            persona_name=persona_name, persona_messages=list(persona), persona_hash=persona_hash,
+            identity=self.identity(), model_path=self._model_path(), sampling=sampling, seed=seed,
+            prefix_cache_dir=ensure_private_dir(self.paths.prefix_cache_dir), max_tokens=max_tokens,
+            reserve=self.settings.reserve,
+        ).then(tag))
+
+    def adopt(self, backend: Backend, cid: str, *, sampling: Sampling, max_tokens: int) -> Conversation | None:
+        """Open ``cid`` from what ``backend`` holds already (``core.loading.adopt_conversation``: a fork of
+        the conversation resident there), or None; it gets the state budget hook like every other."""
+        conv = adopt_conversation(self.store, cid, backend, self.template, identity=self.identity(),
+                                  sampling=sampling, max_tokens=max_tokens, reserve=self.settings.reserve)
+        if conv is not None:
+            adopted = conv
+            adopted.after_save = lambda: self.budget_notice([adopted])
+        return conv
 
     # -- state budget ---------------------------------------------------------------------------------
 

@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from chatcli.config.settings import get_paths, load_settings_explicit
 from chatcli.core import steps
-from chatcli.core.conversation import Conversation, ReplyEnd, ResumeReport
+from chatcli.core.conversation import Conversation
+from chatcli.core.events import ReplyEnd, ResumeReport
 from chatcli.models.resolve import resolve_model
 from chatcli.session import Session
 

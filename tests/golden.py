@@ -22,7 +22,8 @@ import pytest
 from typer.testing import CliRunner
 
 from chatcli.config.settings import get_paths
-from chatcli.core.conversation import Conversation, ReplyEnd, ResumeReport
+from chatcli.core.conversation import Conversation
+from chatcli.core.events import ReplyEnd, ResumeReport
 from chatcli.core.files.store import ConversationStore
 from chatcli.core.kv import records as sf
 from chatcli.core.steps import drain

@@ -21,9 +21,9 @@ import pytest
 from typer.testing import CliRunner
 
 from chatcli import __version__
-from chatcli.backends.llamacpp import EngineError
 from chatcli.cli.app import app
 from chatcli.config.settings import get_paths
+from chatcli.core.backend import BackendError
 from chatcli.core.files.store import ConversationDir
 from chatcli.core.kv import records as sf
 from chatcli.models.resolve import bundled_model_path
@@ -288,7 +288,7 @@ def test_resume_by_id_restores_everything_and_continues(conv: str) -> None:
 def test_resume_uses_the_conversations_own_model(conv: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Only --model overrides the model a conversation was made with (its KV state is for that model)."""
     def engine(path: Path, *args: object, **kwargs: object) -> None:
-        raise EngineError(f"would load {path}")  # stop before loading anything
+        raise BackendError(f"would load {path}")  # stop before loading anything
 
     monkeypatch.setattr("chatcli.session.Engine", engine)
     meta_path = get_paths().conversations_dir / conv / "meta.json"

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.fast
 # Exceptions that are not errors: control flow (leaving the REPL, a stopped read) and the server's wire form of
 # an error (what ``server.errors.from_error`` makes of a ChatcliError).
 NOT_ERRORS = {"chatcli.repl.commands.ReplExit", "chatcli.repl.loop.ReadingStopped", "chatcli.server.errors.APIError",
-              "chatcli.server.adapter.OpenCancelled"}  # control flow: a client went away mid-restore
+              "chatcli.server.service.OpenCancelled"}  # control flow: a client went away mid-restore
 
 
 def _exception_classes() -> dict[str, type[BaseException]]:

@@ -196,7 +196,7 @@ def test_the_budget_counts_shared_bytes_once_and_frees_them_with_their_last_link
     pdir.write_meta(meta)
     freed = enforce(paths.conversations_dir, None, p_size)
     assert [i.conv_id for i in freed.evicted] == [parent["id"], child_id]
-    assert freed.freed_bytes == p_size + c_size == freed.before - freed.after
+    assert freed.freed == p_size + c_size == freed.before - freed.after
     assert scan_usage(paths.conversations_dir, None).total == freed.after == 0
     assert _bases(child_id) == []
     # A fork that is the only one evicted frees only its own small file.
@@ -205,7 +205,7 @@ def test_the_budget_counts_shared_bytes_once_and_frees_them_with_their_last_link
     child2, _ = _fork(parent2["id"], 1)
     c2 = _store().resolve(child2).state_path.stat().st_size
     freed = enforce(paths.conversations_dir, None, p2, keep_ids=[parent2["id"]])
-    assert [i.conv_id for i in freed.evicted] == [child2] and freed.freed_bytes == c2 and freed.after == p2
+    assert [i.conv_id for i in freed.evicted] == [child2] and freed.freed == c2 and freed.after == p2
 
 
 def test_where_a_link_cannot_be_made_the_fork_copies(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from chatcli.core.conversation import Conversation, Notice, ReplyEnd
+from chatcli.core.conversation import Conversation
+from chatcli.core.events import Notice, ReplyEnd
 from chatcli.core.files.store import ConversationDir
 from chatcli.core.kv import records as sf
 from tests.golden import MSGS, DiskFull, conv_path, install, open_conv, reply, state_tokens

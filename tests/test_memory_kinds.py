@@ -158,8 +158,8 @@ class Serve:
 
     def user_p0(self, cid: str, n: int) -> int:
         """Where the n-th user message (0-based) of a stored conversation starts."""
-        from chatcli.core.conversation import replay_events
         from chatcli.core.files.store import ConversationDir
+        from chatcli.core.transcript import replay_events
 
         rp = replay_events(ConversationDir(self.home / "data" / "conversations" / cid).read_transcript().events)
         return [m for m in rp.active if m.role == "user"][n].p0

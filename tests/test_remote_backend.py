@@ -120,6 +120,7 @@ def test_greedy_reply_equals_the_local_engine(backend: LlamaServerBackend, engin
 def test_each_turn_evaluates_only_its_new_tokens(backend: LlamaServerBackend) -> None:
     backend.clear()
     prompt = chat_prompt(backend, "Tell me a fact about the sea." + " Please." * 3)
+    n0 = backend.n_evaluated_total
     evaluate(backend, prompt)
     first = reply(backend)
     # the slot may still hold an earlier test's sequence: its common prefix (the system prompt) is reused
@@ -132,6 +133,9 @@ def test_each_turn_evaluates_only_its_new_tokens(backend: LlamaServerBackend) ->
     # Only the new message, plus the previous reply's last token (sampled but never decoded by the server).
     assert second.n_prompt_evaluated == len(user) + 1
     assert second.n_prompt_cached == len(prompt) + len(first.tokens) - 1
+    # The Backend protocol's counter: what the server reported evaluating, prompts and generated tokens.
+    assert backend.n_evaluated_total - n0 == (first.n_prompt_evaluated + len(first.tokens)
+                                              + second.n_prompt_evaluated + len(second.tokens))
 
 
 def test_rollback_evaluates_at_most_one_token_and_replays_greedy(backend: LlamaServerBackend) -> None:

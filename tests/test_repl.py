@@ -24,7 +24,6 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from chatcli.cli.app import app
-from chatcli.core.conversation import Alternative
 from chatcli.core.events import (
     ContextUsage,
     ConversationError,
@@ -40,6 +39,7 @@ from chatcli.core.export import to_markdown
 from chatcli.core.opening import Opening
 from chatcli.core.template import Message
 from chatcli.core.transcript import ActiveMessage, Replay
+from chatcli.core.views import Alternative
 from chatcli.repl.commands import REGISTRY, CommandError
 from chatcli.repl.loop import Repl, open_events
 from chatcli.repl.render import Renderer, stats_line
@@ -446,11 +446,11 @@ def test_ctrl_c_during_an_operation_that_cannot_stop_lets_it_finish() -> None:
 
 
 def test_an_error_in_the_middle_of_a_reply_keeps_what_was_shown() -> None:
-    from chatcli.backends.llamacpp import EngineError
+    from chatcli.core.backend import BackendError
 
     def boom(conv: FakeConversation, shown: str) -> None:
         if shown.count(" ") == 2:
-            raise EngineError("llama_decode failed (1): out of memory")
+            raise BackendError("llama_decode failed (1): out of memory")
 
     conv = FakeConversation(replies=["one two three four five six"], on_piece=boom)
     _, out, _ = drive("go\r\x04", conv)

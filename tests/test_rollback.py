@@ -223,7 +223,7 @@ def test_many_rollbacks_keep_the_state_file_bounded_and_exact(tmp_path: Path) ->
 def test_a_reply_whose_reader_goes_away_is_kept_consistent() -> None:
     """Closing the event stream mid-reply (a renderer error, a closed pipe) records the partial reply like
     a Ctrl-C'd one: the context and the transcript never disagree, now or after a resume."""
-    from chatcli.core.conversation import ReplyText
+    from chatcli.core.events import ReplyText
 
     session = build_session()
     conv, _, _ = drain(session.new_conversation("alice"))

@@ -27,9 +27,9 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from chatcli.core.conversation import Replay, replay_events  # noqa: E402
 from chatcli.core.files.store import ConversationDir  # noqa: E402
 from chatcli.core.kv import records as sf  # noqa: E402  (after the importorskips)
+from chatcli.core.transcript import Replay, replay_events  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "test-key-0123456789"
@@ -348,7 +348,6 @@ def test_shared_fork_equals_a_copied_one(server: Server, tmp_path: Path) -> None
     """A fork sharing the parent's bytes (hard link + BASE record) holds the same live cells and logits as a
     byte-for-byte copy, at every message boundary; its own file is a few hundred bytes."""
     from chatcli.core.forking import fork_state
-    from chatcli.server.adapter import copy_state
 
     _, replies = converse(server, "You are terse. (fork copy)", QUESTIONS[:2])
     conv = server.conv(replies[-1].conv)  # type: ignore[union-attr]
@@ -358,7 +357,7 @@ def test_shared_fork_equals_a_copied_one(server: Server, tmp_path: Path) -> None
         (tmp_path / f"a{k}").mkdir()
         (tmp_path / f"b{k}").mkdir()
         a, b = tmp_path / f"a{k}" / "state.kv", tmp_path / f"b{k}" / "state.kv"
-        assert copy_state(conv.state_path, a, cut) == fork_state(conv.state_path, b, cut, share=False) == cut
+        assert fork_state(conv.state_path, a, cut) == fork_state(conv.state_path, b, cut, share=False) == cut
         assert a.stat().st_size < 1024 and len(sf.base_files(a)) == 1 and sf.base_files(b) == []
         ra, rb = sf.scan(a), sf.scan(b)
         assert ra.problem == rb.problem == "" and ra.bases and not rb.bases

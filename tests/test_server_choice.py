@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from chatcli.core.conversation import replay_events
 from chatcli.core.kv import budget
 from chatcli.core.template import Message
+from chatcli.core.transcript import replay_events
 from chatcli.server.service import ChatRequest, ChatService, Finished, Started
 
 SYSTEM = "You are terse."

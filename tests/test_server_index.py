@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from chatcli.core.files.store import ConversationStore
-from chatcli.server import index as index_mod
 from chatcli.server.index import PrefixIndex
 
 
@@ -52,4 +51,4 @@ def test_refresh_follows_the_store_and_rereads_only_changed_transcripts(
     store.remove(a)
     idx.refresh()
     assert len(idx) == 0
-    assert index_mod._TRANSCRIPT == a.transcript_path.name
+    assert idx._transcript == a.transcript_path.name  # the store's own file name

@@ -16,10 +16,10 @@ pytest.importorskip("fastapi")
 
 from starlette.testclient import TestClient
 
-from chatcli.core.conversation import replay_events
 from chatcli.core.files.store import ConversationDir, LockedError, StoreError
+from chatcli.core.forking import fork_after
 from chatcli.core.template import Message
-from chatcli.server import adapter
+from chatcli.core.transcript import replay_events
 from chatcli.server.service import ChatRequest, ChatService, Finished, ServiceError, Started
 from chatcli.session import Session
 
@@ -220,7 +220,7 @@ def test_a_fork_does_not_copy_the_parents_eviction_mark(chat_service: ChatServic
     f = ask(chat_service, [("user", "Name a fruit.")])
     parent = chat_service.store.resolve(f.conversation)
     parent.write_meta({**parent.read_meta(), "evicted": {"at": 1.0}})
-    child, _ = adapter.fork_at(chat_service.store, parent, 1, {"source": "api"})
+    child, _ = fork_after(chat_service.store, parent, 1, {"source": "api"})
     meta = chat_service.store.resolve(child).read_meta()
     assert "evicted" not in meta and meta["forked_from"] == parent.id
     assert len(replay_events(chat_service.store.resolve(child).read_transcript().events).active) == 1

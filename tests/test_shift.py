@@ -9,8 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from chatcli.core.conversation import Notice
-from chatcli.core.events import MessageTooLongError
+from chatcli.core.events import MessageTooLongError, Notice
 from tests.drive import build_session, drain, run_process, say
 
 N_CTX = 512

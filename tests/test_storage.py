@@ -16,7 +16,8 @@ import pytest
 
 from chatcli import units
 from chatcli.config.settings import SettingsError, get_paths, load_settings
-from chatcli.core.conversation import Conversation, Notice, Progress
+from chatcli.core.conversation import Conversation
+from chatcli.core.events import Notice, Progress
 from chatcli.core.files.store import ConversationStore
 from chatcli.core.kv import budget
 from chatcli.core.kv import records as sf
@@ -316,18 +317,18 @@ def test_kvtypes_bench_quick(tmp_path: Path) -> None:
 
 
 def test_server_conversations_apply_the_budget_too(engines: dict[str, Any]) -> None:
-    """`chatcli serve` opens conversations through its adapter, not the Session: the hook is attached there."""
-    from chatcli.server import adapter
-
+    """`chatcli serve` creates conversations from a request's messages (``Session.new_conversation_from``, in
+    one of its contexts): the hook is attached there too."""
     s = here(engines["f16"], state_budget="1KB")
     old = new_conv(s, "pirate", "Ahoy.")  # the Session's own hook: nothing else to drop yet
     old.close()
     assert s.store.resolve(old.id).state_path.exists()  # spared while open; closed now
-    opened = adapter.create(s, s.engine, persona=[], persona_name="alice", persona_hash="x", seed=1,
-                            sampling=build_sampling(), max_tokens=8, meta={})
-    conv = opened.conv
+    opening = s.new_conversation_from([], persona_name="alice", persona_hash="x", seed=1,
+                                      sampling=build_sampling(), max_tokens=8, meta={}, backend=s.engine)
+    notices = [ev.text for ev in opening if isinstance(ev, Notice)]
+    conv = opening.conversation
     assert conv.after_save is not None
-    notices = [ev.text for ev in conv.send("Hello.") if isinstance(ev, Notice)] + opened.notices
+    notices += [ev.text for ev in conv.send("Hello.") if isinstance(ev, Notice)]
     assert any(old.id in n and "freed" in n for n in notices), notices
     assert not s.store.resolve(old.id).state_path.exists()
     assert s.store.resolve(conv.id).state_path.exists()

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from chatcli.backends.llamacpp import EngineError
-from chatcli.core.conversation import ConversationError
+from chatcli.core.backend import BackendError
+from chatcli.core.events import ConversationError
 from chatcli.core.files.store import ConversationDir, StoreError
 from tests.golden import MSGS, DiskFull, conv_path, install, open_conv, reply, state_tokens
 
@@ -148,7 +148,7 @@ def test_random_bit_flips_in_transcript_never_crash_or_desync(sess: Any, golden:
         (conv_path(cid) / "transcript.jsonl").write_bytes(bytes(data))
         try:
             conv, _, notices = open_conv(sess, cid)
-        except (ConversationError, StoreError, EngineError) as exc:
+        except (ConversationError, StoreError, BackendError) as exc:
             # a one-line user error (the CLI exits 1 or 2), never a traceback
             assert str(exc) and "\n" not in str(exc)
             reported += 1

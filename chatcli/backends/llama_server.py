@@ -87,6 +87,7 @@ class ServerStats:
     requests: int = 0
     prompt_evaluated: int = 0
     prompt_cached: int = 0
+    predicted: int = 0
     last_timings: dict[str, Any] = field(default_factory=dict)
     last_restore: dict[str, Any] = field(default_factory=dict)
     last_save: dict[str, Any] = field(default_factory=dict)
@@ -434,6 +435,11 @@ class LlamaServerBackend:
     def add_bos(self) -> bool:
         return self._add_bos
 
+    @property
+    def n_evaluated_total(self) -> int:
+        """What the server reported evaluating for this backend: prompt tokens and generated ones."""
+        return self.stats.prompt_evaluated + self.stats.predicted
+
     # -- evaluation --------------------------------------------------------------------------------
 
     @property
@@ -521,6 +527,7 @@ class LlamaServerBackend:
         self.stats.last_timings = dict(timings)
         self.stats.prompt_evaluated += int(timings.get("prompt_n", 0))
         self.stats.prompt_cached += int(timings.get("cache_n", 0))
+        self.stats.predicted += int(timings.get("predicted_n", 0))
 
     # -- generation ----------------------------------------------------------------------------------
 

@@ -132,6 +132,13 @@ class Backend(Protocol):
     @property
     def n_past(self) -> int: ...
 
+    @property
+    def n_evaluated_total(self) -> int:
+        """Tokens run through the model for this sequence since it was made: prompts, rebuilds and sampled
+        tokens (a remote engine: what its server reported, known once the request that carried them ends).
+        The difference over an operation is what it evaluated: how a restore proves it evaluated nothing."""
+        ...
+
     def identity(self) -> dict[str, Any]:
         """What saved state must match to be loaded here (model identity, context size, KV format)."""
         ...

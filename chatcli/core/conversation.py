@@ -23,7 +23,6 @@ from chatcli.core.events import (
     Notice,
     Progress,
     ReplyEnd,
-    ReplyStart,
     ReplyText,
     ResumeReport,
     SessionStats,
@@ -43,14 +42,8 @@ from chatcli.core.reply import (
 )
 from chatcli.core.steps import evaluate
 from chatcli.core.template import ChatTemplate, Message, ReasoningStream
-from chatcli.core.transcript import ActiveMessage, Replay, Transcript, replay_events
-from chatcli.core.views import Alternative, ConversationViews
-
-# Re-exported: callers written before the split import these from here.
-__all__ = [
-    "ActiveMessage", "Alternative", "Conversation", "ConversationError", "Event", "Notice", "Progress", "Replay",
-    "ReplyEnd", "ReplyStart", "ReplyText", "ResumeReport", "TurnStats", "replay_events", "reply_seed",
-]
+from chatcli.core.transcript import ActiveMessage, Replay, Transcript
+from chatcli.core.views import ConversationViews
 
 
 class Conversation(ConversationViews):
@@ -178,7 +171,22 @@ class Conversation(ConversationViews):
         self.close()
 
     def close(self) -> None:
+        self.unlock()
+
+    # A long-lived process (the server) keeps a conversation open between requests without holding it:
+    # ``unlock`` lets ``chatcli resume`` take it meanwhile, ``lock`` takes it back (LockedError if taken).
+    def lock(self) -> None:
+        """Take the conversation's lock again (after ``unlock``); raises LockedError if another has it."""
+        self.dir.lock()
+
+    def unlock(self) -> None:
+        """Let go of the conversation's lock; the object stays usable once ``lock`` takes it again."""
         self.dir.unlock()
+
+    def reload_meta(self) -> None:
+        """Take the metadata another process wrote since (a title set in the REPL): the next write of this
+        copy's metadata would revert it otherwise."""
+        self.meta = self.dir.read_meta()
 
     # -- sending -----------------------------------------------------------------------------------
 

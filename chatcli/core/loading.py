@@ -15,6 +15,7 @@ from chatcli.core.conversation import Conversation
 from chatcli.core.events import ConversationError, Event, Notice, ResumeReport
 from chatcli.core.files.store import ConversationDir, ConversationStore
 from chatcli.core.kv import prefix
+from chatcli.core.kv.log import CellLog
 from chatcli.core.opening import Opening, Steps
 from chatcli.core.template import ChatTemplate, Message
 from chatcli.core.transcript import Transcript, replay_events
@@ -88,6 +89,31 @@ def open_conversation(
         return c, report
 
     return Opening(_unlock_if_failed(conv, body()))
+
+
+def adopt_conversation(
+    store: ConversationStore, cid: str, backend: Backend, template: ChatTemplate, *, identity: dict[str, Any],
+    sampling: Sampling, max_tokens: int = 1024, reserve: int = 256,
+) -> Conversation | None:
+    """Open a conversation whose tokens ``backend`` already holds at its start (the server's fork of the
+    conversation resident there): the backend is cut back to it instead of restoring from disk, as /regen
+    does in the REPL. Takes its lock. None, the lock released and the backend unchanged, when the backend
+    or the state file do not match (``open_conversation`` then restores it)."""
+    conv_dir = store.resolve(cid)
+    conv_dir.lock()
+    try:
+        meta = conv_dir.read_meta()
+        r = replay_events(conv_dir.read_transcript().events)
+        conv = Conversation(backend, template, conv_dir, meta, r, sampling, identity=identity,
+                            max_tokens=max_tokens, reserve=reserve)
+        # Only a cell log can take the resident cells (a checkpoint log restores its checkpoint).
+        if not isinstance(conv.log, CellLog) or not r.has_prefix or r.problems or not conv.log.adopt_resident(r.tokens()):
+            conv_dir.unlock()
+            return None
+        return conv
+    except BaseException:
+        conv_dir.unlock()
+        raise
 
 
 _R = TypeVar("_R")

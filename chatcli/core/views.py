@@ -44,7 +44,8 @@ class ConversationViews:
     def id(self) -> str:
         return self.dir.id
 
-    # ``r`` and ``engine`` are for tests and benchmarks that check internals; front ends use the views.
+    # ``r`` and ``engine`` are for tests and benchmarks that check internals; front ends use the views
+    # (tests/test_server_boundary.py holds the server to that).
     @property
     def r(self) -> Replay:
         return self.transcript.r
@@ -64,6 +65,22 @@ class ConversationViews:
     @property
     def persona_name(self) -> str:
         return str(self.meta.get("persona", "") or self.r.persona)
+
+    @property
+    def persona_messages(self) -> list[Message]:
+        """The messages of the persona prefix (system prompt, greeting), as the template rendered them."""
+        return list(self.r.persona_messages)
+
+    @property
+    def n_prefix_tokens(self) -> int:
+        """Tokens of the persona prefix: where the first message starts."""
+        return len(self.r.prefix_tokens)
+
+    @property
+    def out_of_context(self) -> list[Message]:
+        """The messages a context shift dropped, oldest first, as a client that kept them resends them
+        (a reply by its answer): still part of the history, no longer in the context."""
+        return shifted_out(self.r)
 
     @property
     def greeting(self) -> str | None:
@@ -131,6 +148,11 @@ class ConversationViews:
 
     def to_markdown(self) -> str:
         return to_markdown(self.meta, self.r)
+
+
+def shifted_out(r: Replay) -> list[Message]:
+    """``ConversationViews.out_of_context`` of a replayed transcript (one read from its files)."""
+    return [Message(str(e["role"]), _answer(e)) for mid in r.out_of_context if (e := r.all.get(mid)) is not None]
 
 
 def _answer(ev: dict[str, Any]) -> str:

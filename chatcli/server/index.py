@@ -25,16 +25,19 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from chatcli.core.conversation import Replay, replay_events
 from chatcli.core.files.fsutil import atomic_write_text
 from chatcli.core.files.index import Index, IndexUnavailable
 from chatcli.core.files.migrations import FormatError
-from chatcli.core.files.store import _ID_RE, ConversationDir, ConversationStore, StoreError
+from chatcli.core.files.store import ConversationDir, ConversationStore, StoreError
 from chatcli.core.template import Message
-from chatcli.core.transcript import message_parts
+from chatcli.core.transcript import ActiveMessage, Replay, replay_events
+from chatcli.core.views import shifted_out
 from chatcli.server import history
+
+if TYPE_CHECKING:  # the index is loaded without the conversation's engine-side modules
+    from chatcli.core.conversation import Conversation
 
 # 2: a reply's key is its answer (reasoning left out): keys of version 1 are recomputed
 # 3: each conversation's owner (API clients are matched only with their own)
@@ -52,7 +55,6 @@ def owner_of(meta: dict[str, Any]) -> str:
 
 
 log = logging.getLogger("chatcli.server")
-_TRANSCRIPT = ConversationDir(Path(".")).transcript_path.name  # the file whose size and mtime say "changed"
 
 
 @dataclass(frozen=True)
@@ -90,31 +92,51 @@ class _Conv:
     owner: str = ""  # see owner_of
 
 
-def _answer(ev: dict[str, Any]) -> str:
-    answer = message_parts(ev)[1]
-    return str(ev.get("text", "")) if answer is None else answer
+@dataclass(frozen=True)
+class Shape:
+    """What the index keys a conversation by, from its files (``of_replay``) or open (``of``)."""
+
+    has_prefix: bool
+    persona: tuple[Message, ...]
+    n_prefix: int  # tokens of the persona prefix
+    dropped: list[Message]  # messages a context shift dropped, as a client resends them
+    active: list[ActiveMessage]
+
+    @classmethod
+    def of_replay(cls, r: Replay) -> Shape:
+        return cls(r.has_prefix, tuple(r.persona_messages), len(r.prefix_tokens), shifted_out(r), list(r.active))
+
+    @classmethod
+    def of(cls, conv: Conversation) -> Shape:
+        # An open conversation has its prefix record: opening writes one or refuses.
+        return cls(True, tuple(conv.persona_messages), conv.n_prefix_tokens, conv.out_of_context, conv.messages)
 
 
-def conversation_keys(root: str, r: Replay) -> list[tuple[str, int, int]]:
+def conversation_keys(root: str, conv: Conversation | Shape) -> list[tuple[str, int, int]]:
     """(key, k, pos) for each boundary whose state the conversation holds.
 
     Messages that a context shift dropped are part of the history a client resends, so they enter the
-    chain; but only boundaries after them can be restored.
+    chain; but only boundaries after them can be restored. Replies count by their answer
+    (``history.message_key`` strips reasoning too; a reply stored without a closed reasoning block has an
+    answer the text alone would not show).
     """
-    dropped = [r.all[mid] for mid in r.out_of_context if mid in r.all]
-    # Replies by their answer (``history.message_key`` strips reasoning too; a reply stored without a
-    # closed reasoning block has an answer the text alone would not show).
-    logical = [Message(str(e["role"]), _answer(e)) for e in dropped]
-    logical += [Message(m.role, m.shown) for m in r.active]
-    keys = history.chain(root, logical)
+    sh = conv if isinstance(conv, Shape) else Shape.of(conv)
+    keys = history.chain(root, [*sh.dropped, *(Message(m.role, m.shown) for m in sh.active)])
     out: list[tuple[str, int, int]] = []
-    pos = len(r.prefix_tokens)
-    if not dropped:
-        out.append((root, 0, pos))
-    for k, m in enumerate(r.active, start=1):
-        pos = m.p1
-        out.append((keys[len(dropped) + k - 1], k, pos))
+    if not sh.dropped:
+        out.append((root, 0, sh.n_prefix))
+    for k, m in enumerate(sh.active, start=1):
+        out.append((keys[len(sh.dropped) + k - 1], k, m.p1))
     return out
+
+
+def _is_id(store: ConversationStore, name: str) -> bool:
+    """The store's own rule for a conversation folder's name (``ConversationStore.ids``)."""
+    try:
+        store.validate_id(name)
+    except StoreError:
+        return False
+    return True
 
 
 class PrefixIndex:
@@ -132,6 +154,8 @@ class PrefixIndex:
         self.identity = model_identity
         self.n_ctx = n_ctx
         self.template_source = template_source
+        # The file whose size and mtime say "changed" (a name the store owns).
+        self._transcript = store.dir("x").transcript_path.name
         self._stamp = hashlib.sha256(json.dumps(
             {"id": model_identity, "n_ctx": n_ctx, "t": template_source}, sort_keys=True).encode()).hexdigest()[:16]
         self._convs: dict[str, _Conv] = {}
@@ -213,7 +237,7 @@ class PrefixIndex:
         else:
             seq, candidates = shared.changed_since(self._seq)
         for cid in candidates:
-            self._check(cid, f"{self.store.root}{os.sep}{cid}{os.sep}{_TRANSCRIPT}")
+            self._check(cid, f"{self.store.root}{os.sep}{cid}{os.sep}{self._transcript}")
         self._seq = seq
 
     def _check(self, cid: str, transcript: str) -> None:
@@ -228,20 +252,20 @@ class PrefixIndex:
             # Changed all the same (the index says so): its metadata, which names its owner. Who may match
             # it follows at once (a conversation shared with, or taken from, the API).
             try:
-                owner = owner_of(ConversationDir(self.store.root / cid).read_meta())
+                owner = owner_of(self.store.dir(cid).read_meta())
             except (StoreError, FormatError, OSError):
                 return
             if owner == old.owner:
                 return
-        self._index_dir(ConversationDir(self.store.root / cid), st.st_size, st.st_mtime_ns)
+        self._index_dir(self.store.dir(cid), st.st_size, st.st_mtime_ns)
 
     def _refresh_all(self) -> None:
         ids: dict[str, str] = {}  # id → its transcript's path
         try:
             with os.scandir(self.store.root) as it:
                 for ent in it:  # the store's own rule for a conversation folder (ConversationStore.ids)
-                    if _ID_RE.match(ent.name) and ent.is_dir():
-                        ids[ent.name] = f"{ent.path}{os.sep}{_TRANSCRIPT}"
+                    if _is_id(self.store, ent.name) and ent.is_dir():
+                        ids[ent.name] = f"{ent.path}{os.sep}{self._transcript}"
         except (FileNotFoundError, NotADirectoryError):
             pass  # no conversations yet
         for cid in list(self._convs):
@@ -250,40 +274,40 @@ class PrefixIndex:
         for cid, transcript in ids.items():
             self._check(cid, transcript)
 
-    def update(self, conv: ConversationDir, r: Replay, meta: dict[str, Any]) -> None:
+    def update(self, conv: Conversation) -> None:
         """Re-index a conversation this process just wrote (no need to read the transcript back)."""
         try:
-            st = conv.transcript_path.stat()
+            st = self.store.dir(conv.id).transcript_path.stat()
         except OSError:
             return
-        self._set(conv.id, st.st_size, st.st_mtime_ns, r, meta)
+        self._set(conv.id, st.st_size, st.st_mtime_ns, Shape.of(conv), conv.meta)
 
-    def _index_dir(self, conv: ConversationDir, size: int, mtime: int) -> None:
+    def _index_dir(self, conv_dir: ConversationDir, size: int, mtime: int) -> None:
         try:
-            meta = conv.read_meta()
-            r = replay_events(conv.read_transcript().events)
-            self._set(conv.id, size, mtime, r, meta)
+            meta = conv_dir.read_meta()
+            r = replay_events(conv_dir.read_transcript().events)
+            self._set(conv_dir.id, size, mtime, Shape.of_replay(r), meta)
         except (StoreError, FormatError, OSError, ValueError, TypeError, AttributeError) as exc:
             # One unusable folder (a newer chatcli's, wrongly typed metadata, an unreadable transcript) is
             # left out, as `chatcli ls` leaves it out, and said once: it is remembered with no boundaries,
             # so it is read again only when its transcript changes.
-            log.warning("conversation %s skipped: %s", conv.id, str(exc).splitlines()[0] if str(exc) else
+            log.warning("conversation %s skipped: %s", conv_dir.id, str(exc).splitlines()[0] if str(exc) else
                         type(exc).__name__)
-            self._drop(conv.id)
-            self._convs[conv.id] = _Conv(size, mtime, "", None, 0.0, [], 0)
+            self._drop(conv_dir.id)
+            self._convs[conv_dir.id] = _Conv(size, mtime, "", None, 0.0, [], 0)
             self._dirty = True
 
-    def _set(self, cid: str, size: int, mtime: int, r: Replay, meta: dict[str, Any]) -> None:
+    def _set(self, cid: str, size: int, mtime: int, sh: Shape, meta: dict[str, Any]) -> None:
         self._drop(cid)
         model = {k: v for k, v in dict(meta.get("model") or {}).items() if k != "path"}
         n_ctx = int(dict(meta.get("params") or {}).get("n_ctx", 0) or 0)
         updated = float(meta.get("updated", 0) or 0)
-        usable = r.has_prefix and model == self.identity and n_ctx == self.n_ctx
-        persona = tuple(r.persona_messages)
+        usable = sh.has_prefix and model == self.identity and n_ctx == self.n_ctx
+        persona = sh.persona
         root = self.root(persona) if usable else ""
-        entries = conversation_keys(root, r) if usable else []
+        entries = conversation_keys(root, sh) if usable else []
         info = PersonaInfo(persona, str(meta.get("persona", "")), str(meta.get("persona_hash", ""))) if usable else None
-        self._convs[cid] = _Conv(size, mtime, root, info, updated, entries, len(r.active), owner_of(meta))
+        self._convs[cid] = _Conv(size, mtime, root, info, updated, entries, len(sh.active), owner_of(meta))
         self._add(cid)
         self._dirty = True
         self._changed.add(cid)

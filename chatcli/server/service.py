@@ -27,29 +27,38 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chatcli.backends.llamacpp import Engine, Sampling
-from chatcli.core.conversation import (
-    Conversation,
+from chatcli.core.backend import Backend, Sampling
+from chatcli.core.conversation import Conversation
+from chatcli.core.events import (
+    ConversationError,
+    MessageTooLongError,
     Notice,
     Progress,
     ReplyEnd,
     ReplyStart,
     ReplyText,
-    replay_events,
 )
-from chatcli.core.events import MessageTooLongError
 from chatcli.core.files.migrations import FormatError
 from chatcli.core.files.store import ConversationDir, LockedError, StoreError
+from chatcli.core.forking import fork_after
 from chatcli.core.kv.prefix import persona_prefix_tokens
+from chatcli.core.opening import Opening
+from chatcli.core.steps import drain
 from chatcli.core.template import Message
+from chatcli.core.transcript import replay_events
 from chatcli.errors import ChatcliError, DoesNotFitError, Kind
-from chatcli.server import adapter, history
+from chatcli.server import history
 from chatcli.server.history import HistoryError, SplitHistory
 from chatcli.server.index import REPL_OWNER, Entry, PrefixIndex, conversation_keys, owner_of
 from chatcli.session import Session
 
 _TURN_OVERHEAD = 8  # template tokens around one message (ChatML: 5), rounded up: the fit test errs on the safe side
 API_PERSONA = "(api)"  # persona name of conversations whose prefix came from a request's system message
+KV_STAMP = 4  # the first entries of ``_stamp``: transcript and state file (what the resident KV depends on)
+
+
+class OpenCancelled(Exception):
+    """Opening stopped between two batches because the request's client went away."""
 
 
 class ServiceError(ChatcliError):
@@ -124,7 +133,7 @@ ServiceEvent = Started | Delta | Finished
 class _Slot:
     """One context of the pool and the conversation resident in it (its KV is what the context holds)."""
 
-    engine: Engine
+    engine: Backend
     conv: Conversation | None = None
     stamp: tuple[int, ...] = ()
     used: float = 0.0
@@ -201,7 +210,7 @@ class ChatService:
                     self._cond.wait()
                 prep = self._prepare(req, rq, cancelled)
             yield from self._run(req, rq, prep, cancelled)
-        except adapter.OpenCancelled:
+        except OpenCancelled:
             return  # the client left while its conversation was being restored: no reply, nothing kept
         except LockedError:
             # Not the store's message: it names the process holding the lock, nothing a client should see.
@@ -237,7 +246,7 @@ class ChatService:
         max_tokens = req.max_tokens or self.session.settings.max_tokens
         conv, created, forked_from, tail = self._acquire(sh, root, keys, i, entries, sampling, max_tokens,
                                                          explicit, rq, owners, self._new_meta(req), cancelled)
-        adapter.configure(conv, sampling=sampling, max_tokens=max_tokens, stop=req.stop)
+        conv.set_options(sampling=sampling, max_tokens=max_tokens, extra_stop=req.stop)
         seed = req.seed if req.seed is not None else secrets.randbits(31)
         return _Prepared(conv, created, forked_from, tail, seed)
 
@@ -245,12 +254,12 @@ class ChatService:
              cancelled: Callable[[], bool]) -> Iterator[ServiceEvent]:
         """Without the lock: append the new messages and generate, on the context this request holds."""
         conv, tail = prep.conv, prep.tail
-        eng = conv.engine
-        shifted0 = len(conv.r.out_of_context)
+        shifted0 = len(conv.out_of_context)
         notices: list[str] = []
         try:
             for m in tail[:-1]:
-                steps = adapter.append(conv, m)
+                # A message of the client's history, added without generating (closing early takes it back).
+                steps = conv.append_user(m.content) if m.role == "user" else conv.append_reply(m.content)
                 for _ in steps:
                     if cancelled():
                         try:
@@ -261,8 +270,9 @@ class ChatService:
             if cancelled():
                 self._gone(conv, rq, prep)
                 return
-            gen = (adapter.send(conv, tail[-1].content, seed=prep.seed) if tail
-                   else adapter.reply_pending(conv, seed=prep.seed))
+            # No new message: the history ends at a stored user message, whose reply is generated (from the
+            # logits saved after it: 0 tokens evaluated).
+            gen = conv.send(tail[-1].content, seed=prep.seed) if tail else conv.regen(seed=prep.seed)
         except DoesNotFitError:
             self._abandon(conv, rq, remove=prep.created)
             raise
@@ -284,7 +294,7 @@ class ChatService:
                 if isinstance(ev, Notice):
                     notices.append(ev.text)
                 elif isinstance(ev, ReplyStart):
-                    started = Started(conv.id, prep.forked_from, eng.n_past, rq.evaluated, rq.how)
+                    started = Started(conv.id, prep.forked_from, conv.context.n_past, rq.evaluated, rq.how)
                     yield started
                 elif isinstance(ev, ReplyText) and ev.reasoning:
                     yield Delta(ev.text, reasoning=True)
@@ -317,7 +327,7 @@ class ChatService:
             yield Delta(text[len(emitted):])
         reason = "length" if end.stats.stop_reason in ("length", "context") else "stop"
         yield Finished(conv.id, prep.forked_from, text, reason, started.prompt_tokens, started.evaluated,
-                       end.stats.n_generated, notices, len(conv.r.out_of_context) - shifted0, rq.how,
+                       end.stats.n_generated, notices, len(conv.out_of_context) - shifted0, rq.how,
                        end.message.reasoning)
 
     # -- steps ------------------------------------------------------------------------------------------
@@ -344,7 +354,7 @@ class ChatService:
             self.store.validate_id(req.conversation)
         except StoreError:
             raise gone from None
-        conv_dir = ConversationDir(self.store.root / req.conversation)
+        conv_dir = self.store.dir(req.conversation)
         try:
             meta = conv_dir.read_meta()
         except (StoreError, FormatError):
@@ -407,7 +417,7 @@ class ChatService:
         state file evicted by ``chatcli gc`` or the state budget) rebuilds its whole context from the
         transcript, even when it is resident (its stamp changed: ``_open`` restores it)."""
         try:
-            return ConversationDir(self.store.root / cid).state_path.stat().st_size > 0
+            return self.store.dir(cid).state_size() > 0
         except OSError:
             return False
 
@@ -483,19 +493,23 @@ class ChatService:
             self._give_back(rq)
         if i > 0 and cands:
             e = cands[0]
-            parent = ConversationDir(self.store.root / e.conv)
+            parent = self.store.dir(e.conv)
             holder = next((s for s in self._slots if s.conv is not None and s.conv.id == e.conv and not s.busy), None)
             # A resident parent's cells are in its context already: the fork only cuts them back.
-            in_engine = holder is not None and adapter.stamp(parent)[:adapter.KV_STAMP] == holder.stamp[:adapter.KV_STAMP]
+            in_engine = holder is not None and _stamp(parent)[:KV_STAMP] == holder.stamp[:KV_STAMP]
             try:
-                child, _ = adapter.fork_at(self.store, parent, e.k, new_meta)
-            except adapter.StaleForkError as exc:  # its transcript changed since it was indexed
+                # Nothing evaluated, the parent only read; shifted-out messages are carried along.
+                child, _ = fork_after(self.store, parent, e.k, new_meta)
+            except ConversationError as exc:
+                if exc.kind != "conflict":
+                    raise
+                # The parent no longer has the boundary: its transcript changed since it was indexed.
                 raise ServiceError("conflict", f"{exc}: it changed since it was indexed, retry") from None
             adopted = None
             if holder is not None and in_engine:
                 self._take(holder, rq)
                 holder.conv = None
-                adopted = adapter.adopt(self.session, holder.engine, child, sampling=sampling, max_tokens=max_tokens)
+                adopted = self.session.adopt(holder.engine, child, sampling=sampling, max_tokens=max_tokens)
                 if adopted is None:
                     self._give_back(rq)
             conv = adopted or self._open(child, sampling, max_tokens, rq, cancelled)
@@ -514,10 +528,10 @@ class ChatService:
         self._check_persona_fits(sh)
         slot = self._take(self._free_slot(), rq)
         rq.how = "new"
-        opened = adapter.create(self.session, slot.engine, persona=sh.persona, persona_name=name, persona_hash=phash,
-                                seed=secrets.randbits(31), sampling=sampling, max_tokens=max_tokens,
-                                meta=new_meta)
-        return opened.conv, True, None, sh.turns
+        conv = _drain(self.session.new_conversation_from(
+            sh.persona, persona_name=name, persona_hash=phash, seed=secrets.randbits(31), sampling=sampling,
+            max_tokens=max_tokens, meta=new_meta, backend=slot.engine))
+        return conv, True, None, sh.turns
 
     def _open(self, cid: str, sampling: Sampling, max_tokens: int, rq: _Req,
               cancelled: Callable[[], bool] = lambda: False) -> Conversation:
@@ -526,17 +540,15 @@ class ChatService:
             if slot.conv is not None and slot.conv.id == cid:
                 if slot.busy:
                     raise LockedError(f"conversation {cid} is in use by another request")
-                slot.conv.dir.lock()
+                slot.conv.lock()
                 self._take(slot, rq)
-                now = adapter.stamp(slot.conv.dir)
-                if now[:adapter.KV_STAMP] == slot.stamp[:adapter.KV_STAMP]:
+                now = _stamp(self.store.dir(cid))
+                if now[:KV_STAMP] == slot.stamp[:KV_STAMP]:
                     if now != slot.stamp:
-                        # Only the metadata changed (a title set in the REPL): take it, or the next
-                        # write of this copy's stale metadata would revert it.
-                        adapter.reload_meta(slot.conv)
+                        slot.conv.reload_meta()  # only the metadata changed (a title set in the REPL)
                     rq.how = "memory"
                     return slot.conv  # its KV is what this context holds: nothing to restore
-                slot.conv.dir.unlock()  # someone else wrote it since: restore from disk
+                slot.conv.unlock()  # someone else wrote it since: restore from disk
                 slot.conv = None
                 break
         else:
@@ -547,8 +559,8 @@ class ChatService:
             # this request holds its context (busy) and, once opened, the conversation's lock, so other
             # requests go on with other conversations meanwhile. A client that leaves stops the rebuild.
             with self._unlocked():
-                return adapter.open_(self.session, slot.engine, cid, sampling=sampling, max_tokens=max_tokens,
-                                     cancelled=cancelled).conv
+                return _drain(self.session.open_conversation(cid, backend=slot.engine, sampling=sampling,
+                                                             max_tokens=max_tokens), cancelled)
         except BaseException:
             slot.conv = None  # what its context holds is unknown (a restore cut short)
             self._give_back(rq)
@@ -583,26 +595,26 @@ class ChatService:
 
     def _at(self, conv: Conversation, root: str, want: str) -> bool:
         """The conversation ends exactly at the boundary the request matched."""
-        keys = conversation_keys(root, conv.r)
-        return bool(keys) and keys[-1][0] == want and keys[-1][1] == len(conv.r.active)
+        keys = conversation_keys(root, conv)
+        return bool(keys) and keys[-1][0] == want and keys[-1][1] == len(conv.messages)
 
     def _release(self, conv: Conversation, rq: _Req) -> None:
         """The request is done with the conversation: it stays resident in its context, unlocked."""
         with self._cond:
             try:
-                self.index.update(conv.dir, conv.r, conv.meta)
+                self.index.update(conv)
                 if rq.slot is not None:
                     rq.slot.conv = conv
-                    rq.slot.stamp = adapter.stamp(conv.dir)
+                    rq.slot.stamp = _stamp(self.store.dir(conv.id))
                     rq.slot.used = time.monotonic()
             finally:
-                conv.dir.unlock()
+                conv.unlock()
             self.index.save_soon()
 
     def _gone(self, conv: Conversation, rq: _Req, prep: _Prepared) -> None:
         """The client left before its reply started: keep what was appended, drop a conversation this
         request created that holds nothing yet."""
-        if prep.created and not conv.r.active:
+        if prep.created and not conv.messages:
             self._abandon(conv, rq, remove=True)
         else:
             self._release(conv, rq)
@@ -612,10 +624,10 @@ class ChatService:
         with self._cond:
             if rq.slot is not None:
                 rq.slot.conv = None
-            conv.dir.unlock()
+            conv.unlock()
             if remove:
                 try:
-                    self.store.remove(conv.dir)
+                    self.store.remove(self.store.dir(conv.id))
                 except (OSError, StoreError):
                     pass
             self.index.refresh()
@@ -632,6 +644,30 @@ class ChatService:
                 s.conv = None
             for s in self._slots[1:]:
                 s.engine.close()  # siblings first: the first context's engine owns the model
+
+
+def _drain(opening: Opening[Conversation], cancelled: Callable[[], bool] | None = None) -> Conversation:
+    """Run an opening to its end (the session gave its conversation the state budget hook). ``cancelled``
+    is asked between evaluated batches of a rebuild: True closes the opening (releasing the conversation's
+    lock; the state file is rewritten only once a rebuild completes, so it is left as it was) and raises
+    ``OpenCancelled``."""
+    if drain(opening, stop=cancelled).stopped:
+        raise OpenCancelled("the client went away")
+    return opening.conversation
+
+
+def _stamp(conv_dir: ConversationDir) -> tuple[int, ...]:
+    """What changes when anyone writes the conversation: its transcript and state file (a resident copy's
+    KV is valid while those are unchanged: the first ``KV_STAMP`` entries), then its metadata (to be
+    re-read when it changed)."""
+    out = []
+    for p in (conv_dir.transcript_path, conv_dir.state_path, conv_dir.meta_path):
+        try:
+            st = Path(p).stat()
+            out += [st.st_size, st.st_mtime_ns]
+        except OSError:
+            out += [-1, -1]
+    return tuple(out)
 
 
 def _close(it: Iterator[object]) -> None:

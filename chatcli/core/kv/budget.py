@@ -95,10 +95,6 @@ class Freed:
     freed: int = 0  # bytes actually released (a shared inode only when its last link went)
 
     @property
-    def freed_bytes(self) -> int:
-        return self.freed
-
-    @property
     def over_budget(self) -> bool:
         return self.budget is not None and self.after > self.budget
 
@@ -117,7 +113,7 @@ class Freed:
                 what.append(f"the KV state of {len(convs)} conversation{'s' if len(convs) != 1 else ''} ({shown})")
             if n_prefix:
                 what.append(f"{n_prefix} persona prefix{'es' if n_prefix != 1 else ''}")
-            head = (f"{limit}: freed {format_size(self.freed_bytes)} by dropping {' and '.join(what)}; "
+            head = (f"{limit}: freed {format_size(self.freed)} by dropping {' and '.join(what)}; "
                     f"{format_size(self.after)} in use")
             if convs:
                 head += "; they resume by re-evaluating their transcript"
