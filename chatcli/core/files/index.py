@@ -248,11 +248,22 @@ class Index:
     def _connect(self) -> sqlite3.Connection:
         # Created private before SQLite opens it: it holds message text, and SQLite gives its -wal and -shm
         # files the database file's mode (sqlite3 alone would create it 0644 under the usual umask).
+        # Only a file that does not exist yet is opened here: closing any descriptor of a database file
+        # drops every POSIX lock this process holds on it, those of its other connections too (SQLite's
+        # documented pitfall). A connection that lost its lock lets another process's closing connection
+        # think it is the last one, checkpoint and delete the WAL under it: its later commits were lost
+        # (the three-writer test, one run in ten under load). An existing file is only chmod-ed, by path.
         try:
-            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
-            os.chmod(self.path, 0o600)
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            pass
         except OSError:
             pass  # sqlite3 says what is wrong with the path, as an error the caller handles
+        try:
+            if self.path.stat().st_mode & 0o077:
+                os.chmod(self.path, 0o600)
+        except OSError:
+            pass
         db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
         db.execute("PRAGMA journal_mode=WAL")
         # NORMAL in WAL mode: a power loss may lose the last commits, never corrupt; the folders are the truth
