@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from chatcli.config.settings import get_paths
-from chatcli.core.files.index import Index, SearchFilters, fts_query
+from chatcli.core.files.index import WALK_EVERY_S, Index, SearchFilters, fts_query
 from chatcli.core.files.store import ConversationDir, ConversationStore
 from chatcli.core.kv.budget import total_bytes
 from chatcli.core.search import run_search
@@ -251,16 +252,73 @@ def test_copied_and_removed_folders(chatcli_home: Path) -> None:
     assert [r["id"] for r in _ls_json()] == ["copied1"]
 
 
-def test_a_hand_edit_is_reindexed(chatcli_home: Path) -> None:
+def _settle(store: ConversationStore) -> Index:
+    """The conversations folder as if its last change were minutes old (not racy), walked once."""
+    index = store.index
+    assert index is not None
+    old = time.time() - 300
+    os.utime(store.root, (old, old))
+    index.reconcile()
+    return index
+
+
+def _age_last_walk(index: Index) -> None:
+    with index.write() as w:
+        w.execute("UPDATE info SET value = value - ? WHERE key='walked_at'", (int((WALK_EVERY_S + 1) * 1e9),))
+
+
+def test_an_unchanged_store_is_not_walked(chatcli_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ls and search at 10,000 conversations: no stat per folder when the stamps say nothing changed."""
+    store = _store()
+    convs = [_conv(store, f"t{i}", f"question {i}", "answer") for i in range(3)]
+    index = _settle(store)
+    walks: list[str] = []
+    real_scandir = os.scandir
+    def counting(path: object) -> object:
+        if str(path) == str(store.root):  # os.scandir is every module's: count the walks of the folder only
+            walks.append(str(path))
+        return real_scandir(path)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(os, "scandir", counting)
+    assert index.reconcile() == 0 and walks == []
+    _say(convs[0], 2, "a new turn by chatcli", "told the index itself")  # no walk needed to find it
+    assert index.reconcile() == 0 and walks == []
+    assert _ids(run_search("told", store)[0]) == [convs[0].id] and walks == []
+    shutil.copytree(convs[1].path, store.root / "copied1")  # a new entry: the folder's mtime moves
+    os.utime(store.root, (time.time() - 200, time.time() - 200))
+    assert index.reconcile() == 1 and len(walks) == 1
+    assert _ids(run_search("question 1", store)[0]) == sorted([convs[1].id, "copied1"])
+    assert index.reconcile() == 0 and len(walks) == 1  # walked: recorded
+    _age_last_walk(index)
+    assert index.reconcile() == 0 and len(walks) == 2  # the periodic walk
+    assert index.reconcile(full=True) == 0 and len(walks) == 3
+
+
+def test_a_hand_edit_is_reindexed_at_the_next_walk(chatcli_home: Path) -> None:
+    """Inside a folder a hand edit moves no stamp the index looks at without walking: it is found at the
+    next walk (the conversations folder changes, WALK_EVERY_S passes, ``gc``), and a search never shows a
+    hit the edited transcript no longer holds (each hit's transcript is checked), nor ``ls`` a stale row."""
     store = _store()
     conv = _conv(store, "t", "original words", "reply")
+    index = _settle(store)
     text = conv.transcript_path.read_text("utf-8").replace("original words", "edited phrase")
     tmp = conv.path / "t.tmp"
     tmp.write_text(text, "utf-8")
     os.replace(tmp, conv.transcript_path)  # as editors save: a new file renamed over the old
-    store2 = _store()
-    assert _ids(run_search("edited", store2)[0]) == [conv.id]
-    assert run_search("original", store2)[0] == []
+    assert run_search("original", _store())[0] == []  # the hit's transcript changed: re-read, no hit
+    assert _ids(run_search("edited", _store())[0]) == [conv.id]  # ... and so the new words are in
+    conv2 = _conv(store, "u", "second words", "reply")
+    index = _settle(store)
+    meta = json.loads(conv2.meta_path.read_text("utf-8"))
+    conv2.meta_path.write_text(json.dumps({**meta, "title": "retitled by hand"}), "utf-8")  # in place
+    assert {r["id"]: r["title"] for r in _ls_json()}[conv2.id] == "retitled by hand"  # a shown row is checked
+    text = conv2.transcript_path.read_text("utf-8").replace("second words", "third phrase")
+    tmp = conv2.path / "t.tmp"
+    tmp.write_text(text, "utf-8")
+    os.replace(tmp, conv2.transcript_path)
+    assert run_search("third", _store())[0] == []  # not walked yet: documented
+    _age_last_walk(index)
+    assert _ids(run_search("third", _store())[0]) == [conv2.id]
 
 
 def test_the_budget_total_runs_without_rescans_and_counts_shared_inodes_once(chatcli_home: Path) -> None:
