@@ -475,3 +475,32 @@ def test_a_hand_edited_meta_with_odd_types_lists_and_never_breaks_a_write(chatcl
                      "checkpoint": {"bytes": "x"}, "summary": {"exchanges": "one", "transcript": [1, 2]}})
     rows = _ls_json()
     assert [r["id"] for r in rows] == [conv.id] and rows[0]["title"] == "42" and rows[0]["turns"] == 1
+
+
+def test_a_restarted_server_looks_only_at_what_changed_since_its_save(chatcli_home: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve` ready at 10,000 conversations: its saved prefix rows carry the change number they are caught
+    up with, so its first refresh checks what changed since (not a stat and a meta.json read of each)."""
+    from chatcli.server.index import PrefixIndex
+
+    store = _store()
+    convs = [_conv(store, f"t{i}", "hello", "world") for i in range(4)]
+
+    def prefix() -> PrefixIndex:
+        return PrefixIndex(_store(), get_paths().data_dir / "server" / "index.json", model_identity={"m": 1},
+                           n_ctx=4096, template_source="t")
+
+    first = prefix()
+    first.refresh()
+    first.save()
+    checked: list[str] = []
+    real = PrefixIndex._check
+    monkeypatch.setattr(PrefixIndex, "_check", lambda self, cid, tx: checked.append(cid) or real(self, cid, tx))
+    second = prefix()
+    second.refresh()
+    assert checked == [] and len(second) == 4
+    _say(convs[1], 2, "while it was down", "ok")  # another process, after the save
+    store.remove(convs[2])
+    third = prefix()
+    third.refresh()
+    assert sorted(checked) == sorted([convs[1].id, convs[2].id]) and len(third) == 3
