@@ -296,7 +296,7 @@ def test_an_unchanged_store_is_not_walked(chatcli_home: Path, monkeypatch: pytes
 
 def test_a_hand_edit_is_reindexed_at_the_next_walk(chatcli_home: Path) -> None:
     """Inside a folder a hand edit moves no stamp the index looks at without walking: it is found at the
-    next walk (the conversations folder changes, WALK_EVERY_S passes, ``gc``), and a search never shows a
+    next walk (the conversations folder changes, WALK_EVERY_S passes), and a search never shows a
     hit the edited transcript no longer holds (each hit's transcript is checked), nor ``ls`` a stale row."""
     store = _store()
     conv = _conv(store, "t", "original words", "reply")

@@ -383,7 +383,7 @@ class Index:
           removed, renamed or copied in, by chatcli or by hand);
         - the last walk is ``WALK_EVERY_S`` old (changes inside a folder that no chatcli of this version
           told the index of: a hand edit, another version's write, a state file deleted by hand);
-        - the index was just (re)built, or ``full`` (``gc``; a server's first look).
+        - the index was just (re)built, or ``full`` (the server's ``refresh(full=True)``).
 
         chatcli's own writes tell the index themselves and need no walk; the rows ``ls`` shows are checked
         against their files anyway (``check_rows``). A folder mtime within ``RACY_NS`` of the walk is not
