@@ -16,6 +16,7 @@ one JSON file and a stat of every transcript per request.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -25,7 +26,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from chatcli.core.conversation import Replay, replay_events
 from chatcli.core.files.fsutil import atomic_write_text
@@ -55,9 +56,10 @@ log = logging.getLogger("chatcli.server")
 _TRANSCRIPT = ConversationDir(Path(".")).transcript_path.name  # the file whose size and mtime say "changed"
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One boundary of one conversation: after ``k`` of its active messages, the state holds ``pos`` tokens."""
+class Entry(NamedTuple):
+    """One boundary of one conversation: after ``k`` of its active messages, the state holds ``pos`` tokens.
+    A named tuple: a server start makes three per conversation, and a frozen dataclass's ``__init__`` was
+    a third of loading 10,000 conversations' rows."""
 
     conv: str
     k: int
@@ -319,6 +321,17 @@ class PrefixIndex:
             pass
 
     def _load(self) -> None:
+        # Tens of thousands of small objects, none of them cyclic: the cyclic collector, run again and again
+        # as they accumulate, took a third of loading 10,000 conversations' rows.
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._load_rows()
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _load_rows(self) -> None:
         self._remove_stale_temp_files()
         shared = self.store.index
         try:
@@ -333,12 +346,16 @@ class PrefixIndex:
                 if doc.get("version") != INDEX_VERSION or doc.get("stamp") != self._stamp:
                     return  # another model or format: rebuilt from the transcripts
                 rows = doc["convs"].items()
+            personas: dict[tuple[str, ...], PersonaInfo] = {}  # most conversations share a few personas: each made once
             for cid, c in rows:
                 persona = None
                 if c.get("persona") is not None:
                     p = c["persona"]
-                    persona = PersonaInfo(tuple(Message(str(m[0]), str(m[1])) for m in p["messages"]),
-                                          str(p["name"]), str(p["hash"]))
+                    seen = (str(p["name"]), str(p["hash"]), *(f"{m[0]}\0{m[1]}" for m in p["messages"]))
+                    persona = personas.get(seen)
+                    if persona is None:
+                        persona = personas[seen] = PersonaInfo(
+                            tuple(Message(str(m[0]), str(m[1])) for m in p["messages"]), str(p["name"]), str(p["hash"]))
                 self._convs[cid] = _Conv(int(c["size"]), int(c["mtime"]), str(c["root"]), persona,
                                          float(c["updated"]), [(str(k), int(a), int(b)) for k, a, b in c["entries"]],
                                          int(c["n_active"]), str(c["owner"]))
