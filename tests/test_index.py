@@ -38,7 +38,7 @@ def _conv(store: ConversationStore, title: str, user: str, reply: str, *, person
     if source:
         meta["source"] = source
     conv = store.create(meta)
-    conv.append_event({"type": "prefix", "persona": persona, "messages": [{"role": "system", "content": "S"}],
+    conv.append_event({"type": "prefix", "persona": persona, "messages": [{"role": "system", "content": f"S {persona}"}],
                        "tokens": [1, 2, 3], "span": [0, 3]})
     conv.append_event({"type": "message", "mid": 0, "role": "user", "text": user, "tokens": [4, 5],
                        "span": [3, 5], "turn": 0})
@@ -504,3 +504,41 @@ def test_a_restarted_server_looks_only_at_what_changed_since_its_save(chatcli_ho
     third = prefix()
     third.refresh()
     assert sorted(checked) == sorted([convs[1].id, convs[2].id]) and len(third) == 3
+
+
+def test_the_servers_persona_lookups_match_a_walk_of_every_conversation(chatcli_home: Path) -> None:
+    """personas() and persona_for_root() run per request: kept as conversations come and go (their cost the
+    number of personas), they answer what asking every conversation answered."""
+    from chatcli.server.index import PrefixIndex
+
+    store = _store()
+    made = [_conv(store, f"t{i}", "hello", "world", persona=f"p{i % 2}", source="api" if i % 3 == 0 else None)
+            for i in range(6)]
+    idx = PrefixIndex(_store(), get_paths().data_dir / "server" / "index.json",
+                      model_identity={"name": "SmolLM2 test"}, n_ctx=0, template_source="t")
+
+    def agree() -> None:
+        convs = idx._convs.values()
+        for owners in (None, frozenset({"repl"}), frozenset({"api:"}), frozenset({"nobody"})):
+            walked = list(dict.fromkeys(c.persona.messages for c in convs if c.persona is not None and c.entries
+                                        and (owners is None or c.owner in owners)))
+            assert sorted(map(repr, idx.personas(owners))) == sorted(map(repr, walked))
+            for root in {c.root for c in convs} | {"none"}:
+                want = [c.persona.messages for c in convs if c.root == root and c.persona is not None
+                        and (owners is None or c.owner in owners)]
+                got = idx.persona_for_root(root, owners)
+                assert (got.messages if got is not None else None) == (want[0] if want else None)
+
+    idx.refresh()
+    assert len(idx) == 6 and len(idx.personas()) == 2 and len(idx.personas(frozenset({"api:"}))) == 2
+    agree()
+    for c in made[:4]:
+        store.remove(c)
+        idx.refresh()
+        agree()
+    idx.save()
+    again = PrefixIndex(_store(), get_paths().data_dir / "server" / "index.json",
+                        model_identity={"name": "SmolLM2 test"}, n_ctx=0, template_source="t")
+    idx = again
+    agree()
+    assert len(idx) == 2

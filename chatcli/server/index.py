@@ -138,6 +138,11 @@ class PrefixIndex:
             {"id": model_identity, "n_ctx": n_ctx, "t": template_source}, sort_keys=True).encode()).hexdigest()[:16]
         self._convs: dict[str, _Conv] = {}
         self._keys: dict[str, list[Entry]] = {}
+        # What a request asks of every conversation, kept as they come and go so that asking costs the number
+        # of personas, not of conversations: persona → owner → conversations with boundaries; root → owner →
+        # conversation ids (in the order they came).
+        self._persona_owners: dict[tuple[Message, ...], dict[str, int]] = {}
+        self._root_convs: dict[str, dict[str, dict[str, None]]] = {}
         self._dirty = False
         self._changed: set[str] = set()  # conversations whose row is not saved yet
         self._saved_at = 0.0
@@ -153,16 +158,13 @@ class PrefixIndex:
     def personas(self, owners: frozenset[str] | None = None) -> list[tuple[Message, ...]]:
         """Personas of the indexed conversations (to recognise a REPL persona a client resends whole);
         of those ``owners`` have, when given."""
-        seen: dict[tuple[Message, ...], None] = {}
-        for c in self._convs.values():
-            if c.persona is not None and c.entries and (owners is None or c.owner in owners):
-                seen[c.persona.messages] = None
-        return list(seen)
+        return [p for p, by in self._persona_owners.items() if owners is None or any(o in owners for o in by)]
 
     def persona_for_root(self, root: str, owners: frozenset[str] | None = None) -> PersonaInfo | None:
-        for c in self._convs.values():
-            if c.root == root and c.persona is not None and (owners is None or c.owner in owners):
-                return c.persona
+        for owner, cids in self._root_convs.get(root, {}).items():
+            if owners is None or owner in owners:
+                for cid in cids:
+                    return self._convs[cid].persona
         return None
 
     # -- lookup --------------------------------------------------------------------------------------
@@ -292,6 +294,11 @@ class PrefixIndex:
 
     def _add(self, cid: str) -> None:
         c = self._convs[cid]
+        if c.persona is not None:
+            if c.entries:
+                by = self._persona_owners.setdefault(c.persona.messages, {})
+                by[c.owner] = by.get(c.owner, 0) + 1
+            self._root_convs.setdefault(c.root, {}).setdefault(c.owner, {})[cid] = None
         for key, k, pos in c.entries:
             self._keys.setdefault(key, []).append(Entry(cid, k, pos, c.n_active - k, c.updated, c.owner))
 
@@ -299,6 +306,20 @@ class PrefixIndex:
         c = self._convs.pop(cid, None)
         if c is None:
             return
+        if c.persona is not None:
+            by = self._persona_owners.get(c.persona.messages, {})
+            if c.entries and c.owner in by:
+                by[c.owner] -= 1
+                if by[c.owner] <= 0:
+                    del by[c.owner]
+                if not by:
+                    self._persona_owners.pop(c.persona.messages, None)
+            roots = self._root_convs.get(c.root, {})
+            roots.get(c.owner, {}).pop(cid, None)
+            if not roots.get(c.owner, True):
+                del roots[c.owner]
+            if not roots:
+                self._root_convs.pop(c.root, None)
         for key, _k, _pos in c.entries:
             lst = [e for e in self._keys.get(key, ()) if e.conv != cid]
             if lst:
@@ -365,6 +386,8 @@ class PrefixIndex:
         except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, sqlite3.Error, IndexUnavailable):
             self._convs.clear()  # an unreadable index is only a cache: start over
             self._keys.clear()
+            self._persona_owners.clear()
+            self._root_convs.clear()
             self._seq = None
 
     @property
