@@ -1,6 +1,7 @@
 """Issue #23's table: what each operation costs with 10, 1k, 10k and 100k conversations, before and after.
 
-    python -m bench.scale --before /path/to/a/worktree/of/main --sizes 10,1000,10000,100000 --reps 3
+    python -m bench.scale                       # before = main at 1c16758 (git archive), after = this tree
+    python -m bench.scale --before /path/to/a/tree --sizes 10,1000,10000,100000 --reps 3
 
 One real conversation is made with `chatcli talk` (the bundled model), then copied into one data directory
 that grows from size to size (new ids; the copies' `updated` times spread over a year; 10 % warm). The warm
@@ -10,7 +11,10 @@ copy. Both trees run against the same directory, alternating which goes first (A
 the shared machine's load hits both; the load average is recorded with every size.
 
 Measured, each as a whole process where the user would wait for one:
-- `chatcli ls` into a pipe;
+- `chatcli ls` into a pipe (before: every row, its only form; after: the default 50 most recent), and
+  `ls --all` (before: `ls` again);
+- the model load alone (a process that loads the bundled model as `serve` does, nothing else): the part
+  of `serve` until /health that no index can change;
 - `chatcli resume ID` + one turn (4 tokens), piped;
 - `chatcli serve` until `GET /health` answers, then one API request continuing a conversation;
 - the per-turn file work besides the model, in-process (2 transcript lines, meta.json, the state budget's
@@ -41,8 +45,12 @@ ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"
 TURN_WORK = r"""
 import json, os, statistics, sys, time
 from chatcli.config.settings import get_paths
-from chatcli.core.files.store import ConversationStore
-from chatcli.core.kv import budget
+try:
+    from chatcli.core.files.store import ConversationStore
+    from chatcli.core.kv import budget
+except ImportError:  # main before the index (1c16758): the same modules one level up
+    from chatcli.core.store import ConversationStore
+    from chatcli.core import budget
 paths = get_paths()
 store = ConversationStore(paths.conversations_dir)
 conv = store.resolve(sys.argv[1])
@@ -93,6 +101,33 @@ def run_cpu(tree: Path, home: Path, args: list[str], *, stdin: str | None = None
     return dt, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+MODEL_LOAD = r"""
+import time
+t = time.perf_counter()
+from chatcli.backends.llamacpp import Engine
+from chatcli.models.resolve import bundled_model_path
+Engine(bundled_model_path(), n_ctx=4096).close()
+print(time.perf_counter() - t)
+"""
+
+
+def model_load(tree: Path, home: Path) -> float:
+    """Seconds of a whole process that only loads the model as `serve` does (imports included)."""
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", MODEL_LOAD], capture_output=True, text=True, check=True,
+                   env=environment(tree, home), timeout=600, cwd=tree)
+    return time.perf_counter() - t
+
+
+def before_tree(work: Path, rev: str) -> Path:
+    """main at ``rev`` as plain files (``git archive``: no worktree, nothing of this repository changed)."""
+    dest = work / f"before-{rev}"
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -106,7 +141,12 @@ def serve(tree: Path, home: Path, conv: str) -> tuple[float, float]:
     messages = json.loads(subprocess.run([*CHATCLI, "export", conv, "--format", "json"], capture_output=True,
                                          text=True, env=env, check=True, cwd=tree).stdout)
     t = time.perf_counter()
-    proc = subprocess.Popen([*CHATCLI, "serve", "--port", str(port), "--max-tokens", "4"], env=env, cwd=tree,
+    # The target is a REPL conversation: an API client now reaches one only with --repl-conversations
+    # (main at 1c16758 had neither the rule nor the flag). Without it the request would start a new
+    # conversation and evaluate the whole history: not what this column compares.
+    repl = ["--repl-conversations"] if "repl-conversations" in subprocess.run(
+        [*CHATCLI, "serve", "--help"], capture_output=True, text=True, env=env, cwd=tree).stdout else []
+    proc = subprocess.Popen([*CHATCLI, "serve", "--port", str(port), "--max-tokens", "4", *repl], env=env, cwd=tree,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         while True:
@@ -203,15 +243,18 @@ def load() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", type=Path, required=True, help="a worktree of main before the index")
+    ap.add_argument("--before", type=Path, help="a tree of main before the index (default: --before-rev)")
+    ap.add_argument("--before-rev", default="1c16758", help="the commit `before` is taken from (git archive)")
     ap.add_argument("--after", type=Path, default=REPO)
     ap.add_argument("--sizes", default="10,1000,10000,100000")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path("/tmp/chatcli-scale"))
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scale")
     a = ap.parse_args()
-    trees = {"before": a.before.resolve(), "after": a.after.resolve()}
     shutil.rmtree(a.work, ignore_errors=True)
+    started = time.perf_counter()
+    before = a.before.resolve() if a.before is not None else before_tree(a.work, a.before_rev)
+    trees = {"before": before, "after": a.after.resolve()}
     home = a.work / "home"
     source_home = a.work / "source"
     source = make_source(trees["after"], source_home)
@@ -226,6 +269,10 @@ def main() -> None:
         catch_up = time.perf_counter() - t
         run(trees["before"], home, ["ls"], timeout=3600)  # both: bytecode cached, folders in the page cache
         row: dict[str, Any] = {"size": corpus.n, "load_start": load(), "index_catch_up_s": catch_up}
+        # Each server's own cache (before: server/index.json; after: rows in index.sqlite) catches up with
+        # the copies once, as the index does above: a server meets 90,000 new folders at once only here.
+        # That first start is recorded apart; the timed ones are restarts, as a user's are.
+        row["serve_cold_s"] = {name: serve(tree, home, targets[name][0])[0] for name, tree in trees.items()}
         samples: dict[str, dict[str, list[float]]] = {n: {} for n in trees}
         for rep in range(a.reps):
             order = list(trees) if rep % 2 == 0 else list(reversed(trees))
@@ -234,6 +281,8 @@ def main() -> None:
                 wall, cpu = run_cpu(tree, home, ["ls"])
                 s.setdefault("ls", []).append(wall)
                 s.setdefault("ls_cpu", []).append(cpu)
+                s.setdefault("ls_all", []).append(run(tree, home, ["ls"] if name == "before" else ["ls", "--all"]))
+                s.setdefault("model_load", []).append(model_load(tree, home))
                 cid = targets[name][rep]
                 s.setdefault("resume_turn", []).append(run(tree, home, [
                     "resume", cid, "--temperature", "0", "--max-tokens", "4"], stdin="One word please.\n"))
@@ -247,6 +296,7 @@ def main() -> None:
             row[name] = {k: statistics.median(v) for k, v in samples[name].items()}
             row[name + "_all"] = samples[name]
         row["load_end"] = load()
+        row["elapsed_s"] = time.perf_counter() - started
         results.append(row)
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.with_suffix(".json").write_text(json.dumps(results, indent=2))
@@ -254,8 +304,9 @@ def main() -> None:
     shutil.rmtree(a.work, ignore_errors=True)
 
 
-COLUMNS = [("ls", "`chatcli ls`", "s"), ("ls_cpu", "`ls` CPU (user+sys)", "s"), ("resume_turn", "`resume` + 1 turn", "s"),
-           ("serve_ready", "`serve` until /health", "s"), ("request", "one API request", "s"),
+COLUMNS = [("ls", "`chatcli ls`", "s"), ("ls_cpu", "`ls` CPU (user+sys)", "s"), ("ls_all", "`ls --all`", "s"),
+           ("resume_turn", "`resume` + 1 turn", "s"), ("serve_ready", "`serve` until /health", "s"),
+           ("model_load", "model load alone", "s"), ("request", "one API request", "s"),
            ("turn_files_ms", "per-turn file work", "ms")]
 
 
@@ -274,7 +325,11 @@ def write_report(results: list[dict[str, Any]], out: Path) -> None:
             cells.append(f"{fmt.format(b)} → **{fmt.format(a)}** {unit}")
         lines.append(f"| {r['size']:,} | " + " | ".join(cells) + f" | {r['load_start']} → {r['load_end']} |")
     lines += ["", "The index catching up with the copies added for each size (`ls`, first run after them): " +
-              ", ".join(f"{r['size']:,}: {r['index_catch_up_s']:.1f} s" for r in results) + ".", ""]
+              ", ".join(f"{r['size']:,}: {r['index_catch_up_s']:.1f} s" for r in results) + ".",
+              "", "`serve` until /health the first time after the copies (its cache catching up; before → after): " +
+              ", ".join(f"{r['size']:,}: {r['serve_cold_s']['before']:.1f} → {r['serve_cold_s']['after']:.1f} s"
+                        for r in results) + ".",
+              "", f"Whole run: {results[-1].get('elapsed_s', 0) / 60:.1f} min.", ""]
     out.with_suffix(".md").write_text("\n".join(lines))
     try:
         import matplotlib
@@ -283,9 +338,14 @@ def write_report(results: list[dict[str, Any]], out: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, axes = plt.subplots(1, len(COLUMNS), figsize=(4 * len(COLUMNS), 3.6))
+    cols = 3
+    rows = -(-len(COLUMNS) // cols)
+    fig, grid = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    axes = [ax for line in grid for ax in line]
+    for ax in axes[len(COLUMNS):]:
+        ax.set_visible(False)
     sizes = [r["size"] for r in results]
-    for ax, (key, title, unit) in zip(axes, COLUMNS, strict=True):
+    for ax, (key, title, unit) in zip(axes, COLUMNS, strict=False):
         for name, style in (("before", "o--"), ("after", "o-")):
             ax.plot(sizes, [r[name][key] for r in results], style, label=name)
         ax.set_xscale("log")

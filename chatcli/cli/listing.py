@@ -40,7 +40,10 @@ def list_conversations(*, as_json: bool, limit: int | None = DEFAULT_LIMIT, grep
     for problem in problems:
         print(f"warning: {problem}", file=sys.stderr)
     if as_json:
-        print(json.dumps(rows, indent=2, ensure_ascii=False))
+        # One conversation per line: json's C encoder runs only without ``indent`` (indented, 10,000
+        # rows took ~0.1 s of a 0.2 s `ls --all --json`), and a row per line reads well in a pager too.
+        body = ",\n".join("  " + json.dumps(r, ensure_ascii=False) for r in rows)
+        print(f"[\n{body}\n]" if rows else "[]")
         return
     if not rows:
         print("no conversations yet: start one with `chatcli talk`" if grep is None else f"no conversation mentions {grep!r}")
@@ -156,8 +159,7 @@ def _print_rows(rows: list[dict[str, Any]]) -> None:
         r["from"] = r["from"] or "cli"  # shown only next to "api": made by `chatcli talk` (or forked)
     columns = ["id", "title", "persona", "turns", "in_context", "tokens", "state", *where, "updated", "kv", *source]
     if not sys.stdout.isatty():  # one tab-separated line per conversation, for scripts: a stable set of columns
-        for r in rows:
-            print("\t".join(str(r.get(c, "")) for c in columns))
+        sys.stdout.write("".join("\t".join([str(r.get(c, "")) for c in columns]) + "\n" for r in rows))
     else:
         for line in format_columns(*_screen_columns(rows, columns), shutil.get_terminal_size().columns,
                                    bold_header=not os.environ.get("NO_COLOR")):

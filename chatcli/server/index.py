@@ -16,6 +16,7 @@ one JSON file and a stat of every transcript per request.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -25,7 +26,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from chatcli.core.files.fsutil import atomic_write_text
 from chatcli.core.files.index import Index, IndexUnavailable
@@ -57,9 +58,10 @@ def owner_of(meta: dict[str, Any]) -> str:
 log = logging.getLogger("chatcli.server")
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One boundary of one conversation: after ``k`` of its active messages, the state holds ``pos`` tokens."""
+class Entry(NamedTuple):
+    """One boundary of one conversation: after ``k`` of its active messages, the state holds ``pos`` tokens.
+    A named tuple: a server start makes three per conversation, and a frozen dataclass's ``__init__`` was
+    a third of loading 10,000 conversations' rows."""
 
     conv: str
     k: int
@@ -160,6 +162,11 @@ class PrefixIndex:
             {"id": model_identity, "n_ctx": n_ctx, "t": template_source}, sort_keys=True).encode()).hexdigest()[:16]
         self._convs: dict[str, _Conv] = {}
         self._keys: dict[str, list[Entry]] = {}
+        # What a request asks of every conversation, kept as they come and go so that asking costs the number
+        # of personas, not of conversations: persona → owner → conversations with boundaries; root → owner →
+        # conversation ids (in the order they came).
+        self._persona_owners: dict[tuple[Message, ...], dict[str, int]] = {}
+        self._root_convs: dict[str, dict[str, dict[str, None]]] = {}
         self._dirty = False
         self._changed: set[str] = set()  # conversations whose row is not saved yet
         self._saved_at = 0.0
@@ -175,16 +182,13 @@ class PrefixIndex:
     def personas(self, owners: frozenset[str] | None = None) -> list[tuple[Message, ...]]:
         """Personas of the indexed conversations (to recognise a REPL persona a client resends whole);
         of those ``owners`` have, when given."""
-        seen: dict[tuple[Message, ...], None] = {}
-        for c in self._convs.values():
-            if c.persona is not None and c.entries and (owners is None or c.owner in owners):
-                seen[c.persona.messages] = None
-        return list(seen)
+        return [p for p, by in self._persona_owners.items() if owners is None or any(o in owners for o in by)]
 
     def persona_for_root(self, root: str, owners: frozenset[str] | None = None) -> PersonaInfo | None:
-        for c in self._convs.values():
-            if c.root == root and c.persona is not None and (owners is None or c.owner in owners):
-                return c.persona
+        for owner, cids in self._root_convs.get(root, {}).items():
+            if owners is None or owner in owners:
+                for cid in cids:
+                    return self._convs[cid].persona
         return None
 
     # -- lookup --------------------------------------------------------------------------------------
@@ -218,7 +222,7 @@ class PrefixIndex:
         else:
             try:
                 if full or time.monotonic() - self._reconciled_at >= RECONCILE_EVERY:
-                    shared.reconcile()
+                    shared.reconcile(full=full)  # otherwise its stamps say whether the folders need a walk
                     self._reconciled_at = time.monotonic()
                 self._refresh_changed(shared)
             except (sqlite3.Error, IndexUnavailable):
@@ -314,6 +318,11 @@ class PrefixIndex:
 
     def _add(self, cid: str) -> None:
         c = self._convs[cid]
+        if c.persona is not None:
+            if c.entries:
+                by = self._persona_owners.setdefault(c.persona.messages, {})
+                by[c.owner] = by.get(c.owner, 0) + 1
+            self._root_convs.setdefault(c.root, {}).setdefault(c.owner, {})[cid] = None
         for key, k, pos in c.entries:
             self._keys.setdefault(key, []).append(Entry(cid, k, pos, c.n_active - k, c.updated, c.owner))
 
@@ -321,6 +330,20 @@ class PrefixIndex:
         c = self._convs.pop(cid, None)
         if c is None:
             return
+        if c.persona is not None:
+            by = self._persona_owners.get(c.persona.messages, {})
+            if c.entries and c.owner in by:
+                by[c.owner] -= 1
+                if by[c.owner] <= 0:
+                    del by[c.owner]
+                if not by:
+                    self._persona_owners.pop(c.persona.messages, None)
+            roots = self._root_convs.get(c.root, {})
+            roots.get(c.owner, {}).pop(cid, None)
+            if not roots.get(c.owner, True):
+                del roots[c.owner]
+            if not roots:
+                self._root_convs.pop(c.root, None)
         for key, _k, _pos in c.entries:
             lst = [e for e in self._keys.get(key, ()) if e.conv != cid]
             if lst:
@@ -343,29 +366,53 @@ class PrefixIndex:
             pass
 
     def _load(self) -> None:
+        # Tens of thousands of small objects, none of them cyclic: the cyclic collector, run again and again
+        # as they accumulate, took a third of loading 10,000 conversations' rows.
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._load_rows()
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _load_rows(self) -> None:
         self._remove_stale_temp_files()
         shared = self.store.index
         try:
             if shared is not None:
+                # The change number the saved rows are caught up with (saved with them): the first refresh
+                # then looks only at what changed since, not at every conversation (a stat and a meta.json
+                # read each: seconds at 10,000 before `serve` could answer).
+                saved = dict(shared.extra(self._extra_name + "-seq"))
                 rows: Iterable[tuple[str, Any]] = ((cid, json.loads(v)) for cid, v in shared.extra(self._extra_name))
             else:
                 doc = json.loads(self.path.read_text("utf-8"))
                 if doc.get("version") != INDEX_VERSION or doc.get("stamp") != self._stamp:
                     return  # another model or format: rebuilt from the transcripts
                 rows = doc["convs"].items()
+            personas: dict[tuple[str, ...], PersonaInfo] = {}  # most conversations share a few personas: each made once
             for cid, c in rows:
                 persona = None
                 if c.get("persona") is not None:
                     p = c["persona"]
-                    persona = PersonaInfo(tuple(Message(str(m[0]), str(m[1])) for m in p["messages"]),
-                                          str(p["name"]), str(p["hash"]))
+                    seen = (str(p["name"]), str(p["hash"]), *(f"{m[0]}\0{m[1]}" for m in p["messages"]))
+                    persona = personas.get(seen)
+                    if persona is None:
+                        persona = personas[seen] = PersonaInfo(
+                            tuple(Message(str(m[0]), str(m[1])) for m in p["messages"]), str(p["name"]), str(p["hash"]))
                 self._convs[cid] = _Conv(int(c["size"]), int(c["mtime"]), str(c["root"]), persona,
                                          float(c["updated"]), [(str(k), int(a), int(b)) for k, a, b in c["entries"]],
                                          int(c["n_active"]), str(c["owner"]))
                 self._add(cid)
+            if shared is not None and "seq" in saved:
+                self._seq = int(saved["seq"])
         except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, sqlite3.Error, IndexUnavailable):
             self._convs.clear()  # an unreadable index is only a cache: start over
             self._keys.clear()
+            self._persona_owners.clear()
+            self._root_convs.clear()
+            self._seq = None
 
     @property
     def _extra_name(self) -> str:
@@ -397,7 +444,10 @@ class PrefixIndex:
                     c = self._convs.get(cid)
                     rows.append((cid, None if c is None else json.dumps(self._doc(c), ensure_ascii=False,
                                                                         separators=(",", ":"))))
-                shared.put_extra(self._extra_name, rows)
+                with shared.write():  # the rows and the change number they are caught up with, together
+                    shared.put_extra(self._extra_name, rows)
+                    if self._seq is not None:
+                        shared.put_extra(self._extra_name + "-seq", [("seq", str(self._seq))])
             else:
                 convs = {cid: self._doc(c) for cid, c in self._convs.items()}
                 self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
