@@ -295,7 +295,7 @@ class Bench:
                                "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "load_start": load(),
                                "fixed_threads": self.o.fixed_threads}
         res["single"] = {}
-        for cond in self.o.conditions:
+        for cond in [] if self.o.concurrency_only else self.o.conditions:
             self.log(f"section 1, {cond}")
             comp = self.competitor() if cond == "loaded" else None
             try:
@@ -313,7 +313,7 @@ class Bench:
         if not self.o.skip_concurrency:
             self.log("section 2: concurrent clients")
             res["concurrency"] = self.concurrency()
-        if not self.o.skip_fa:
+        if not (self.o.skip_fa or self.o.concurrency_only):
             self.log("section 3: flash attention")
             res["flash_attention"] = self.flash_attention()
         res["load_end"] = load()
@@ -474,6 +474,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--conditions", default="idle,loaded", help="idle, loaded or both (default)")
     ap.add_argument("--clients", help="comma-separated client counts for section 2 (default 1,2,4,8)")
     ap.add_argument("--skip-concurrency", action="store_true")
+    ap.add_argument("--concurrency-only", action="store_true", help="only section 2 (no single-stream, no FA rows)")
     ap.add_argument("--skip-fa", action="store_true")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--work", help="scratch directory (default: a new temp dir, removed afterwards)")

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator, Sequence
 import llama_cpp  # the only import of llama_cpp in chatcli
 import numpy as np
 
+from chatcli.backends.batching import BatchScheduler
 from chatcli.backends.cpuload import FreeCores, usable_cpus
 from chatcli.backends.kvformat import KV_PARAMS, KV_TYPE_NAMES, engine_identity, kv_params_for
 from chatcli.core.backend import (
@@ -78,6 +79,150 @@ def _fork_probe(operation: Callable[[], object], timeout: float = 10.0) -> bool:
             os.waitpid(pid, 0)
             return False
         time.sleep(0.002)
+
+
+@dataclass
+class _Step:
+    """One generated token to decode in the shared batch: whose (its sequence there), where, and whether
+    its logits are needed (not after an end-of-turn token)."""
+
+    seq: int
+    token: int
+    pos: int
+    logits: bool
+
+
+class _SharedBatch:
+    """The context in which the siblings of one model decode together while several of them generate.
+
+    One unified KV cache with a sequence per sibling and one scratch sequence, sized for every sibling's
+    whole context. A sibling's cells come here only for the generation in progress: on its first batched
+    token its sequence is copied in whole (``enter_batch``); when it is alone again or its reply ends, the
+    cells decoded here are copied back into its own context and dropped from this one (``leave_batch``).
+    So the batch context holds only conversations generating now (attention spans no idle ones) and each
+    sibling's own context always ends up with exactly the cells that were computed. The copies and the
+    decodes run under the model's decode lock: one decode at a time on the model, whatever context.
+    """
+
+    def __init__(self, owner: Engine) -> None:
+        self.owner = owner
+        self.members: list[Engine] = [owner]
+        self.capacity = 0  # sequences of the batch context once made (0: not yet)
+        self._ctx: Any = None
+        self._mem: Any = None
+        self._batch: Any = None
+        self._applied_threads = owner.n_threads
+        self.scheduler: BatchScheduler[_Step, np.ndarray | None] = BatchScheduler(self._run)
+
+    def add(self, member: Engine) -> int:
+        self.members.append(member)
+        return len(self.members) - 1
+
+    def fits(self, member: Engine) -> bool:
+        """Whether ``member`` has a sequence in the batch context (made for the siblings of its first use)."""
+        return self.capacity == 0 or member._member < self.capacity
+
+    def _make(self) -> None:
+        o = self.owner
+        cap = len(self.members)
+        cp = type(o._cparams).from_buffer_copy(o._cparams)  # a ctypes struct: copied bytewise
+        cp.n_ctx = cap * o.n_ctx  # every sibling may bring its whole context
+        cp.n_seq_max = cap + 1  # one sequence each, and the scratch (the last)
+        cp.n_batch = cp.n_ubatch = max(8, cap)  # one token per sibling per decode
+        ctx = llama_cpp.llama_init_from_model(o._model, cp)
+        if not ctx:
+            raise EngineError(f"llama.cpp could not create the batch context: {_last_error() or 'unknown error'}")
+        self._ctx = ctx
+        self._mem = llama_cpp.llama_get_memory(ctx)
+        self._batch = llama_cpp.llama_batch_init(cp.n_batch, 0, 1)
+        self.capacity = cap
+
+    @property
+    def _scratch(self) -> int:
+        return self.capacity
+
+    def enter_batch(self, m: Engine) -> None:
+        """Copy ``m``'s whole sequence into its sequence of the batch context."""
+        with m._decode_lock:
+            if self._ctx is None:
+                self._make()
+            data = m._seq_state(SEQ) if m.n_past else b""
+            llama_cpp.llama_memory_seq_rm(self._mem, m._member, -1, -1)
+            if data:
+                buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+                n = llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(data), m._member)
+                if n == 0 or llama_cpp.llama_memory_seq_pos_max(self._mem, m._member) != m.n_past - 1:
+                    llama_cpp.llama_memory_seq_rm(self._mem, m._member, -1, -1)
+                    raise EngineError(f"could not copy the conversation into the batch context: {_last_error()}")
+        m._in_batch = True
+        m._batch_from = m.n_past
+
+    def leave_batch(self, m: Engine) -> None:
+        """Copy the cells ``m`` decoded here back into its own context; drop its sequence here."""
+        p0, p1 = m._batch_from, m.n_past
+        m._in_batch = False
+        with m._decode_lock:
+            try:
+                if p1 > p0:
+                    s = self._scratch
+                    llama_cpp.llama_memory_seq_rm(self._mem, s, -1, -1)
+                    llama_cpp.llama_memory_seq_cp(self._mem, m._member, s, p0, p1)
+                    size = llama_cpp.llama_state_seq_get_size(self._ctx, s)
+                    buf = (ctypes.c_uint8 * size)()
+                    n = llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, s)
+                    llama_cpp.llama_memory_seq_rm(self._mem, s, -1, -1)
+                    if n == 0:
+                        raise EngineError("llama.cpp could not save the batched cells")
+                    data = ctypes.string_at(buf, n)
+            finally:
+                llama_cpp.llama_memory_seq_rm(self._mem, m._member, -1, -1)
+        if p1 > p0:
+            try:
+                m._put_cells(p0, p1, data)
+            except BaseException:
+                # The context must hold what the token list says: without the cells, forget the tokens.
+                del m.tokens[p0:]
+                m._drop_logits()
+                raise
+
+    def _run(self, steps: list[_Step]) -> list[np.ndarray | None]:
+        o = self.owner
+        b = self._batch
+        b.n_tokens = len(steps)
+        for i, s in enumerate(steps):
+            b.token[i] = s.token
+            b.pos[i] = s.pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = s.seq
+            b.logits[i] = s.logits
+        with o._decode_lock:
+            threads = o._free_cores.threads() if o._free_cores is not None else o.n_threads
+            if threads != self._applied_threads:
+                llama_cpp.llama_set_n_threads(self._ctx, threads, threads)
+                self._applied_threads = threads
+            rc = llama_cpp.llama_decode(self._ctx, b)
+            if rc != 0:
+                for s in steps:
+                    llama_cpp.llama_memory_seq_rm(self._mem, s.seq, s.pos, -1)
+                raise EngineError(f"llama_decode failed ({rc}): {_last_error() or 'no detail'}")
+            out: list[np.ndarray | None] = []
+            for i, s in enumerate(steps):
+                if s.logits:
+                    ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
+                    out.append(np.ctypeslib.as_array(ptr, shape=(o.n_vocab,)).copy())
+                else:
+                    out.append(None)
+        return out
+
+    def seq_pos_max(self, seq: int) -> int:
+        """The last position sequence ``seq`` holds in the batch context (-1: none)."""
+        return -1 if self._mem is None else int(llama_cpp.llama_memory_seq_pos_max(self._mem, seq))
+
+    def close(self) -> None:
+        if self._ctx is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
 
 
 # The engine's errors and data types are the Backend protocol's (re-exported here for older imports).
@@ -221,6 +366,12 @@ class Engine:
         self.kv_type = kv_type
         self.kv_params = kv_params
         self._closed = False
+        # Batched decoding with siblings (see _SharedBatch): none until the first sibling is made.
+        self._group: _SharedBatch | None = None
+        self._member = 0  # this engine's sequence in the shared batch context
+        self._in_batch = False  # this generation's latest cells are in the shared context, not yet here
+        self._batch_from = 0  # where they start
+        self._shift_pending = False  # a shift's RoPE update waits for the next decode: not copyable yet
 
     @property
     def caps(self) -> Capabilities:
@@ -274,10 +425,14 @@ class Engine:
         """Another context over this engine's model: its own KV cache, tokens, logits and cancel flag; the
         model (weights, vocabulary) loaded once. For several conversations resident at once (the server).
 
-        Separate contexts rather than sequences of one unified cache: measured with llama.cpp 0.3.36, a
-        sequence whose cells have another sequence's cells between them gets different logits (max |Δ| 0.7)
-        than the same tokens alone, while a context of its own computes exactly what a single engine does.
-        Close siblings before the engine that owns the model; calls on siblings must not overlap.
+        Each conversation keeps a context of its own, because that is what a restore reproduces: measured
+        with llama.cpp 0.3.36, a sequence whose cells have another sequence's cells between them gets
+        different logits (max |Δ| 0.7) than the same tokens alone. On a plain attention memory the siblings
+        also share one batch context (``_SharedBatch``): while two or more of them generate, their next
+        tokens are decoded together there and the cells computed are copied back into each one's own
+        context, so what is saved is exactly what was computed and a conversation that continues alone
+        continues as its restored copy would. Other memory kinds take turns (one decode at a time).
+        Close siblings before the engine that owns the model; calls on one sibling must not overlap.
         """
         ctx = llama_cpp.llama_init_from_model(self._model, self._cparams)
         if not ctx:
@@ -294,6 +449,16 @@ class Engine:
         other._cancel_flag = threading.Event()
         other.n_evaluated_total = 0
         other._candidates = np.zeros_like(self._candidates)
+        other._in_batch = False
+        other._batch_from = 0
+        other._shift_pending = False
+        if self.memory_kind == "attention" and not self.n_swa and self.can_truncate and self.ranges:
+            if self._group is None:
+                self._group = _SharedBatch(self)
+            other._group = self._group
+            other._member = self._group.add(other)
+        else:
+            other._group = None
         return other
 
     def take_notices(self) -> list[str]:
@@ -305,6 +470,8 @@ class Engine:
         self._closed = True
         llama_cpp.llama_batch_free(self._batch)
         llama_cpp.llama_free(self._ctx)
+        if self._owns_model and self._group is not None:
+            self._group.close()
         if self._owns_model:
             llama_cpp.llama_model_free(self._model)
 
@@ -411,6 +578,7 @@ class Engine:
             raise EngineError(f"llama_decode failed ({rc}): {_last_error() or 'no detail'}")
         self.tokens.extend(part)
         self.n_evaluated_total += len(part)
+        self._shift_pending = False
         # No copy here: the logits stay in the context's buffer until someone asks for them.
         self._logits = None
         self._ctx_logits = last_logits
@@ -480,16 +648,42 @@ class Engine:
         if not self.has_logits:
             self.ensure_logits()
         chain = self._make_sampler(sampling, seed)
+        group = self._group
+        if group is not None:
+            group.scheduler.join()
         try:
             yield from token_loop(
                 res, sample=lambda: self._sample(chain),
-                decode=lambda tok, logits: self._decode([tok], last_logits=logits),
+                decode=lambda tok, logits: self._step(tok, logits=logits),
                 is_eog=self.is_eog, piece=lambda tok: self.piece(tok, special=False),
                 room=lambda: self.n_ctx - self.n_past, cancelled=self._cancel_flag.is_set,
                 max_tokens=max_tokens, stop_strings=stop_strings)
         finally:
+            if group is not None:
+                group.scheduler.leave()
+                if self._in_batch:
+                    group.leave_batch(self)
             llama_cpp.llama_sampler_free(chain)
             self._cancel_flag.clear()  # a cancel request ends with the generation it stopped
+
+    def _step(self, tok: int, *, logits: bool) -> None:
+        """Decode one generated token: with the siblings generating now, in one batch, else alone here."""
+        group = self._group
+        if group is None or self._shift_pending or group.scheduler.active < 2 or not group.fits(self):
+            if self._in_batch:
+                assert group is not None
+                group.leave_batch(self)  # alone again: this context continues from the cells computed
+            self._decode([tok], last_logits=logits)
+            return
+        if self.n_past + 1 > self.n_ctx:
+            raise ContextFullError(f"1 token does not fit: {self.n_past}/{self.n_ctx} in use")
+        if not self._in_batch:
+            group.enter_batch(self)
+        row = group.scheduler.submit(_Step(self._member, tok, self.n_past, logits))
+        self.tokens.append(tok)
+        self.n_evaluated_total += 1
+        self._logits = row  # a copy of this sequence's row, sampled through the candidates array
+        self._ctx_logits = False
 
     def _sample(self, chain: ctypes.c_void_p) -> int:
         if self._logits is None and self._ctx_logits:
@@ -603,6 +797,7 @@ class Engine:
             raise EngineError("shift beyond the end of the context")
         llama_cpp.llama_memory_seq_rm(self._mem, SEQ, keep, keep + drop)
         llama_cpp.llama_memory_seq_add(self._mem, SEQ, keep + drop, -1, -drop)
+        self._shift_pending = True
         del self.tokens[keep:keep + drop]
         # Logits of the last position do not change by moving cells (relative positions are the same).
 
@@ -693,13 +888,17 @@ class Engine:
             self._set_seq_state(data, SEQ)
             self._check_span(SEQ, 0, p1)
         else:
-            self._set_seq_state(data, SCRATCH)
-            self._check_span(SCRATCH, p0, p1)
-            # On a hybrid memory this also makes the record's recurrent state the sequence's own.
-            llama_cpp.llama_memory_seq_cp(self._mem, SCRATCH, SEQ, -1, -1)
-            llama_cpp.llama_memory_seq_rm(self._mem, SCRATCH, -1, -1)
+            self._put_cells(p0, p1, data)
         self.tokens.extend(int(t) for t in tokens)
         self._drop_logits()
+
+    def _put_cells(self, p0: int, p1: int, data: bytes | bytearray | memoryview) -> None:
+        """Add saved cells [p0, p1) to the conversation's sequence, through the scratch sequence."""
+        self._set_seq_state(data, SCRATCH)
+        self._check_span(SCRATCH, p0, p1)
+        # On a hybrid memory this also makes the record's recurrent state the sequence's own.
+        llama_cpp.llama_memory_seq_cp(self._mem, SCRATCH, SEQ, -1, -1)
+        llama_cpp.llama_memory_seq_rm(self._mem, SCRATCH, -1, -1)
 
     def rewind(self, n: int, p0: int, data: bytes | memoryview) -> None:
         """Make the sequence end at ``n``, using the saved record [p0, n) that ended there.

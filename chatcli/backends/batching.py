@@ -1,0 +1,132 @@
+"""Gathering the next token of every conversation generating at once into one decode.
+
+Pure thread coordination, no llama.cpp: the engine (backends/llamacpp.py) gives a ``run`` function that
+decodes a list of requests in one ``llama_decode`` and returns one result per request. Each generating
+thread calls ``submit`` with its next token and blocks; one of them (the leader) takes every request
+pending at that moment and runs them together, the others wait for their result. The leader waits a
+little (``gather``) for members that have joined but not yet submitted, so that N conversations in lock
+step share one decode instead of taking turns; a slow consumer only misses a round, it never blocks one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+Req = TypeVar("Req")
+Res = TypeVar("Res")
+
+
+@dataclass
+class _Ticket(Generic[Req, Res]):
+    request: Req
+    done: bool = False
+    result: Res | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class BatchStats:
+    """What the scheduler did (for tests and benchmarks)."""
+
+    rounds: int = 0  # decodes run
+    requests: int = 0  # requests decoded
+    largest: int = 0  # most requests in one decode
+    sizes: dict[int, int] = field(default_factory=dict)  # decode size -> how many
+
+
+class BatchScheduler(Generic[Req, Res]):
+    """Runs the requests of concurrent callers in shared batches, one batch at a time.
+
+    ``join``/``leave`` bracket a caller's generation: the number of joined callers is how many requests a
+    leader waits for (at most ``gather`` seconds after the first one arrived) before it runs the batch.
+
+    Args:
+        run: decodes a batch; returns one result per request, in order (an exception fails every request
+            of that batch).
+        gather: how long a leader waits for joined callers that have not submitted yet (default 4 ms).
+    """
+
+    def __init__(self, run: Callable[[list[Req]], list[Res]], *, gather: float = 0.004) -> None:
+        self._run = run
+        self.gather = gather
+        self._cond = threading.Condition()
+        self._pending: list[_Ticket[Req, Res]] = []
+        self._first = 0.0  # when the oldest pending request arrived
+        self._running = False
+        self._active = 0
+        self.stats = BatchStats()
+
+    @property
+    def active(self) -> int:
+        """Callers between ``join`` and ``leave``."""
+        return self._active
+
+    def join(self) -> None:
+        with self._cond:
+            self._active += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()  # a leader waiting for this caller's request need not wait any more
+
+    def submit(self, request: Req) -> Res:
+        """Decode ``request`` in the next batch; returns its result (or raises the batch's error)."""
+        ticket: _Ticket[Req, Res] = _Ticket(request)
+        with self._cond:
+            if not self._pending:
+                self._first = time.monotonic()
+            self._pending.append(ticket)
+            self._cond.notify_all()
+        while True:
+            with self._cond:
+                while not ticket.done and not self._may_lead():
+                    self._cond.wait(self._wait_time())
+                if ticket.done:
+                    break
+                batch, self._pending = self._pending, []
+                self._running = True
+            self._lead(batch)
+        if ticket.error is not None:
+            raise ticket.error
+        return ticket.result  # type: ignore[return-value]  # set with done when no error
+
+    def _may_lead(self) -> bool:
+        if self._running or not self._pending:
+            return False
+        return len(self._pending) >= self._active or time.monotonic() - self._first >= self.gather
+
+    def _wait_time(self) -> float | None:
+        if self._running or not self._pending:
+            return None  # woken by the running batch's end or by a new request
+        return max(0.0, self.gather - (time.monotonic() - self._first))
+
+    def _lead(self, batch: list[_Ticket[Req, Res]]) -> None:
+        results: list[Res] = []
+        error: BaseException | None = None
+        try:
+            results = self._run([t.request for t in batch])
+            if len(results) != len(batch):
+                error = RuntimeError(f"a batch of {len(batch)} gave {len(results)} results")
+        except BaseException as exc:  # every caller of the batch gets it, the leader included
+            error = exc
+        with self._cond:
+            for i, t in enumerate(batch):
+                if error is None:
+                    t.result = results[i]
+                else:
+                    t.error = error
+                t.done = True
+            s = self.stats
+            s.rounds += 1
+            s.requests += len(batch)
+            s.largest = max(s.largest, len(batch))
+            s.sizes[len(batch)] = s.sizes.get(len(batch), 0) + 1
+            self._running = False
+            if self._pending:
+                self._first = time.monotonic()  # those that came during this decode start a new round
+            self._cond.notify_all()

@@ -1,0 +1,168 @@
+"""Siblings generating at once decode in one batch, on the real model: what is saved is exactly what was
+computed, so a batched conversation continued alone in memory and the same conversation restored into a
+fresh engine continue identically (tokens, bit-identical logits); undo/regen after a batched reply hold."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from chatcli.backends.llamacpp import Engine, Sampling
+
+GREEDY = Sampling(temperature=0.0)
+WARM = Sampling(temperature=0.8, top_k=40, top_p=0.95)
+PROMPTS = [
+    "<|im_start|>user\nName three rivers in Europe.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nWrite a haiku about rain on a tin roof.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nWhat is a binary search tree?<|im_end|>\n<|im_start|>assistant\n",
+]
+NEXT = "<|im_end|>\n<|im_start|>user\nAnd one more, please.<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture
+def trio(model_path: Path) -> Iterator[list[Engine]]:
+    """An engine and two siblings: one model, three contexts, one shared batch context."""
+    owner = Engine(model_path, n_ctx=1024, n_threads=2)
+    sibs = [owner.sibling(), owner.sibling()]
+    yield [owner, *sibs]
+    for s in sibs:
+        s.close()
+    owner.close()
+
+
+def fresh(model_path: Path, src: Engine, n: int, logits: np.ndarray) -> Engine:
+    """A new engine holding ``src``'s saved cells [0, n) and the logits saved with them: a resume."""
+    eng = Engine(model_path, n_ctx=1024, n_threads=2)
+    eng.load_cells(0, n, src.save_cells(0, n), src.tokens[:n])
+    eng.set_logits(logits)
+    return eng
+
+
+def together(engines: list[Engine], max_tokens: int, sampling: Sampling = GREEDY) -> dict[int, list[int]]:
+    """Each engine generates from where it is, all at once (as concurrent requests do)."""
+    out: dict[int, list[int]] = {}
+    start = threading.Barrier(len(engines))
+    errors: list[BaseException] = []
+
+    def run(i: int, eng: Engine) -> None:
+        try:
+            start.wait()
+            out[i] = [ev.token for ev in eng.generate(sampling, seed=7 + i, max_tokens=max_tokens)]
+        except BaseException as exc:  # surfaced below, not lost in the thread
+            errors.append(exc)
+
+    th = [threading.Thread(target=run, args=(i, e)) for i, e in enumerate(engines)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def prompt_all(engines: list[Engine]) -> list[np.ndarray]:
+    """Evaluate each engine's prompt (alone, in its own context); returns the logits after each."""
+    logits = []
+    for eng, p in zip(engines, PROMPTS):
+        eng.clear()
+        eng.eval(eng.tokenize(p))
+        logits.append(eng.logits())
+    return logits
+
+
+def continue_alone(eng: Engine) -> tuple[np.ndarray, list[int], np.ndarray]:
+    """Next turn: a new message evaluated, a greedy reply; the logits before and after the reply."""
+    eng.eval(eng.tokenize(NEXT))
+    before = eng.logits()
+    toks = [ev.token for ev in eng.generate(GREEDY, seed=0, max_tokens=12)]
+    return before, toks, eng.logits()
+
+
+def test_concurrent_generations_are_decoded_in_shared_batches(trio: list[Engine]) -> None:
+    group = trio[0]._group
+    assert group is not None and all(e._group is group for e in trio)
+    prompt_all(trio)
+    n0 = [e.n_past for e in trio]
+    out = together(trio, 24)
+    stats = group.scheduler.stats
+    assert stats.largest == 3  # all three tokens in one llama_decode, not one after another
+    assert stats.rounds < 3 * 24 * 0.75  # mostly shared rounds (a slow thread may miss a few)
+    for e, n, i in zip(trio, n0, range(3)):
+        assert len(out[i]) == 24 and e.tokens[n:] == out[i]
+        assert e.seq_pos_max() == e.n_past - 1  # the batched cells are back in the engine's own context
+        assert not e._in_batch
+    assert group._ctx is not None
+    for i in range(3):  # nothing left behind in the batch context
+        assert group.seq_pos_max(i) == -1
+
+
+def test_a_batched_conversation_resumed_fresh_continues_exactly_as_in_memory(
+        trio: list[Engine], model_path: Path) -> None:
+    prompt_all(trio)
+    together(trio, 20)
+    assert trio[0]._group is not None and trio[0]._group.scheduler.stats.largest >= 2
+    for eng in trio[:2]:
+        n, saved_logits = eng.n_past, eng.logits()  # what the conversation saves at the reply's end
+        resumed = fresh(model_path, eng, n, saved_logits)
+        try:
+            mem = continue_alone(eng)
+            res = continue_alone(resumed)
+        finally:
+            resumed.close()
+        assert mem[1] == res[1] and len(mem[1]) == 12
+        assert np.array_equal(mem[0], res[0])  # bit-identical, not close
+        assert np.array_equal(mem[2], res[2])
+
+
+def test_undo_and_regen_after_batched_replies(trio: list[Engine], model_path: Path) -> None:
+    prompt_all(trio)
+    together(trio, 12, WARM)  # turn 1's replies: batched
+    at_user = []
+    for e in trio:
+        e.eval(e.tokenize(NEXT))
+        at_user.append(e.logits())
+    eng = trio[1]
+    n1 = eng.n_past
+    together(trio, 12, WARM)  # turn 2's replies: batched
+    assert len(eng.tokens) == n1 + 12
+    # The conversation as saved after its second user message (turn 1's batched cells included).
+    resumed = fresh(model_path, eng, n1, at_user[1])
+    try:
+        # /regen: roll the batched reply back, sample another one from the saved logits.
+        # (Not compared with the batched reply: batched and solo decoding are not bit-identical in llama.cpp.)
+        eng.truncate(n1)
+        eng.set_logits(at_user[1])
+        regen = [ev.token for ev in eng.generate(WARM, seed=99, max_tokens=16)]
+        again = [ev.token for ev in resumed.generate(WARM, seed=99, max_tokens=16)]
+        assert regen == again
+        assert np.array_equal(eng.logits(), resumed.logits())
+        # /undo of that exchange, then a new message: the same as in the fresh process.
+        eng.truncate(n1)
+        resumed.truncate(n1)
+        eng.set_logits(at_user[1])
+        resumed.set_logits(at_user[1])
+        mem, res = continue_alone(eng), continue_alone(resumed)
+        assert mem[1] == res[1]
+        assert np.array_equal(mem[2], res[2])
+    finally:
+        resumed.close()
+
+
+def test_alone_a_sibling_decodes_exactly_as_a_single_engine(trio: list[Engine], model_path: Path) -> None:
+    single = Engine(model_path, n_ctx=1024, n_threads=2)
+    try:
+        for eng in (trio[2], single):
+            eng.clear()
+            eng.eval(eng.tokenize(PROMPTS[0]))
+        a = [ev.token for ev in trio[2].generate(GREEDY, seed=0, max_tokens=16)]
+        b = [ev.token for ev in single.generate(GREEDY, seed=0, max_tokens=16)]
+        assert a == b
+        assert np.array_equal(trio[2].logits(), single.logits())
+        assert trio[2]._group is not None and trio[2]._group.scheduler.stats.rounds == 0  # never batched
+    finally:
+        single.close()
