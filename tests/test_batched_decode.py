@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from chatcli.backends.llamacpp import Engine, Sampling
+from tests.archs import ArchFixtures
 
 GREEDY = Sampling(temperature=0.0)
 WARM = Sampling(temperature=0.8, top_k=40, top_p=0.95)
@@ -166,3 +167,18 @@ def test_alone_a_sibling_decodes_exactly_as_a_single_engine(trio: list[Engine], 
         assert trio[2]._group is not None and trio[2]._group.scheduler.stats.rounds == 0  # never batched
     finally:
         single.close()
+
+
+@pytest.mark.parametrize("arch, batched", [("llama", True), ("gemma2", False), ("mamba", False),
+                                           ("granitehybrid", False)])
+def test_only_plain_attention_memories_batch(arch_fixtures: ArchFixtures, arch: str, batched: bool) -> None:
+    """Sliding-window, recurrent and hybrid memories keep separate contexts that take turns."""
+    owner = Engine(arch_fixtures.path(arch), n_ctx=256, n_threads=1)
+    try:
+        sib = owner.sibling()
+        try:
+            assert (sib._group is not None) is batched and (owner._group is not None) is batched
+        finally:
+            sib.close()
+    finally:
+        owner.close()

@@ -1,0 +1,116 @@
+"""The batch scheduler's policy, without a model: concurrent submissions share one run, one run at a time,
+a caller that does not submit only delays a round by the gather time, errors reach every caller."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from chatcli.backends.batching import BatchScheduler
+
+pytestmark = pytest.mark.fast
+
+
+class Recorder:
+    def __init__(self, delay: float = 0.0) -> None:
+        self.batches: list[list[int]] = []
+        self.inside = 0
+        self.most = 0
+        self.delay = delay
+        self.guard = threading.Lock()
+
+    def __call__(self, reqs: list[int]) -> list[int]:
+        with self.guard:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+        time.sleep(self.delay)
+        with self.guard:
+            self.inside -= 1
+            self.batches.append(list(reqs))
+        return [r * 10 for r in reqs]
+
+
+def lockstep(sched: BatchScheduler[int, int], n: int, steps: int) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {i: [] for i in range(n)}
+    start = threading.Barrier(n)
+
+    def member(i: int) -> None:
+        sched.join()
+        try:
+            start.wait()
+            for s in range(steps):
+                out[i].append(sched.submit(i * 100 + s))
+        finally:
+            sched.leave()
+
+    th = [threading.Thread(target=member, args=(i,)) for i in range(n)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    return out
+
+
+def test_members_in_lock_step_share_every_run() -> None:
+    run = Recorder(delay=0.002)
+    sched: BatchScheduler[int, int] = BatchScheduler(run, gather=0.5)  # long: waiting for all is the policy
+    out = lockstep(sched, 4, 10)
+    assert all(out[i] == [(i * 100 + s) * 10 for s in range(10)] for i in range(4))  # each gets its own result
+    assert run.most == 1  # one run at a time
+    assert [len(b) for b in run.batches] == [4] * 10
+    assert sched.stats.rounds == 10 and sched.stats.largest == 4
+
+
+def test_a_joined_member_that_does_not_submit_delays_a_round_by_the_gather_time_only() -> None:
+    run = Recorder()
+    sched: BatchScheduler[int, int] = BatchScheduler(run, gather=0.05)
+    sched.join()  # joined, never submits (a client reading slowly)
+    sched.join()
+    t0 = time.monotonic()
+    assert sched.submit(3) == 30
+    took = time.monotonic() - t0
+    assert 0.04 <= took < 1.0
+    sched.leave()
+    sched.leave()
+    assert run.batches == [[3]]
+
+
+def test_leaving_releases_a_waiting_leader_at_once() -> None:
+    run = Recorder()
+    sched: BatchScheduler[int, int] = BatchScheduler(run, gather=5.0)
+    sched.join()
+    sched.join()
+    threading.Timer(0.05, sched.leave).start()
+    t0 = time.monotonic()
+    assert sched.submit(1) == 10
+    assert time.monotonic() - t0 < 2.0
+    sched.leave()
+
+
+def test_an_error_in_a_run_reaches_every_caller_of_that_batch() -> None:
+    def failing(reqs: list[int]) -> list[int]:
+        raise RuntimeError("decode failed")
+
+    sched: BatchScheduler[int, int] = BatchScheduler(failing, gather=0.5)
+    errors: list[str] = []
+    start = threading.Barrier(2)
+
+    def member(i: int) -> None:
+        sched.join()
+        start.wait()
+        try:
+            sched.submit(i)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+        finally:
+            sched.leave()
+
+    th = [threading.Thread(target=member, args=(i,)) for i in range(2)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    assert errors == ["decode failed", "decode failed"]
+    assert sched.stats.largest == 2
