@@ -69,7 +69,7 @@ def together(engines: list[Engine], max_tokens: int, sampling: Sampling = GREEDY
 def prompt_all(engines: list[Engine]) -> list[np.ndarray]:
     """Evaluate each engine's prompt (alone, in its own context); returns the logits after each."""
     logits = []
-    for eng, p in zip(engines, PROMPTS):
+    for eng, p in zip(engines, PROMPTS, strict=True):
         eng.clear()
         eng.eval(eng.tokenize(p))
         logits.append(eng.logits())
@@ -93,7 +93,7 @@ def test_concurrent_generations_are_decoded_in_shared_batches(trio: list[Engine]
     stats = group.scheduler.stats
     assert stats.largest == 3  # all three tokens in one llama_decode, not one after another
     assert stats.rounds < 3 * 24 * 0.75  # mostly shared rounds (a slow thread may miss a few)
-    for e, n, i in zip(trio, n0, range(3)):
+    for e, n, i in zip(trio, n0, range(3), strict=True):
         assert len(out[i]) == 24 and e.tokens[n:] == out[i]
         assert e.seq_pos_max() == e.n_past - 1  # the batched cells are back in the engine's own context
         assert not e._in_batch
