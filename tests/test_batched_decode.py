@@ -182,3 +182,18 @@ def test_only_plain_attention_memories_batch(arch_fixtures: ArchFixtures, arch: 
             sib.close()
     finally:
         owner.close()
+
+
+def test_eight_siblings_decode_in_one_batch(model_path: Path) -> None:
+    """As many sequences as llama.cpp's default batch size (plus the scratch): every row has room."""
+    owner = Engine(model_path, n_ctx=256, n_threads=2)
+    engines = [owner] + [owner.sibling() for _ in range(7)]
+    try:
+        for i, e in enumerate(engines):
+            e.eval(e.tokenize(PROMPTS[i % len(PROMPTS)] + "A" * i))
+        out = together(engines, 4)
+        assert all(len(out[i]) == 4 for i in range(8))
+        assert owner._group is not None and owner._group.scheduler.stats.largest >= 5
+    finally:
+        for e in reversed(engines):
+            e.close()

@@ -372,15 +372,21 @@ def test_shared_fork_equals_a_copied_one(server: Server, tmp_path: Path) -> None
 # -- concurrency -----------------------------------------------------------------------------------------
 
 
-def test_two_clients_at_once_equal_their_sequential_runs(server: Server, reference: Server) -> None:
+def test_two_clients_at_once_are_stored_as_they_were_sent(server: Server) -> None:
+    """Two conversations generating at once are decoded in shared batches (--parallel 2), which llama.cpp
+    does not make bit-identical to decoding them one after the other, so their replies are not compared
+    with sequential runs; what must hold is that each is stored exactly as sent, resident (nothing
+    restored), and that a batched conversation resumes exactly (tests/test_batched_decode.py)."""
     systems = ["You are terse. (client A)", "You are verbose. (client B)"]
     results: dict[str, list[str]] = {}
+    convs: dict[str, list[Reply]] = {}
     errors: list[BaseException] = []
 
     def run(system: str) -> None:
         try:
             _, replies = converse(server, system, QUESTIONS[:3])
             results[system] = [r.text for r in replies]  # type: ignore[union-attr]
+            convs[system] = replies  # type: ignore[assignment]
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
 
@@ -391,8 +397,11 @@ def test_two_clients_at_once_equal_their_sequential_runs(server: Server, referen
         t.join(600)
     assert not errors, errors
     for system in systems:
-        _, ref = converse(reference, system, QUESTIONS[:3])
-        assert results[system] == [r.text for r in ref]  # type: ignore[union-attr]
+        replies = convs[system]
+        assert all(r.text for r in replies) and len({r.conv for r in replies}) == 1
+        assert [r.ext["state_from"] for r in replies[1:]] == ["memory", "memory"]
+        stored = [m.text for m in server.replay(replies[0].conv).active if m.role == "assistant"]
+        assert stored == results[system]
 
 
 def test_resident_conversations_are_not_restored(server: Server, reference: Server) -> None:

@@ -128,7 +128,9 @@ class _SharedBatch:
         cp = type(o._cparams).from_buffer_copy(o._cparams)  # a ctypes struct: copied bytewise
         cp.n_ctx = cap * o.n_ctx  # every sibling may bring its whole context
         cp.n_seq_max = cap + 1  # one sequence each, and the scratch (the last)
-        cp.n_batch = cp.n_ubatch = max(8, cap)  # one token per sibling per decode
+        # One token per sibling per decode; llama.cpp reserves an output row per sequence (the scratch too).
+        cp.n_batch = cp.n_ubatch = max(8, cap + 1)
+        cp.n_outputs_max = 0  # = n_batch
         ctx = llama_cpp.llama_init_from_model(o._model, cp)
         if not ctx:
             raise EngineError(f"llama.cpp could not create the batch context: {_last_error() or 'unknown error'}")
