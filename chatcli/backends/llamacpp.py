@@ -7,7 +7,9 @@ The engine's token list is the truth about what the context holds: ``tokens[i]``
 cells sit at position ``i`` of sequence 0. Generated tokens are appended as the sampled ids, never
 re-tokenized. Sequence 1 is a scratch sequence used to cut a position range out of sequence 0 for saving
 (``llama_memory_seq_cp`` in a unified KV cache only tags cells, it copies nothing) and to stage cells
-being restored.
+being restored. Siblings (``Engine.sibling``, the server's resident conversations) on a plain attention
+memory also share a batch context (``_SharedBatch``) where the tokens they generate at the same time are
+decoded together; the cells computed there are copied back, so each engine's own context stays the truth.
 """
 
 from __future__ import annotations
