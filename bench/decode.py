@@ -438,6 +438,8 @@ def write_chart(res: dict[str, Any], out: Path) -> str | None:
     except ImportError:
         return None
     conds = list(res["single"])
+    if not conds:  # --concurrency-only: no single-stream rows to chart
+        return None
     fig, axes = plt.subplots(1, len(conds), figsize=(6 * len(conds), 4.5), squeeze=False)
     for ax, cond in zip(axes[0], conds, strict=True):
         rows = res["single"][cond]
