@@ -135,7 +135,7 @@ class _SharedBatch:
         cp.n_outputs_max = 0  # = n_batch
         ctx = llama_cpp.llama_init_from_model(o._model, cp)
         if not ctx:
-            raise EngineError(f"llama.cpp could not create the batch context: {_last_error() or 'unknown error'}")
+            raise BackendError(f"llama.cpp could not create the batch context: {_last_error() or 'unknown error'}")
         self._ctx = ctx
         self._mem = llama_cpp.llama_get_memory(ctx)
         self._batch = llama_cpp.llama_batch_init(cp.n_batch, 0, 1)
@@ -157,7 +157,7 @@ class _SharedBatch:
                 n = llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(data), m._member)
                 if n == 0 or llama_cpp.llama_memory_seq_pos_max(self._mem, m._member) != m.n_past - 1:
                     llama_cpp.llama_memory_seq_rm(self._mem, m._member, -1, -1)
-                    raise EngineError(f"could not copy the conversation into the batch context: {_last_error()}")
+                    raise BackendError(f"could not copy the conversation into the batch context: {_last_error()}")
         m._in_batch = True
         m._batch_from = m.n_past
 
@@ -176,7 +176,7 @@ class _SharedBatch:
                     n = llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, s)
                     llama_cpp.llama_memory_seq_rm(self._mem, s, -1, -1)
                     if n == 0:
-                        raise EngineError("llama.cpp could not save the batched cells")
+                        raise BackendError("llama.cpp could not save the batched cells")
                     data = ctypes.string_at(buf, n)
             finally:
                 llama_cpp.llama_memory_seq_rm(self._mem, m._member, -1, -1)
@@ -208,7 +208,7 @@ class _SharedBatch:
             if rc != 0:
                 for s in steps:
                     llama_cpp.llama_memory_seq_rm(self._mem, s.seq, s.pos, -1)
-                raise EngineError(f"llama_decode failed ({rc}): {_last_error() or 'no detail'}")
+                raise BackendError(f"llama_decode failed ({rc}): {_last_error() or 'no detail'}")
             out: list[np.ndarray | None] = []
             for i, s in enumerate(steps):
                 if s.logits:
@@ -230,7 +230,6 @@ class _SharedBatch:
 
 
 # The engine's errors and data types are the Backend protocol's (re-exported here for older imports).
-EngineError = BackendError  # llama.cpp refused an operation (model load, decode, state restore)
 
 
 # llama.cpp logs a lot to stderr; keep the recent lines to explain failures instead of printing them.
@@ -286,7 +285,7 @@ class Engine:
     ) -> None:
         global _BACKEND_READY
         if kv_type not in KV_TYPES:  # fails before the model is loaded
-            raise EngineError(f"unknown KV type {kv_type!r}: use {', '.join(KV_TYPES)}")
+            raise BackendError(f"unknown KV type {kv_type!r}: use {', '.join(KV_TYPES)}")
         kv_params = kv_params_for(kv_type)
         if not _BACKEND_READY:
             llama_cpp.llama_backend_init()
@@ -302,12 +301,12 @@ class Engine:
             mparams.progress_callback = self._progress_cb
         model = llama_cpp.llama_model_load_from_file(self.model_path.encode(), mparams)
         if not model:
-            raise EngineError(f"llama.cpp could not load the model {self.model_path}: {_last_error() or 'unknown error'}")
+            raise BackendError(f"llama.cpp could not load the model {self.model_path}: {_last_error() or 'unknown error'}")
         if llama_cpp.llama_model_is_diffusion(model):
             # No KV memory at all (llama.cpp creates none): text comes from denoising whole blocks, not from
             # a sequence that grows token by token, which is everything chatcli does.
             llama_cpp.llama_model_free(model)
-            raise EngineError(f"{self.model_path} is a diffusion language model: chatcli needs an autoregressive "
+            raise BackendError(f"{self.model_path} is a diffusion language model: chatcli needs an autoregressive "
                               "one (llama.cpp's llama-diffusion-cli runs this kind)")
         self._model = model
         self._vocab = llama_cpp.llama_model_get_vocab(model)
@@ -336,7 +335,7 @@ class Engine:
         ctx = llama_cpp.llama_init_from_model(model, cparams)
         if not ctx:
             llama_cpp.llama_model_free(model)
-            raise EngineError(f"llama.cpp could not create a context of {n_ctx} tokens (KV {kv_type}): "
+            raise BackendError(f"llama.cpp could not create a context of {n_ctx} tokens (KV {kv_type}): "
                               f"{_last_error() or 'unknown error'}")
         self._ctx = ctx
         self._cparams = cparams  # for sibling contexts over the same model
@@ -440,7 +439,7 @@ class Engine:
         """
         ctx = llama_cpp.llama_init_from_model(self._model, self._cparams)
         if not ctx:
-            raise EngineError(f"llama.cpp could not create another context: {_last_error() or 'unknown error'}")
+            raise BackendError(f"llama.cpp could not create another context: {_last_error() or 'unknown error'}")
         other = copy.copy(self)
         other._ctx = ctx
         other._mem = llama_cpp.llama_get_memory(ctx)
@@ -497,7 +496,7 @@ class Engine:
             buf = (llama_cpp.llama_token * cap)()
             n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
         if n < 0:
-            raise EngineError("tokenization failed")
+            raise BackendError("tokenization failed")
         return list(buf[:n])
 
     def piece(self, token: int, *, special: bool = True) -> bytes:
@@ -579,7 +578,7 @@ class Engine:
             # buffer may be half-written: the logits of the last good position are gone with it.
             llama_cpp.llama_memory_seq_rm(self._mem, SEQ, n0, -1)
             self._drop_logits()
-            raise EngineError(f"llama_decode failed ({rc}): {_last_error() or 'no detail'}")
+            raise BackendError(f"llama_decode failed ({rc}): {_last_error() or 'no detail'}")
         self.tokens.extend(part)
         self.n_evaluated_total += len(part)
         self._shift_pending = False
@@ -598,7 +597,7 @@ class Engine:
         if self._ctx_logits:
             ptr = llama_cpp.llama_get_logits_ith(self._ctx, -1)
             return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
-        raise EngineError("no logits for the current position")
+        raise BackendError("no logits for the current position")
 
     @property
     def has_logits(self) -> bool:
@@ -608,7 +607,7 @@ class Engine:
         """Install logits saved earlier for the current position (so rollback needs no re-evaluation)."""
         arr = np.asarray(logits, dtype=np.float32)
         if arr.shape != (self.n_vocab,):
-            raise EngineError("saved logits do not match the vocabulary")
+            raise BackendError("saved logits do not match the vocabulary")
         self._logits = arr.copy()
 
     def ensure_logits(self) -> int:
@@ -616,7 +615,7 @@ class Engine:
         if self.has_logits:
             return 0
         if not self.tokens:
-            raise EngineError("empty context has no logits")
+            raise BackendError("empty context has no logits")
         last = self.tokens[-1]
         self.truncate(self.n_past - 1)
         self.eval([last])
@@ -708,7 +707,7 @@ class Engine:
         )
         llama_cpp.llama_sampler_apply(chain, ctypes.byref(arr))
         if arr.selected < 0 or arr.selected >= arr.size:
-            raise EngineError("sampler selected no token")
+            raise BackendError("sampler selected no token")
         tok = int(arr.data[arr.selected].id)
         llama_cpp.llama_sampler_accept(chain, tok)
         return tok
@@ -747,7 +746,7 @@ class Engine:
         if s.logit_bias:
             bad = [t for t, _ in s.logit_bias if not 0 <= t < self.n_vocab]
             if bad:
-                raise EngineError(f"logit_bias: token {bad[0]} is not in the vocabulary (0..{self.n_vocab - 1})")
+                raise BackendError(f"logit_bias: token {bad[0]} is not in the vocabulary (0..{self.n_vocab - 1})")
             arr = (llama_cpp.llama_logit_bias * len(s.logit_bias))(
                 *(llama_cpp.llama_logit_bias(token=tok, bias=bias) for tok, bias in s.logit_bias))
             llama_cpp.llama_sampler_chain_add(
@@ -755,7 +754,7 @@ class Engine:
         if s.grammar:
             g = llama_cpp.llama_sampler_init_grammar(self._vocab, s.grammar.encode(), b"root")
             if not g:  # llama.cpp logs why; NULL is all it returns
-                raise EngineError("the grammar could not be parsed")
+                raise BackendError("the grammar could not be parsed")
             llama_cpp.llama_sampler_chain_add(chain, g)
 
     def grammar_ok(self, grammar: str) -> bool:
@@ -775,14 +774,14 @@ class Engine:
         going back elsewhere is ``rewind`` from a saved point.
         """
         if n < 0 or n > self.n_past:
-            raise EngineError(f"cannot truncate to {n}: context holds {self.n_past}")
+            raise BackendError(f"cannot truncate to {n}: context holds {self.n_past}")
         dropped = self.n_past - n
         if dropped and n and not self.can_truncate:
-            raise EngineError(f"this model's memory ({self.memory_kind}) cannot be cut back to {n}: it is "
+            raise BackendError(f"this model's memory ({self.memory_kind}) cannot be cut back to {n}: it is "
                               "rewound from a saved point instead")
         if dropped:
             if not llama_cpp.llama_memory_seq_rm(self._mem, SEQ, n, -1):
-                raise EngineError("llama.cpp could not remove the cells")
+                raise BackendError("llama.cpp could not remove the cells")
             del self.tokens[n:]
             self._drop_logits()
         return dropped
@@ -794,11 +793,11 @@ class Engine:
         must not be saved before that decode.
         """
         if not self.can_shift:
-            raise EngineError("this model's memory cannot be shifted")
+            raise BackendError("this model's memory cannot be shifted")
         if drop <= 0:
             return
         if keep + drop > self.n_past:
-            raise EngineError("shift beyond the end of the context")
+            raise BackendError("shift beyond the end of the context")
         llama_cpp.llama_memory_seq_rm(self._mem, SEQ, keep, keep + drop)
         llama_cpp.llama_memory_seq_add(self._mem, SEQ, keep + drop, -1, -drop)
         self._shift_pending = True
@@ -819,15 +818,15 @@ class Engine:
         must be 0 too.
         """
         if not 0 <= p0 <= p1 <= self.n_past:
-            raise EngineError(f"bad cell range {p0}..{p1} (context holds {self.n_past})")
+            raise BackendError(f"bad cell range {p0}..{p1} (context holds {self.n_past})")
         if p0 == p1:
             return b""
         if not self.can_truncate and point and p1 != self.n_past:
-            raise EngineError(f"this model's memory ({self.memory_kind}) can only be saved where it ends "
+            raise BackendError(f"this model's memory ({self.memory_kind}) can only be saved where it ends "
                               f"({self.n_past}), not at {p1}")
         if not self.ranges:
             if p0 != 0:
-                raise EngineError(f"this model's memory ({self.memory_kind}) is saved whole, not from {p0}")
+                raise BackendError(f"this model's memory ({self.memory_kind}) is saved whole, not from {p0}")
             return self._seq_state(SEQ)
         llama_cpp.llama_memory_seq_rm(self._mem, SCRATCH, -1, -1)
         llama_cpp.llama_memory_seq_cp(self._mem, SEQ, SCRATCH, p0, p1)
@@ -841,7 +840,7 @@ class Engine:
         buf = (ctypes.c_uint8 * size)()
         n = llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, seq)
         if n == 0:
-            raise EngineError("llama.cpp could not save the cells")
+            raise BackendError("llama.cpp could not save the cells")
         return ctypes.string_at(buf, n)  # one copy (bytes(buf)[:n] made two)
 
     def _set_seq_state(self, data: bytes | bytearray | memoryview, seq: int) -> None:
@@ -857,7 +856,7 @@ class Engine:
             del src, view  # release the buffer export, so a mapped file can be closed right after
         if n == 0:
             llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
-            raise EngineError(f"llama.cpp rejected the saved cells: {_last_error() or 'format mismatch'}")
+            raise BackendError(f"llama.cpp rejected the saved cells: {_last_error() or 'format mismatch'}")
 
     def _check_span(self, seq: int, p0: int, p1: int) -> None:
         """The sequence's cells cover [p0, p1). Only the end is checked where the minimum means something
@@ -869,7 +868,7 @@ class Engine:
         hi = llama_cpp.llama_memory_seq_pos_max(self._mem, seq)
         if hi != p1 - 1 or (self.can_truncate and not self.n_swa and lo != p0):
             llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
-            raise EngineError(f"saved cells cover {lo}..{hi + 1}, expected {p0}..{p1}")
+            raise BackendError(f"saved cells cover {lo}..{hi + 1}, expected {p0}..{p1}")
 
     def load_cells(self, p0: int, p1: int, data: bytes | bytearray | memoryview, tokens: Sequence[int]) -> None:
         """Append saved cells of positions [p0, p1) (p0 must equal n_past) with their token ids.
@@ -878,9 +877,9 @@ class Engine:
         in place (its own copy into the KV cache is the only one).
         """
         if p0 != self.n_past:
-            raise EngineError(f"cells start at {p0} but the context holds {self.n_past}")
+            raise BackendError(f"cells start at {p0} but the context holds {self.n_past}")
         if len(tokens) != p1 - p0:
-            raise EngineError("token ids do not match the cell range")
+            raise BackendError("token ids do not match the cell range")
         if p1 > self.n_ctx:
             raise ContextFullError(f"saved state of {p1} tokens does not fit in n_ctx={self.n_ctx}")
         if p0 == p1:
@@ -888,7 +887,7 @@ class Engine:
         if not self.ranges:
             # A whole-sequence state goes straight into the (empty) conversation sequence.
             if p0 != 0:
-                raise EngineError(f"this model's memory ({self.memory_kind}) is restored whole, not from {p0}")
+                raise BackendError(f"this model's memory ({self.memory_kind}) is restored whole, not from {p0}")
             self._set_seq_state(data, SEQ)
             self._check_span(SEQ, 0, p1)
         else:
@@ -915,7 +914,7 @@ class Engine:
         longer lies in it. The cells [0, n) are the ones computed then: logits that follow are bit-identical.
         """
         if not 0 < n <= self.n_past:
-            raise EngineError(f"cannot rewind to {n}: context holds {self.n_past}")
+            raise BackendError(f"cannot rewind to {n}: context holds {self.n_past}")
         if self.can_truncate:
             self.truncate(n)
             return
@@ -929,11 +928,11 @@ class Engine:
             self._check_span(SCRATCH, p0, n)
             llama_cpp.llama_memory_seq_cp(self._mem, SCRATCH, SEQ, n, n + 1)
             if not llama_cpp.llama_memory_seq_rm(self._mem, SEQ, n, -1):
-                raise EngineError("llama.cpp could not rewind the sequence")
+                raise BackendError("llama.cpp could not rewind the sequence")
         finally:
             llama_cpp.llama_memory_seq_rm(self._mem, SCRATCH, -1, -1)
         if llama_cpp.llama_memory_seq_pos_max(self._mem, SEQ) != n - 1:
-            raise EngineError("the rewound sequence does not end where it should")
+            raise BackendError("the rewound sequence does not end where it should")
         del self.tokens[n:]
         self._drop_logits()
 
@@ -953,7 +952,6 @@ class Engine:
 
 
 __all__ = [
-    "KV_PARAMS", "KV_TYPES", "KV_TYPE_NAMES", "BackendError", "Capabilities", "ContextFullError", "Engine", "EngineError",
-    "EvalStats",
+    "KV_PARAMS", "KV_TYPES", "KV_TYPE_NAMES", "BackendError", "Capabilities", "ContextFullError", "Engine", "EvalStats",
     "GenerationResult", "Sampling", "TokenEvent",
 ]
