@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from chatcli.errors import ChatcliError
-from chatcli.server.bridge import END, Run
+from chatcli.server.bridge import END, WINDOW, Run
 from chatcli.server.errors import from_error
 from chatcli.server.service import Delta, Finished
 
@@ -104,11 +104,12 @@ class CompletionStream(Response):
         """Send until the end; True when the reply finished (``[DONE]`` sent)."""
         enc, ttft = self.enc, 0.0
         out = [enc.chunk({"role": "assistant", "content": ""})]
+        window = 0.0  # none before the first token: it goes out the moment it is sampled
         while True:
             if out:
                 await _send_body(send, b"".join(out))
                 out.clear()
-            evs = await self.run.take(PING_SECONDS)
+            evs = await self.run.take(PING_SECONDS, window=window)
             if not evs:
                 out.append(ping())
                 continue
@@ -116,6 +117,7 @@ class CompletionStream(Response):
                 if type(ev) is Delta:
                     if not ttft:
                         ttft = time.perf_counter() - self.t0
+                        window = WINDOW
                     out.append(enc.delta(ev.text, ev.reasoning))
                 elif isinstance(ev, Finished):
                     self.on_finished(ev, ttft or time.perf_counter() - self.t0)
