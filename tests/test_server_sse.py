@@ -14,12 +14,12 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from fastapi.testclient import TestClient  # noqa: E402
+from fastapi.testclient import TestClient
 
-from chatcli.server.app import create_app  # noqa: E402
-from chatcli.server.bridge import END, WINDOW, Run  # noqa: E402
-from chatcli.server.service import ChatRequest, Delta, Finished, Started  # noqa: E402
-from chatcli.server.sse import ChunkEncoder, event  # noqa: E402
+from chatcli.server.app import create_app
+from chatcli.server.bridge import END, WINDOW, Run
+from chatcli.server.service import ChatRequest, Delta, Finished, Started
+from chatcli.server.sse import ChunkEncoder, event
 
 pytestmark = pytest.mark.fast
 
@@ -30,7 +30,7 @@ class FakeService:
     parallel = 1
     model_id = "fake-model"
     model_name = "Fake"
-    index: list[object] = []
+    index: tuple[object, ...] = ()  # len() of it: conversations indexed
 
     def __init__(self, script: Callable[[], Iterator[object]]) -> None:
         self.script = script
