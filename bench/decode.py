@@ -87,6 +87,7 @@ class Bench:
         env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.env = env
         self.live: list[Proc] = []
+        self._eog: dict[str, int] | None = None
 
     def log(self, msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')} load {load():.1f}] {msg}", file=sys.stderr, flush=True)
@@ -151,26 +152,47 @@ class Bench:
                 la = load()
                 r = methods[name]()
                 rows.append({"round": rnd, "method": name, "load": la, **r})
-                self.log(f"  {name}: pp {r.get('prompt_tps')} tg {r.get('decode_tps')}")
+                extra = (f" to [DONE] {r['stream_tps']:.1f}, {r['tokens']} tokens, tail {r['tail_ms']:.0f} ms"
+                         if r.get("stream_tps") else "")
+                self.log(f"  {name}: pp {r.get('prompt_tps')} tg {r.get('decode_tps')}{extra}")
         return rows
 
+    def eog_bias(self) -> dict[str, int]:
+        """``logit_bias`` banning every end-of-generation token: both servers then decode exactly the
+        ``decode`` tokens asked for (an unbanned reply ends at the model's end of turn, and chatcli's and
+        llama-server's renderings of the same chat need not end at the same token)."""
+        if self._eog is None:
+            import llama_cpp
+
+            m = llama_cpp.Llama(model_path=self.model, vocab_only=True, verbose=False)
+            vocab = llama_cpp.llama_model_get_vocab(m.model)
+            self._eog = {str(i): -100 for i in range(llama_cpp.llama_vocab_n_tokens(vocab))
+                         if llama_cpp.llama_vocab_is_eog(vocab, i)}
+        return self._eog
+
     def stream_one(self, port: int, kind: str) -> dict[str, float | None]:
-        """One streamed greedy request on a fresh conversation: decode rate = tokens after the first / time."""
+        """One streamed greedy request on a fresh conversation, its end of turn banned (equal lengths).
+
+        Two rates over the tokens after the first: ``decode_tps`` to the last token's chunk (what
+        decoding costs, comparable with the Engine and talk rows) and ``stream_tps`` to the end of the
+        stream (``[DONE]``: adds what the server does after the last token before it closes)."""
         nonce = f"{time.time_ns() % 100000}"
         words = " ".join(PARAGRAPHS)
         msgs = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": f"Note {nonce}. {words[: self.cfg['prompt'] * 4]}\n\n{COUNT_MSG}"}]
-        r = chat(port, msgs, self.cfg["decode"])
+        r = chat(port, msgs, self.cfg["decode"], {"logit_bias": self.eog_bias()})
         n = None
         if r.usage:
             n = r.usage.get("completion_tokens")
         if n is None and r.timings:
             n = r.timings.get("predicted_n")
-        decode = (n - 1) / (r.total - r.ttft) if n and n > 1 and r.total > r.ttft else None
+        decode = (n - 1) / (r.last - r.ttft) if n and n > 1 and r.last > r.ttft else None
+        stream = (n - 1) / (r.total - r.ttft) if n and n > 1 and r.total > r.ttft else None
         prompt = None
         if r.timings and r.timings.get("prompt_per_second"):
             prompt = float(r.timings["prompt_per_second"])
-        return {"prompt_tps": prompt, "decode_tps": decode, "tokens": n}
+        return {"prompt_tps": prompt, "decode_tps": decode, "stream_tps": stream, "tokens": n,
+                "ttft_ms": 1000 * r.ttft, "tail_ms": 1000 * (r.total - r.last)}
 
     # -- servers --------------------------------------------------------------------------------------------
 
@@ -345,14 +367,21 @@ def single_table(rows: list[dict[str, Any]]) -> list[str]:
         return med(pairs)
 
     out = ["| method | decode tok/s (min–max) | prompt tok/s | decode ÷ llama-server | decode ÷ llama-bench "
-           "| prompt ÷ llama-bench | load avg |", "|---|---:|---:|---:|---:|---:|---:|"]
+           "| prompt ÷ llama-bench | streamed: to [DONE] tok/s (÷ llama-server) · tokens · after the last token ms "
+           "| load avg |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for m, rs in by.items():
         tg = [r["decode_tps"] for r in rs if r.get("decode_tps")]
         pp = [r["prompt_tps"] for r in rs if r.get("prompt_tps")]
         rng = f" ({min(tg):.1f}–{max(tg):.1f})" if tg else ""
+        st = [r["stream_tps"] for r in rs if r.get("stream_tps")]
+        streamed = "–"
+        if st:
+            toks = sorted({r["tokens"] for r in rs if r.get("tokens")})
+            streamed = (f"{f(med(st))} ({f(ratio(m, REF, 'stream_tps'), 2)}) · {'/'.join(map(str, toks))} · "
+                        f"{f(med([r['tail_ms'] for r in rs if r.get('tail_ms') is not None]), 0)}")
         out.append(f"| {m} | {f(med(tg))}{rng} | {f(med(pp), 0)} | {f(ratio(m, REF, 'decode_tps'), 2)} "
                    f"| {f(ratio(m, 'llama-bench', 'decode_tps'), 2)} | {f(ratio(m, 'llama-bench', 'prompt_tps'), 2)} "
-                   f"| {f(min(r['load'] for r in rs))}–{f(max(r['load'] for r in rs))} |")
+                   f"| {streamed} | {f(min(r['load'] for r in rs))}–{f(max(r['load'] for r in rs))} |")
     return out
 
 
@@ -415,7 +444,9 @@ def markdown(res: dict[str, Any], chart: str | None) -> str:
     for cond, rows in res["single"].items():
         lines += [f"## 1. Prompt and decode tokens/s — {names.get(cond, cond)}", "",
                   f"{cfg['prompt']}-token prompt, {cfg['decode']} decoded tokens, {cfg['rounds']} rounds. "
-                  "Ratios are medians of the per-round ratios.", "", *single_table(rows), ""]
+                  "Ratios are medians of the per-round ratios. Streamed rows: the end of turn banned "
+                  "(`logit_bias`) so both servers decode the same number of tokens; decode = first to last "
+                  "token's chunk, \"to [DONE]\" = first token to the end of the stream.", "", *single_table(rows), ""]
     if res.get("concurrency"):
         lines += ["## 2. serve with N concurrent clients", "",
                   f"Each client its own conversation of {cfg['turns']} turns, replies up to {cfg['reply']} tokens, "

@@ -88,7 +88,12 @@ class Bench:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CHATCLI_")}
         env["NO_COLOR"] = "1"
         env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        if opts.omp_wait_policy != "inherit":
+        if opts.omp_wait_policy == "chatcli":
+            # chatcli's own policy (#22): libgomp's default wait and chatcli's thread choice, so nothing
+            # inherited from the shell that starts the bench may change it.
+            for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+                env.pop(k, None)
+        elif opts.omp_wait_policy != "inherit":
             env["OMP_WAIT_POLICY"] = opts.omp_wait_policy.upper()
         self.env = env
         self.before: Path | None = None  # the "before" tree (chatcli of an older commit), see prepare_before
@@ -238,7 +243,7 @@ class Bench:
     def run(self) -> dict[str, Any]:
         c = self.cfg
         res: dict[str, Any] = {"config": {**c, "n_ctx": self.o.n_ctx, "threads": self.o.threads,
-                                          "omp_wait_policy": self.env.get("OMP_WAIT_POLICY", "(unset)"),
+                                          "omp_wait_policy": self.env.get("OMP_WAIT_POLICY", "(unset: chatcli's own policy)"),
                                           "quick": self.o.quick}}
         res["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                           "load_start": os.getloadavg()}
@@ -397,9 +402,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="results directory")
     ap.add_argument("--work", help="scratch directory (default: a new temp dir, removed afterwards)")
     ap.add_argument("--keep-work", action="store_true", help="keep the scratch directory (logs, checkpoints)")
-    ap.add_argument("--omp-wait-policy", choices=["passive", "active", "inherit"], default="passive",
-                    help="OMP_WAIT_POLICY for every measuring process (default passive: on a busy machine, "
-                         "spinning OpenMP threads make multi-threaded decoding collapse)")
+    ap.add_argument("--omp-wait-policy", choices=["chatcli", "passive", "active", "inherit"], default="chatcli",
+                    help="OMP_WAIT_POLICY for every measuring process (default chatcli: unset, as chatcli runs since "
+                         "#22; passive = what it set before, faster only while another process holds a core)")
     ap.add_argument("--before", default="9e58edb",
                     help="git revision whose chatcli is measured next to this tree's for the before/after tables "
                          "(default 9e58edb, main before issue #15; 'none' to skip)")

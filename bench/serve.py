@@ -62,6 +62,7 @@ class Reply:
     usage: dict[str, Any] | None = None  # the final usage chunk, if the server sends one
     timings: dict[str, Any] | None = None  # llama-server's "timings" (prompt_n = tokens evaluated)
     headers: dict[str, str] = field(default_factory=dict)
+    last: float = 0.0  # seconds to the last chunk carrying content (the last token; ``total`` adds the close)
 
 
 def parse_sse(lines: Iterable[bytes], t0: float, clock: Callable[[], float] = time.perf_counter) -> Reply:
@@ -70,7 +71,7 @@ def parse_sse(lines: Iterable[bytes], t0: float, clock: Callable[[], float] = ti
     TTFT is taken at the first chunk whose ``delta.content`` is non-empty; a reply with no content at all
     (end of turn straight away) takes it at the end of the stream.
     """
-    ttft = 0.0
+    ttft = last = 0.0
     parts: list[str] = []
     usage = timings = None
     for raw in lines:
@@ -86,15 +87,17 @@ def parse_sse(lines: Iterable[bytes], t0: float, clock: Callable[[], float] = ti
         for ch in chunk.get("choices") or []:
             text = (ch.get("delta") or {}).get("content") or ""
             if text:
+                last = clock() - t0
                 if not ttft:
-                    ttft = clock() - t0
+                    ttft = last
                 parts.append(text)
         if chunk.get("usage"):
             usage = chunk["usage"]
         if chunk.get("timings"):
             timings = chunk["timings"]
     total = clock() - t0
-    return Reply(ttft=ttft or total, total=total, text="".join(parts), usage=usage, timings=timings)
+    return Reply(ttft=ttft or total, total=total, text="".join(parts), usage=usage, timings=timings,
+                 last=last or total)
 
 
 _PREFIX_HIT = re.compile(rb"Llama\.generate: (\d+) prefix-match hit, remaining (\d+) prompt tokens to eval")
@@ -243,10 +246,11 @@ def http_json(port: int, method: str, path: str, timeout: float = 5.0) -> tuple[
         conn.close()
 
 
-def chat(port: int, messages: list[dict[str, str]], max_tokens: int) -> Reply:
-    """One streamed, greedy chat completion; the clock starts just before the request is sent."""
+def chat(port: int, messages: list[dict[str, str]], max_tokens: int, extra: dict[str, Any] | None = None) -> Reply:
+    """One streamed, greedy chat completion (``extra``: more body fields); the clock starts just before the
+    request is sent."""
     body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "seed": SEED,
-                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+                       "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}).encode()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT)
     try:
         t0 = time.perf_counter()
@@ -508,7 +512,12 @@ class Harness:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CHATCLI_")}
         env["NO_COLOR"] = "1"
         env["CHATCLI_HOME"] = str(self.work / "home-unused")  # nothing may touch the real home
-        if o.omp_wait_policy != "inherit":
+        if o.omp_wait_policy == "chatcli":
+            # chatcli's own policy (#22): libgomp's default wait and chatcli's thread choice, so nothing
+            # inherited from the shell that starts the bench may change it.
+            for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+                env.pop(k, None)
+        elif o.omp_wait_policy != "inherit":
             env["OMP_WAIT_POLICY"] = o.omp_wait_policy.upper()
         self.env = env
         self.model = o.model or self._bundled()
@@ -575,7 +584,8 @@ class Harness:
                 kinds.remove("hearth")
                 notes.append("hearth skipped: `pip install hearth-llm` (the bench extra)")
         res: dict[str, Any] = {"config": {**c, "n_ctx": self.o.n_ctx, "threads": self.o.threads, "quick": self.o.quick,
-                                          "servers": kinds, "omp_wait_policy": self.env.get("OMP_WAIT_POLICY"),
+                                          "servers": kinds,
+                                          "omp_wait_policy": self.env.get("OMP_WAIT_POLICY", "(unset: chatcli's own policy)"),
                                           "llama_logits_all": self.o.llama_logits_all, "model": self.model,
                                           "llama_server": self.llama_server, "chatcli_root": str(self.o.chatcli_root),
                                           "chatcli_commit": git_head(Path(self.o.chatcli_root)),
@@ -1032,8 +1042,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="extra argument for `chatcli serve` (repeatable), e.g. --chatcli-arg=--parallel=4")
     ap.add_argument("--llama-logits-all", choices=["default", "false"], default="default",
                     help="llama_cpp.server's logits_all: its default (true) or false (smaller saved states)")
-    ap.add_argument("--omp-wait-policy", choices=["passive", "active", "inherit"], default="passive",
-                    help="OMP_WAIT_POLICY for every server (default passive, as bench.run)")
+    ap.add_argument("--omp-wait-policy", choices=["chatcli", "passive", "active", "inherit"], default="chatcli",
+                    help="OMP_WAIT_POLICY for every measuring process (default chatcli: unset, as chatcli runs since "
+                         "#22; passive = what it set before, faster only while another process holds a core)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="results directory")
     ap.add_argument("--work", help="scratch directory (default: a new temp dir, removed afterwards)")
     ap.add_argument("--from-json", help="only re-render serve.md and the chart from a serve.json (no servers run)")

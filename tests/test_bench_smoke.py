@@ -75,7 +75,7 @@ def test_bench_quick_runs_and_writes_every_table(tmp_path: Path) -> None:
 def test_serve_sse_parsing_takes_ttft_at_first_content_and_keeps_usage_and_timings() -> None:
     from bench.serve import parse_sse
 
-    ticks = iter([1.5, 2.0])
+    ticks = iter([1.5, 1.75, 2.0])  # the clock is read at each content chunk and at the end
     stream = [
         b'data: {"choices":[{"delta":{"role":"assistant"}}]}\n', b"\n",
         b": ping\n",
@@ -86,7 +86,7 @@ def test_serve_sse_parsing_takes_ttft_at_first_content_and_keeps_usage_and_timin
         b'data: {"choices":[{"delta":{"content":"after done"}}]}\n',
     ]
     r = parse_sse(stream, t0=1.0, clock=lambda: next(ticks))
-    assert (r.ttft, r.total, r.text) == (0.5, 1.0, "Hello")
+    assert (r.ttft, r.last, r.total, r.text) == (0.5, 0.75, 1.0, "Hello")  # last: the last content chunk
     assert r.usage == {"prompt_tokens": 37, "prompt_tokens_details": {"cached_tokens": 30}}
     assert r.timings == {"prompt_n": 7, "cache_n": 30}
     # No content at all (end of turn at once): TTFT is the end of the stream.

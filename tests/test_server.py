@@ -435,12 +435,24 @@ def test_resident_conversations_are_not_restored(server: Server, reference: Serv
 # -- disconnect ------------------------------------------------------------------------------------------
 
 
-def test_disconnect_mid_stream_records_the_reply_so_far(server: Server) -> None:
+def eog_ban(model_path: Path) -> dict[str, int]:
+    """``logit_bias`` banning the model's end-of-generation tokens: a reply then runs to ``max_tokens``."""
+    import llama_cpp
+
+    m = llama_cpp.Llama(model_path=str(model_path), vocab_only=True, verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(m.model)
+    return {str(i): -100 for i in range(llama_cpp.llama_vocab_n_tokens(vocab)) if llama_cpp.llama_vocab_is_eog(vocab, i)}
+
+
+def test_disconnect_mid_stream_records_the_reply_so_far(server: Server, model_path: Path) -> None:
     system = "You are a storyteller. (disconnect)"
     msgs, replies = converse(server, system, ["Name a fruit."])
     cid = replies[0].conv  # type: ignore[union-attr]
     msgs.append({"role": "user", "content": "Tell me a very long story about a dragon."})
-    body = {"model": "any", "messages": msgs, "temperature": 0, "max_tokens": 400, "stream": True}
+    # The end of turn is banned: the reply cannot end by itself before the server sees the client leave,
+    # however fast it streams (an unbanned story could finish first: "stop", not "cancelled").
+    body = {"model": "any", "messages": msgs, "temperature": 0, "max_tokens": 400, "stream": True,
+            "logit_bias": eog_ban(model_path)}
     got = ""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
     conn.request("POST", "/v1/chat/completions", body=json.dumps(body),

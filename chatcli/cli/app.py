@@ -343,7 +343,6 @@ def serve(
     with user_errors():
         try:
             import fastapi  # noqa: F401
-            import sse_starlette  # noqa: F401
             import uvicorn  # noqa: F401
         except ImportError as exc:
             raise CliError(f"chatcli serve needs the 'serve' extra ({exc.name} is missing): "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.responses import JSONResponse
+
 from chatcli.errors import ChatcliError, DoesNotFitError, Kind
 
 # service error kind -> (HTTP status, OpenAI error type)
@@ -43,6 +45,10 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": KINDS[self.kind][1], "param": self.param,
                           "code": CODES.get(self.kind, self.kind if self.kind != "server_error" else None)}}
+
+
+def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 # chatcli error kind -> the OpenAI error kind above; the status is the kind's (chatcli.errors.HTTP_STATUSES)
