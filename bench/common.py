@@ -132,10 +132,20 @@ def drain(gen: Iterable[Any]) -> tuple[Any, Any, list[Any], list[Any]]:
     return None, None, ends, notices
 
 
+def _events(*names: str) -> list[Any]:
+    """Event classes from ``chatcli.core.events``, or from ``core.conversation`` in trees older than it
+    (the --before trees of bench/run.py)."""
+    try:
+        from chatcli.core import events as mod
+    except ImportError:
+        from chatcli.core import conversation as mod
+    return [getattr(mod, n) for n in names]
+
+
 def _drain_old(gen: Iterator[Any]) -> tuple[Any, Any, list[Any], list[Any]]:
     from chatcli.core.conversation import Conversation
-    from chatcli.core.events import Notice, ReplyEnd, ResumeReport
 
+    Notice, ReplyEnd, ResumeReport = _events("Notice", "ReplyEnd", "ResumeReport")
     conv = report = None
     ends: list[Any] = []
     notices: list[Any] = []
@@ -157,8 +167,7 @@ def first_token(conv: Any, gen: Iterator[Any]) -> tuple[float, Any]:
     Cancelling through ``conv.cancel()`` is chatcli's own Ctrl-C path: the (one- or two-token) reply is
     still recorded, so the conversation stays consistent for the next measurement.
     """
-    from chatcli.core.events import ReplyEnd, ReplyText
-
+    ReplyEnd, ReplyText = _events("ReplyEnd", "ReplyText")
     t_first = 0.0
     end = None
     for ev in gen:
