@@ -708,7 +708,9 @@ def test_piped_talk_prints_only_the_reply_on_stdout_and_stats_on_stderr() -> Non
     from chatcli.core.files.store import ConversationStore
 
     (conv_dir, _meta), = ConversationStore(get_paths().conversations_dir).list()
-    r = __import__("chatcli.core.conversation", fromlist=["replay_events"]).replay_events(conv_dir.read_transcript().events)
+    from chatcli.core.transcript import replay_events
+
+    r = replay_events(conv_dir.read_transcript().events)
     reply = r.active[-1].text
     assert result.stdout == reply + "\n"  # nothing but the reply: no prompt, no colours, no stats
     assert "\x1b" not in result.stdout and "\x1b" not in result.stderr
