@@ -518,14 +518,15 @@ def test_the_servers_persona_lookups_match_a_walk_of_every_conversation(chatcli_
                       model_identity={"name": "SmolLM2 test"}, n_ctx=0, template_source="t")
 
     def agree() -> None:
-        convs = idx._convs.values()
+        convs = [(row, idx.persona_for_root(row["root"], frozenset({row["owner"]}))) for row in
+                 idx._rows.dump().values()]
         for owners in (None, frozenset({"repl"}), frozenset({"api:"}), frozenset({"nobody"})):
-            walked = list(dict.fromkeys(c.persona.messages for c in convs if c.persona is not None and c.entries
-                                        and (owners is None or c.owner in owners)))
+            walked = list(dict.fromkeys(p.messages for c, p in convs if p is not None and c["entries"]
+                                        and (owners is None or c["owner"] in owners)))
             assert sorted(map(repr, idx.personas(owners))) == sorted(map(repr, walked))
-            for root in {c.root for c in convs} | {"none"}:
-                want = [c.persona.messages for c in convs if c.root == root and c.persona is not None
-                        and (owners is None or c.owner in owners)]
+            for root in {c["root"] for c, _ in convs} | {"none"}:
+                want = [p.messages for c, p in convs if c["root"] == root and p is not None
+                        and (owners is None or c["owner"] in owners)]
                 got = idx.persona_for_root(root, owners)
                 assert (got.messages if got is not None else None) == (want[0] if want else None)
 
