@@ -396,7 +396,8 @@ class PrefixIndex:
                 saved = dict(shared.extra(self._name + "-seq"))
                 if "seq" in saved:
                     self._seq = int(saved["seq"])
-                self._forget_old_rows(shared)
+                # An older chatcli's rows (format 3: one JSON document per conversation in ``extra``) are
+                # left alone: a server of that version may be running on the same data directory.
                 return rows
             except (sqlite3.Error, IndexUnavailable, ValueError):
                 self._seq = None  # the JSON file below, and every conversation checked
@@ -416,15 +417,6 @@ class PrefixIndex:
         except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, sqlite3.Error):
             rows = PrefixRows.in_memory(self._name)  # an unreadable file is only a cache: start over
         return rows
-
-    def _forget_old_rows(self, shared: Index) -> None:
-        """Rows of format 3 (one JSON document per conversation in ``extra``, all loaded at start): dead
-        weight once this format's tables hold the same."""
-        old = [name for name, in shared.db().execute(
-            "SELECT DISTINCT name FROM extra WHERE name >= 'server-prefix-3-' AND name < 'server-prefix-3.'")]
-        if old:
-            with shared.write() as w:
-                w.executemany("DELETE FROM extra WHERE name=?", [(n,) for n in old])
 
     @property
     def _name(self) -> str:
