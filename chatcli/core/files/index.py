@@ -961,6 +961,7 @@ CREATE TABLE IF NOT EXISTS prefix_keys(
 CREATE INDEX IF NOT EXISTS prefix_keys_key ON prefix_keys(name, key, owner, warm DESC, rest, updated DESC, conv);
 CREATE TABLE IF NOT EXISTS prefix_personas(name TEXT NOT NULL, persona TEXT NOT NULL, owner TEXT NOT NULL,
     n INTEGER NOT NULL, PRIMARY KEY(name, persona, owner)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS prefix_counts(name TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID;
 """
 
 
@@ -1003,11 +1004,14 @@ class PrefixRows:
     def ensure(self) -> None:
         with self._lock:
             db = self._db()
-            if db.execute("SELECT 1 FROM sqlite_master WHERE name='prefix_keys_key'").fetchone() is None:
+            if db.execute("SELECT 1 FROM sqlite_master WHERE name='prefix_counts'").fetchone() is None:
                 with self.write() as w:
                     for stmt in _PREFIX_SCHEMA.split(";"):
                         if stmt.strip():
                             w.execute(stmt)
+                    # Rows made before the count was kept (none, unless an earlier build of these tables).
+                    w.execute("INSERT OR IGNORE INTO prefix_counts SELECT name, COUNT(*) FROM prefix_convs "
+                              "GROUP BY name")
 
     def _read(self, sql: str, args: Iterable[Any]) -> list[Any]:
         with self._lock:  # not in the middle of another thread's transaction on the shared connection
@@ -1021,7 +1025,8 @@ class PrefixRows:
             updated: float, n_active: int, owner: str, warm: bool, entries: Iterable[tuple[str, int, int]]) -> None:
         """The conversation's row and its boundaries' (key, k, pos), replacing what it had."""
         with self.write() as w:
-            self._drop(w, cid)
+            if not self._drop(w, cid):
+                self._add_count(w, 1)
             w.execute("INSERT INTO prefix_convs VALUES(?,?,?,?,?,?,?,?,?,?)",
                       (self.name, cid, size, mtime, root, persona, persona_key, updated, n_active, owner))
             w.executemany("INSERT OR REPLACE INTO prefix_keys VALUES(?,?,?,?,?,?,?,?,?)",
@@ -1034,7 +1039,15 @@ class PrefixRows:
     def drop(self, cid: str) -> bool:
         """Forget the conversation; whether it was known."""
         with self.write() as w:
-            return self._drop(w, cid)
+            known = self._drop(w, cid)
+            if known:
+                self._add_count(w, -1)
+            return known
+
+    def _add_count(self, w: sqlite3.Connection, n: int) -> None:
+        # Kept with the rows (in their transactions) so that counting them costs no scan: /health says it.
+        w.execute("INSERT INTO prefix_counts VALUES(?, ?) ON CONFLICT(name) DO UPDATE SET n = n + ?",
+                  (self.name, n, n))
 
     def _drop(self, w: sqlite3.Connection, cid: str) -> bool:
         row = w.execute("SELECT persona_key, owner FROM prefix_convs WHERE name=? AND conv=?",
@@ -1068,8 +1081,8 @@ class PrefixRows:
 
     def count(self) -> int:
         with self._lock:
-            return int(self._db().execute("SELECT COUNT(*) FROM prefix_convs WHERE name=?",
-                                          (self.name,)).fetchone()[0])
+            row = self._db().execute("SELECT n FROM prefix_counts WHERE name=?", (self.name,)).fetchone()
+        return 0 if row is None else int(row[0])
 
     def lookup(self, key: str, *, owners: frozenset[str] | None, only: str | None, limit: int) -> list[PrefixKeyRow]:
         """The boundaries at ``key``: at most ``limit`` per owner, those that had a state file first, then
