@@ -15,6 +15,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,8 @@ from chatcli.core.files.index import WALK_EVERY_S, Index, SearchFilters, fts_que
 from chatcli.core.files.store import ConversationDir, ConversationStore
 from chatcli.core.kv.budget import total_bytes
 from chatcli.core.search import run_search
+from chatcli.core.template import Message
+from chatcli.server import history
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -506,6 +509,92 @@ def test_a_restarted_server_looks_only_at_what_changed_since_its_save(chatcli_ho
     assert sorted(checked) == sorted([convs[1].id, convs[2].id]) and len(third) == 3
 
 
+def _copies(conv: ConversationDir, n: int, tag: str) -> list[str]:
+    """``n`` copies of a conversation's folder under new ids (as bench/scale.py grows a store)."""
+    ids = [f"{tag}{i:05d}" for i in range(n)]
+    for cid in ids:
+        shutil.copytree(conv.path, conv.path.parent / cid, ignore=shutil.ignore_patterns("*.lock", "lock"))
+    return ids
+
+
+def _vm_steps(store: ConversationStore, fn: Callable[[], object]) -> int:
+    """SQLite virtual-machine steps ``fn`` runs on the store's index: what it reads, not how long it takes."""
+    assert store.index is not None
+    db, n = store.index.db(), [0]
+
+    def tick() -> int:
+        n[0] += 1
+        return 0
+
+    db.set_progress_handler(tick, 1)
+    try:
+        fn()
+    finally:
+        db.set_progress_handler(None, 1)
+    return n[0]
+
+
+def test_a_server_start_reads_no_row_per_stored_conversation(chatcli_home: Path) -> None:
+    """`serve` ready in the same time at 10 as at 10,000 conversations: opening the prefix index and its
+    first refresh (nothing changed since the last server) read the same from SQLite with 200 more stored
+    conversations. (They loaded every conversation's rows: 0.6 s at 10k, linear.) The folder walk is the
+    SQLite index's own business, tested above."""
+    from chatcli.server.index import PrefixIndex
+
+    base = _conv(_store(), "t", "hello", "world")
+
+    def start(store: ConversationStore) -> PrefixIndex:
+        idx = PrefixIndex(store, get_paths().data_dir / "server" / "index.json", model_identity={"name": "SmolLM2 test"},
+                          n_ctx=0, template_source="t")
+        idx._reconciled_at = time.monotonic()  # the walk left out (see above)
+        idx.refresh()
+        return idx
+
+    def restart() -> int:
+        store = _store()
+        return _vm_steps(store, lambda: start(store))
+
+    first = start(_store())
+    first.refresh(full=True)
+    first.save()
+    small = restart()
+    _copies(base, 200, "c")
+    grown = start(_store())
+    grown.refresh(full=True)
+    grown.save()
+    assert len(grown) == 201
+    big = restart()
+    assert big <= small + 100, (small, big)
+
+
+def test_a_lookup_returns_the_candidates_to_try_not_every_conversation_sharing_the_key(chatcli_home: Path) -> None:
+    """One API request flat to 100,000 conversations: when thousands share a boundary (copies, a client's
+    forks, one persona's root), a lookup returns at most ``LOOKUP_LIMIT`` per owner (each then costs the
+    request a stat), the ones the server tries first: that had a state file, then ending at the boundary."""
+    from chatcli.server.index import LOOKUP_LIMIT, PrefixIndex
+
+    store = _store()
+    base = _conv(store, "t", "hello", "world")
+    ids = _copies(base, LOOKUP_LIMIT + 10, "c")
+    longer, warm = store.resolve(ids[0]), store.resolve(ids[-1])
+    _say(longer, 2, "and then", "more")  # goes on past the boundary: tried last
+    warm.state_path.write_bytes(b"x" * 16)
+    idx = PrefixIndex(store, get_paths().data_dir / "server" / "index.json", model_identity={"name": "SmolLM2 test"},
+                      n_ctx=0, template_source="t")
+    idx.refresh(full=True)
+    assert len(idx) == LOOKUP_LIMIT + 11
+    root = idx.root([Message("system", "S alice")])
+    keys = history.chain(root, [Message("user", "hello"), Message("assistant", "world")])
+    i, found = idx.lookup(root, keys, owners=frozenset({"repl"}))
+    assert i == 2 and len(found) == LOOKUP_LIMIT
+    assert found[0].conv == warm.id and all(e.end for e in found) and longer.id not in {e.conv for e in found}
+    i, found = idx.lookup(root, keys, only=longer.id, owners=frozenset({"repl"}))
+    assert i == 2 and [e.conv for e in found] == [longer.id] and found[0].rest == 2
+    assert idx.lookup(root, keys, owners=frozenset({"api:"})) == (-1, [])  # another owner's: none
+    _, at_root = idx.lookup(root, [], owners=frozenset({"repl"}))
+    assert len(at_root) == LOOKUP_LIMIT and at_root[0].conv == warm.id
+
+
 def test_the_servers_persona_lookups_match_a_walk_of_every_conversation(chatcli_home: Path) -> None:
     """personas() and persona_for_root() run per request: kept as conversations come and go (their cost the
     number of personas), they answer what asking every conversation answered."""
@@ -518,14 +607,15 @@ def test_the_servers_persona_lookups_match_a_walk_of_every_conversation(chatcli_
                       model_identity={"name": "SmolLM2 test"}, n_ctx=0, template_source="t")
 
     def agree() -> None:
-        convs = idx._convs.values()
+        convs = [(row, idx.persona_for_root(row["root"], frozenset({row["owner"]}))) for row in
+                 idx._rows.dump().values()]
         for owners in (None, frozenset({"repl"}), frozenset({"api:"}), frozenset({"nobody"})):
-            walked = list(dict.fromkeys(c.persona.messages for c in convs if c.persona is not None and c.entries
-                                        and (owners is None or c.owner in owners)))
+            walked = list(dict.fromkeys(p.messages for c, p in convs if p is not None and c["entries"]
+                                        and (owners is None or c["owner"] in owners)))
             assert sorted(map(repr, idx.personas(owners))) == sorted(map(repr, walked))
-            for root in {c.root for c in convs} | {"none"}:
-                want = [c.persona.messages for c in convs if c.root == root and c.persona is not None
-                        and (owners is None or c.owner in owners)]
+            for root in {c["root"] for c, _ in convs} | {"none"}:
+                want = [p.messages for c, p in convs if c["root"] == root and p is not None
+                        and (owners is None or c["owner"] in owners)]
                 got = idx.persona_for_root(root, owners)
                 assert (got.messages if got is not None else None) == (want[0] if want else None)
 

@@ -5,31 +5,31 @@ boundaries (``history.chain``): after the persona, and after each message still 
 walks the request's keys from the longest down and returns the conversations holding that boundary, with
 the token position it ends at, so the caller can restore exactly that much state and evaluate only the rest.
 
-The index is a cache of what the transcripts say: it is saved in the data directory's SQLite index
-(``core/files/index.py``, one row per conversation, only the changed ones written) so a restarted server
-does not replay every transcript, and each entry remembers the size and mtime of the transcript it was
-built from. Which conversations another process changed (a REPL turn, ``chatcli rm``) comes from the
-SQLite index's change numbers, so a request looks at those only, not at every folder; at start the whole
-data directory is reconciled once (one stat per folder). Without a usable SQLite index it falls back to
-one JSON file and a stat of every transcript per request.
+The index is a cache of what the transcripts say, kept in tables of the data directory's SQLite index
+(``core/files/index.py`` ``PrefixRows``) with an index on the key: a request reads the rows of its own keys,
+a start reads none, so neither costs more with more conversations. Each row remembers the size and mtime
+of the transcript it was built from. Which conversations another process changed (a REPL turn, ``chatcli
+rm``) comes from the SQLite index's change numbers, so a request looks at those only, not at every folder;
+at start the data directory is reconciled once (its stamps say whether the folders need a walk). Without a
+usable SQLite index the tables live in memory, saved to one JSON file, and every transcript is stat-ed per
+request.
 """
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import logging
 import os
 import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from chatcli.core.files.fsutil import atomic_write_text
-from chatcli.core.files.index import Index, IndexUnavailable
+from chatcli.core.files.index import Index, IndexUnavailable, PrefixRows
 from chatcli.core.files.migrations import FormatError
 from chatcli.core.files.store import ConversationDir, ConversationStore, StoreError
 from chatcli.core.template import Message
@@ -42,7 +42,9 @@ if TYPE_CHECKING:  # the index is loaded without the conversation's engine-side 
 
 # 2: a reply's key is its answer (reasoning left out): keys of version 1 are recomputed
 # 3: each conversation's owner (API clients are matched only with their own)
-INDEX_VERSION = 3
+# 4: rows in tables of their own, looked up per request (core/files/index.py PrefixRows)
+INDEX_VERSION = 4
+LOOKUP_LIMIT = 32  # entries a lookup returns per owner: the candidates a request tries, not every sharer
 RECONCILE_EVERY = 60.0  # seconds between two looks at every folder (~30 ms at 10,000 conversations)
 REPL_OWNER = "repl"  # the owner of conversations not made through the API
 
@@ -80,18 +82,6 @@ class PersonaInfo:
     messages: tuple[Message, ...]
     name: str
     hash: str
-
-
-@dataclass
-class _Conv:
-    size: int
-    mtime: int
-    root: str
-    persona: PersonaInfo | None
-    updated: float
-    entries: list[tuple[str, int, int]]  # (key, k, pos)
-    n_active: int
-    owner: str = ""  # see owner_of
 
 
 @dataclass(frozen=True)
@@ -142,6 +132,12 @@ def _is_id(store: ConversationStore, name: str) -> bool:
 
 
 class PrefixIndex:
+    """The prefix index of one server (its model, context size and template): its rows are tables of the
+    SQLite index (``core/files/index.py`` ``PrefixRows``), read per request for the request's keys only, so
+    starting costs the same at 10 conversations as at 100,000 (before, every conversation's rows were loaded
+    into memory at start: linear, seconds at 100k). Without a usable SQLite index the same tables live in
+    memory, loaded from and saved to one JSON file."""
+
     def __init__(
         self,
         store: ConversationStore,
@@ -160,19 +156,16 @@ class PrefixIndex:
         self._transcript = store.dir("x").transcript_path.name
         self._stamp = hashlib.sha256(json.dumps(
             {"id": model_identity, "n_ctx": n_ctx, "t": template_source}, sort_keys=True).encode()).hexdigest()[:16]
-        self._convs: dict[str, _Conv] = {}
-        self._keys: dict[str, list[Entry]] = {}
-        # What a request asks of every conversation, kept as they come and go so that asking costs the number
-        # of personas, not of conversations: persona → owner → conversations with boundaries; root → owner →
-        # conversation ids (in the order they came).
-        self._persona_owners: dict[tuple[Message, ...], dict[str, int]] = {}
-        self._root_convs: dict[str, dict[str, dict[str, None]]] = {}
         self._dirty = False
-        self._changed: set[str] = set()  # conversations whose row is not saved yet
         self._saved_at = 0.0
         self._seq: int | None = None  # the SQLite index's change number this index has caught up with
         self._reconciled_at = -RECONCILE_EVERY
-        self._load()
+        self._rows = self._open()
+
+    @property
+    def rows_read(self) -> int:
+        """Rows read back from the tables so far (what a start or a request costs, for tests)."""
+        return self._rows.rows_read
 
     # -- keys ----------------------------------------------------------------------------------------
 
@@ -182,27 +175,41 @@ class PrefixIndex:
     def personas(self, owners: frozenset[str] | None = None) -> list[tuple[Message, ...]]:
         """Personas of the indexed conversations (to recognise a REPL persona a client resends whole);
         of those ``owners`` have, when given."""
-        return [p for p, by in self._persona_owners.items() if owners is None or any(o in owners for o in by)]
+        try:
+            keys = self._rows.personas(owners)
+        except sqlite3.Error:
+            self._lost()
+            return []
+        return [tuple(Message(str(m[0]), str(m[1])) for m in json.loads(k)) for k in keys]
 
     def persona_for_root(self, root: str, owners: frozenset[str] | None = None) -> PersonaInfo | None:
-        for owner, cids in self._root_convs.get(root, {}).items():
-            if owners is None or owner in owners:
-                for cid in cids:
-                    return self._convs[cid].persona
-        return None
+        try:
+            doc = self._rows.persona_for_root(root, owners)
+        except sqlite3.Error:
+            self._lost()
+            return None
+        if doc is None:
+            return None
+        p = json.loads(doc)
+        return PersonaInfo(tuple(Message(str(m[0]), str(m[1])) for m in p["messages"]), str(p["name"]), str(p["hash"]))
 
     # -- lookup --------------------------------------------------------------------------------------
 
     def lookup(self, root: str, keys: list[str], *, only: str | None = None,
                owners: frozenset[str] | None = None) -> tuple[int, list[Entry]]:
         """The longest matched boundary: (messages matched after the persona, entries); (-1, []) if none.
-        ``owners``: only conversations of these owners (a client never meets another's)."""
-        for i in range(len(keys), -1, -1):
-            key = keys[i - 1] if i else root
-            found = [e for e in self._keys.get(key, ())
-                     if (only is None or e.conv == only) and (owners is None or e.owner in owners)]
-            if found:
-                return i, found
+        ``owners``: only conversations of these owners (a client never meets another's). At most
+        ``LOOKUP_LIMIT`` entries per owner: the ones the server would try first (that had a state file,
+        then going least beyond the boundary, then the most recent), however many conversations share it
+        (copies, or a client's forks: thousands share a persona's root)."""
+        try:
+            for i in range(len(keys), -1, -1):
+                key = keys[i - 1] if i else root
+                found = [Entry(*r) for r in self._rows.lookup(key, owners=owners, only=only, limit=LOOKUP_LIMIT)]
+                if found:
+                    return i, found
+        except sqlite3.Error:
+            self._lost()
         return -1, []
 
     # -- maintenance -----------------------------------------------------------------------------------
@@ -214,54 +221,94 @@ class PrefixIndex:
         call are looked at (a query, then a stat each): chatcli processes tell the index of every write.
         The whole directory (one stat per folder: changes made behind chatcli's back) is reconciled at the
         first call, when ``full``, and at most every ``RECONCILE_EVERY`` seconds otherwise.
-        ``save=False`` leaves saving the index to after the reply.
+        ``save=False`` leaves saving the change number (or the JSON file) to after the reply.
         """
+        for attempt in (1, 2):
+            try:
+                self._refresh(full)
+                break
+            except sqlite3.Error:
+                if attempt == 2:
+                    break  # the index is only a cache: the next request tries again
+                self._lost()
+        if save:
+            self.save_soon()
+
+    def _refresh(self, full: bool) -> None:
         shared = self.store.index
         if shared is None:
             self._refresh_all()
-        else:
-            try:
-                if full or time.monotonic() - self._reconciled_at >= RECONCILE_EVERY:
-                    shared.reconcile(full=full)  # otherwise its stamps say whether the folders need a walk
-                    self._reconciled_at = time.monotonic()
-                self._refresh_changed(shared)
-            except (sqlite3.Error, IndexUnavailable):
-                self._refresh_all()
-        if save:
-            self.save_soon()
+            return
+        try:
+            if full or time.monotonic() - self._reconciled_at >= RECONCILE_EVERY:
+                shared.reconcile(full=full)  # otherwise its stamps say whether the folders need a walk
+                self._reconciled_at = time.monotonic()
+            self._refresh_changed(shared)
+        except IndexUnavailable:
+            self._refresh_all()
+
+    def _lost(self) -> None:
+        """The tables failed (the shared index was rebuilt under this process, say): make them again and
+        check every conversation at the next refresh."""
+        self._seq = None
+        try:
+            self._rows.ensure()
+        except (sqlite3.Error, IndexUnavailable):
+            pass
+
+    def _chunks(self, cids: list[str], size: int = 64) -> Iterator[list[str]]:
+        # One transaction per chunk: fewer commits than one per conversation, and other processes' writes
+        # wait at most one chunk's reading of transcripts (not a whole first build's).
+        for i in range(0, len(cids), size):
+            yield cids[i:i + size]
 
     def _refresh_changed(self, shared: Index) -> None:
         if self._seq is None:
             seq, _ = shared.changed_since(-1)
             stamps = shared.stamps()
-            for cid in list(self._convs):
-                if cid not in stamps:
-                    self._drop(cid)
+            gone = [cid for cid in self._rows.ids() if cid not in stamps]
+            for chunk in self._chunks(gone):
+                with self._rows.write():
+                    for cid in chunk:
+                        self._drop(cid)
             candidates = list(stamps)
+            self._dirty = self._dirty or bool(gone)
         else:
             seq, candidates = shared.changed_since(self._seq)
-        for cid in candidates:
-            self._check(cid, f"{self.store.root}{os.sep}{cid}{os.sep}{self._transcript}")
+        for chunk in self._chunks(candidates):
+            with self._rows.write():
+                for cid in chunk:
+                    self._check(cid, f"{self.store.root}{os.sep}{cid}{os.sep}{self._transcript}")
+        # Worth saving only when something was looked at (nothing indexed yet: no number to keep).
+        self._dirty = self._dirty or bool(candidates)
         self._seq = seq
 
     def _check(self, cid: str, transcript: str) -> None:
         try:
             st = os.stat(transcript)
         except OSError:
-            if cid in self._convs:
-                self._drop(cid)
+            self._drop(cid)
             return
-        old = self._convs.get(cid)
-        if old is not None and old.size == st.st_size and old.mtime == st.st_mtime_ns:
+        old = self._rows.stamp(cid)
+        if old is not None and old[0] == st.st_size and old[1] == st.st_mtime_ns:
             # Changed all the same (the index says so): its metadata, which names its owner. Who may match
-            # it follows at once (a conversation shared with, or taken from, the API).
+            # it follows at once (a conversation shared with, or taken from, the API). Its state file too
+            # (evicted or written back): the order a lookup gives its candidates in.
             try:
                 owner = owner_of(self.store.dir(cid).read_meta())
             except (StoreError, FormatError, OSError):
                 return
-            if owner == old.owner:
+            if owner == old[2]:
+                if self._warm(cid) != old[3]:
+                    self._rows.set_warm(cid, not old[3])
                 return
         self._index_dir(self.store.dir(cid), st.st_size, st.st_mtime_ns)
+
+    def _warm(self, cid: str) -> bool:
+        try:
+            return self.store.dir(cid).state_size() > 0
+        except (OSError, StoreError):
+            return False
 
     def _refresh_all(self) -> None:
         ids: dict[str, str] = {}  # id → its transcript's path
@@ -272,11 +319,14 @@ class PrefixIndex:
                         ids[ent.name] = f"{ent.path}{os.sep}{self._transcript}"
         except (FileNotFoundError, NotADirectoryError):
             pass  # no conversations yet
-        for cid in list(self._convs):
-            if cid not in ids:
-                self._drop(cid)
-        for cid, transcript in ids.items():
-            self._check(cid, transcript)
+        with self._rows.write():
+            for cid in self._rows.ids():
+                if cid not in ids:
+                    self._drop(cid)
+        for chunk in self._chunks(list(ids)):
+            with self._rows.write():
+                for cid in chunk:
+                    self._check(cid, ids[cid])
 
     def update(self, conv: Conversation) -> None:
         """Re-index a conversation this process just wrote (no need to read the transcript back)."""
@@ -284,7 +334,10 @@ class PrefixIndex:
             st = self.store.dir(conv.id).transcript_path.stat()
         except OSError:
             return
-        self._set(conv.id, st.st_size, st.st_mtime_ns, Shape.of(conv), conv.meta)
+        try:
+            self._set(conv.id, st.st_size, st.st_mtime_ns, Shape.of(conv), conv.meta)
+        except sqlite3.Error:
+            self._lost()  # read back from its transcript at the next refresh
 
     def _index_dir(self, conv_dir: ConversationDir, size: int, mtime: int) -> None:
         try:
@@ -297,12 +350,10 @@ class PrefixIndex:
             # so it is read again only when its transcript changes.
             log.warning("conversation %s skipped: %s", conv_dir.id, str(exc).splitlines()[0] if str(exc) else
                         type(exc).__name__)
-            self._drop(conv_dir.id)
-            self._convs[conv_dir.id] = _Conv(size, mtime, "", None, 0.0, [], 0)
+            self._rows.put(conv_dir.id, size, mtime, "", None, None, 0.0, 0, "", False, [])
             self._dirty = True
 
     def _set(self, cid: str, size: int, mtime: int, sh: Shape, meta: dict[str, Any]) -> None:
-        self._drop(cid)
         model = {k: v for k, v in dict(meta.get("model") or {}).items() if k != "path"}
         n_ctx = int(dict(meta.get("params") or {}).get("n_ctx", 0) or 0)
         updated = float(meta.get("updated", 0) or 0)
@@ -310,48 +361,17 @@ class PrefixIndex:
         persona = sh.persona
         root = self.root(persona) if usable else ""
         entries = conversation_keys(root, sh) if usable else []
-        info = PersonaInfo(persona, str(meta.get("persona", "")), str(meta.get("persona_hash", ""))) if usable else None
-        self._convs[cid] = _Conv(size, mtime, root, info, updated, entries, len(sh.active), owner_of(meta))
-        self._add(cid)
+        messages = [[m.role, m.content] for m in persona]
+        doc = json.dumps({"messages": messages, "name": str(meta.get("persona", "")),
+                          "hash": str(meta.get("persona_hash", ""))}, ensure_ascii=False) if usable else None
+        persona_key = json.dumps(messages, ensure_ascii=False) if usable and entries else None
+        self._rows.put(cid, size, mtime, root, doc, persona_key, updated, len(sh.active), owner_of(meta),
+                       self._warm(cid), entries)
         self._dirty = True
-        self._changed.add(cid)
-
-    def _add(self, cid: str) -> None:
-        c = self._convs[cid]
-        if c.persona is not None:
-            if c.entries:
-                by = self._persona_owners.setdefault(c.persona.messages, {})
-                by[c.owner] = by.get(c.owner, 0) + 1
-            self._root_convs.setdefault(c.root, {}).setdefault(c.owner, {})[cid] = None
-        for key, k, pos in c.entries:
-            self._keys.setdefault(key, []).append(Entry(cid, k, pos, c.n_active - k, c.updated, c.owner))
 
     def _drop(self, cid: str) -> None:
-        c = self._convs.pop(cid, None)
-        if c is None:
-            return
-        if c.persona is not None:
-            by = self._persona_owners.get(c.persona.messages, {})
-            if c.entries and c.owner in by:
-                by[c.owner] -= 1
-                if by[c.owner] <= 0:
-                    del by[c.owner]
-                if not by:
-                    self._persona_owners.pop(c.persona.messages, None)
-            roots = self._root_convs.get(c.root, {})
-            roots.get(c.owner, {}).pop(cid, None)
-            if not roots.get(c.owner, True):
-                del roots[c.owner]
-            if not roots:
-                self._root_convs.pop(c.root, None)
-        for key, _k, _pos in c.entries:
-            lst = [e for e in self._keys.get(key, ()) if e.conv != cid]
-            if lst:
-                self._keys[key] = lst
-            else:
-                self._keys.pop(key, None)
-        self._dirty = True
-        self._changed.add(cid)
+        if self._rows.drop(cid):
+            self._dirty = True
 
     # -- persistence -----------------------------------------------------------------------------------
 
@@ -365,101 +385,69 @@ class PrefixIndex:
         except OSError:
             pass
 
-    def _load(self) -> None:
-        # Tens of thousands of small objects, none of them cyclic: the cyclic collector, run again and again
-        # as they accumulate, took a third of loading 10,000 conversations' rows.
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            self._load_rows()
-        finally:
-            if enabled:
-                gc.enable()
-
-    def _load_rows(self) -> None:
+    def _open(self) -> PrefixRows:
         self._remove_stale_temp_files()
         shared = self.store.index
+        if shared is not None:
+            try:
+                rows = shared.prefix_rows(self._name)
+                # The change number the rows are caught up with: the first refresh then looks only at what
+                # changed since, not at every conversation (a stat and a meta.json read each).
+                saved = dict(shared.extra(self._name + "-seq"))
+                if "seq" in saved:
+                    self._seq = int(saved["seq"])
+                # An older chatcli's rows (format 3: one JSON document per conversation in ``extra``) are
+                # left alone: a server of that version may be running on the same data directory.
+                return rows
+            except (sqlite3.Error, IndexUnavailable, ValueError):
+                self._seq = None  # the JSON file below, and every conversation checked
+        rows = PrefixRows.in_memory(self._name)
         try:
-            if shared is not None:
-                # The change number the saved rows are caught up with (saved with them): the first refresh
-                # then looks only at what changed since, not at every conversation (a stat and a meta.json
-                # read each: seconds at 10,000 before `serve` could answer).
-                saved = dict(shared.extra(self._extra_name + "-seq"))
-                rows: Iterable[tuple[str, Any]] = ((cid, json.loads(v)) for cid, v in shared.extra(self._extra_name))
-            else:
-                doc = json.loads(self.path.read_text("utf-8"))
-                if doc.get("version") != INDEX_VERSION or doc.get("stamp") != self._stamp:
-                    return  # another model or format: rebuilt from the transcripts
-                rows = doc["convs"].items()
-            personas: dict[tuple[str, ...], PersonaInfo] = {}  # most conversations share a few personas: each made once
-            for cid, c in rows:
-                persona = None
-                if c.get("persona") is not None:
-                    p = c["persona"]
-                    seen = (str(p["name"]), str(p["hash"]), *(f"{m[0]}\0{m[1]}" for m in p["messages"]))
-                    persona = personas.get(seen)
-                    if persona is None:
-                        persona = personas[seen] = PersonaInfo(
-                            tuple(Message(str(m[0]), str(m[1])) for m in p["messages"]), str(p["name"]), str(p["hash"]))
-                self._convs[cid] = _Conv(int(c["size"]), int(c["mtime"]), str(c["root"]), persona,
-                                         float(c["updated"]), [(str(k), int(a), int(b)) for k, a, b in c["entries"]],
-                                         int(c["n_active"]), str(c["owner"]))
-                self._add(cid)
-            if shared is not None and "seq" in saved:
-                self._seq = int(saved["seq"])
-        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, sqlite3.Error, IndexUnavailable):
-            self._convs.clear()  # an unreadable index is only a cache: start over
-            self._keys.clear()
-            self._persona_owners.clear()
-            self._root_convs.clear()
-            self._seq = None
+            doc = json.loads(self.path.read_text("utf-8"))
+            if doc.get("version") == INDEX_VERSION and doc.get("stamp") == self._stamp:
+                with rows.write():
+                    for cid, c in doc["convs"].items():
+                        p = c.get("persona")
+                        key = (json.dumps(p["messages"], ensure_ascii=False) if p is not None and c["entries"]
+                               else None)
+                        rows.put(str(cid), int(c["size"]), int(c["mtime"]), str(c["root"]),
+                                 None if p is None else json.dumps(p, ensure_ascii=False), key, float(c["updated"]),
+                                 int(c["n_active"]), str(c["owner"]), bool(c.get("warm", False)),
+                                 [(str(k), int(a), int(b)) for k, a, b in c["entries"]])
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, sqlite3.Error):
+            rows = PrefixRows.in_memory(self._name)  # an unreadable file is only a cache: start over
+        return rows
 
     @property
-    def _extra_name(self) -> str:
+    def _name(self) -> str:
         # Rows of another model, context size or template are kept apart (a server with another model
         # would index the same folders differently), under this index's format version.
         return f"server-prefix-{INDEX_VERSION}-{self._stamp}"
 
     def save_soon(self, interval: float = 10.0) -> None:
-        """Save when changed, at most every ``interval`` seconds: a stale saved index costs a restarted
-        server only the re-reading of the transcripts that changed since (their size/mtime tell)."""
+        """Save when changed, at most every ``interval`` seconds: the rows are written as they change; what
+        waits is the change number they are caught up with (a stale one costs a restarted server only a
+        check of the conversations changed since) or, without the SQLite index, the JSON file."""
         if self._dirty and time.monotonic() - self._saved_at >= interval:
             self.save()
-
-    def _doc(self, c: _Conv) -> dict[str, Any]:
-        persona = None
-        if c.persona is not None:
-            persona = {"messages": [[m.role, m.content] for m in c.persona.messages],
-                       "name": c.persona.name, "hash": c.persona.hash}
-        return {"size": c.size, "mtime": c.mtime, "root": c.root, "persona": persona,
-                "updated": c.updated, "entries": c.entries, "n_active": c.n_active, "owner": c.owner}
 
     def save(self) -> None:
         shared = self.store.index
         try:
-            if shared is not None:
-                # Only the rows that changed: a save costs what changed, not the size of the store.
-                rows: list[tuple[str, str | None]] = []
-                for cid in self._changed:
-                    c = self._convs.get(cid)
-                    rows.append((cid, None if c is None else json.dumps(self._doc(c), ensure_ascii=False,
-                                                                        separators=(",", ":"))))
-                with shared.write():  # the rows and the change number they are caught up with, together
-                    shared.put_extra(self._extra_name, rows)
-                    if self._seq is not None:
-                        shared.put_extra(self._extra_name + "-seq", [("seq", str(self._seq))])
-            else:
-                convs = {cid: self._doc(c) for cid, c in self._convs.items()}
+            if shared is not None and self._seq is not None:
+                shared.put_extra(self._name + "-seq", [("seq", str(self._seq))])
+            elif shared is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
                 atomic_write_text(self.path, json.dumps({"version": INDEX_VERSION, "stamp": self._stamp,
-                                                         "convs": convs}, ensure_ascii=False, separators=(",", ":")))
+                                                         "convs": self._rows.dump()},
+                                                        ensure_ascii=False, separators=(",", ":")))
             self._dirty = False
-            self._changed.clear()
             self._saved_at = time.monotonic()
         except (OSError, sqlite3.Error, IndexUnavailable):
             pass  # the index is rebuilt from the transcripts when it cannot be saved
 
     def __len__(self) -> int:
-        return len(self._convs)
-
-
+        try:
+            return self._rows.count()
+        except sqlite3.Error:
+            return 0

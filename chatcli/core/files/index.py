@@ -934,3 +934,202 @@ class Index:
                     w.execute("DELETE FROM extra WHERE name=? AND conv=?", (name, cid))
                 else:
                     w.execute("INSERT OR REPLACE INTO extra VALUES(?, ?, ?)", (name, cid, value))
+
+    def prefix_rows(self, name: str) -> PrefixRows:
+        """The server's prefix rows kept under ``name`` in this index (tables made if missing: an index
+        made by an older chatcli has none, and adding them is cheaper than a rebuild)."""
+        rows = PrefixRows(self.db, self.write, self._lock, name)
+        rows.ensure()
+        return rows
+
+
+_PREFIX_SCHEMA = """
+CREATE TABLE IF NOT EXISTS prefix_convs(
+    name TEXT NOT NULL, conv TEXT NOT NULL,
+    size INTEGER NOT NULL, mtime INTEGER NOT NULL,  -- the transcript this row was built from
+    root TEXT NOT NULL,         -- the key of its persona ('' : not usable by this server)
+    persona TEXT,               -- {"messages", "name", "hash"} as JSON (NULL: not usable)
+    persona_key TEXT,           -- its messages as JSON, counted in prefix_personas (NULL: no boundaries)
+    updated REAL NOT NULL, n_active INTEGER NOT NULL, owner TEXT NOT NULL,
+    UNIQUE(name, conv));
+CREATE INDEX IF NOT EXISTS prefix_convs_root ON prefix_convs(name, root, owner);
+CREATE TABLE IF NOT EXISTS prefix_keys(
+    name TEXT NOT NULL, conv TEXT NOT NULL, k INTEGER NOT NULL, key TEXT NOT NULL, pos INTEGER NOT NULL,
+    rest INTEGER NOT NULL, updated REAL NOT NULL, owner TEXT NOT NULL,
+    warm INTEGER NOT NULL,      -- it had a state file when indexed: a hint to order candidates, checked after
+    PRIMARY KEY(name, conv, k)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS prefix_keys_key ON prefix_keys(name, key, owner, warm DESC, rest, updated DESC, conv);
+CREATE TABLE IF NOT EXISTS prefix_personas(name TEXT NOT NULL, persona TEXT NOT NULL, owner TEXT NOT NULL,
+    n INTEGER NOT NULL, PRIMARY KEY(name, persona, owner)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS prefix_counts(name TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID;
+"""
+
+
+class PrefixKeyRow(NamedTuple):
+    """One boundary of one conversation, as ``PrefixRows.lookup`` returns it."""
+
+    conv: str
+    k: int
+    pos: int
+    rest: int
+    updated: float
+    owner: str
+
+
+class PrefixRows:
+    """The server's prefix index (``server/index.py``) as tables, looked up per request: a lookup reads the
+    rows of the request's keys (at most ``limit`` a key and owner, through an index in the order the server
+    prefers them), so neither a server's start nor a request reads a row per stored conversation.
+
+    Used on the shared index's connection, or on a private in-memory database (``in_memory``) when there is
+    no usable shared index. ``rows_read`` counts the rows read back (tests check what a start and a request
+    cost by it)."""
+
+    def __init__(self, db: Callable[[], sqlite3.Connection], write: Callable[[], Index._tx],
+                 lock: threading.RLock, name: str) -> None:
+        self._db = db
+        self.write = write
+        self._lock = lock
+        self.name = name
+        self.rows_read = 0
+
+    @classmethod
+    def in_memory(cls, name: str) -> PrefixRows:
+        db = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        lock = threading.RLock()
+        rows = cls(lambda: db, lambda: Index._tx(db, lock), lock, name)
+        rows.ensure()
+        return rows
+
+    def ensure(self) -> None:
+        with self._lock:
+            db = self._db()
+            if db.execute("SELECT 1 FROM sqlite_master WHERE name='prefix_counts'").fetchone() is None:
+                with self.write() as w:
+                    for stmt in _PREFIX_SCHEMA.split(";"):
+                        if stmt.strip():
+                            w.execute(stmt)
+                    # Rows made before the count was kept (none, unless an earlier build of these tables).
+                    w.execute("INSERT OR IGNORE INTO prefix_counts SELECT name, COUNT(*) FROM prefix_convs "
+                              "GROUP BY name")
+
+    def _read(self, sql: str, args: Iterable[Any]) -> list[Any]:
+        with self._lock:  # not in the middle of another thread's transaction on the shared connection
+            got = self._db().execute(sql, tuple(args)).fetchall()
+        self.rows_read += len(got)
+        return got
+
+    # -- writing -------------------------------------------------------------------------------------
+
+    def put(self, cid: str, size: int, mtime: int, root: str, persona: str | None, persona_key: str | None,
+            updated: float, n_active: int, owner: str, warm: bool, entries: Iterable[tuple[str, int, int]]) -> None:
+        """The conversation's row and its boundaries' (key, k, pos), replacing what it had."""
+        with self.write() as w:
+            if not self._drop(w, cid):
+                self._add_count(w, 1)
+            w.execute("INSERT INTO prefix_convs VALUES(?,?,?,?,?,?,?,?,?,?)",
+                      (self.name, cid, size, mtime, root, persona, persona_key, updated, n_active, owner))
+            w.executemany("INSERT OR REPLACE INTO prefix_keys VALUES(?,?,?,?,?,?,?,?,?)",
+                          [(self.name, cid, k, key, pos, n_active - k, updated, owner, int(warm))
+                           for key, k, pos in entries])
+            if persona_key is not None:
+                w.execute("INSERT INTO prefix_personas VALUES(?,?,?,1) ON CONFLICT(name, persona, owner) "
+                          "DO UPDATE SET n = n + 1", (self.name, persona_key, owner))
+
+    def drop(self, cid: str) -> bool:
+        """Forget the conversation; whether it was known."""
+        with self.write() as w:
+            known = self._drop(w, cid)
+            if known:
+                self._add_count(w, -1)
+            return known
+
+    def _add_count(self, w: sqlite3.Connection, n: int) -> None:
+        # Kept with the rows (in their transactions) so that counting them costs no scan: /health says it.
+        w.execute("INSERT INTO prefix_counts VALUES(?, ?) ON CONFLICT(name) DO UPDATE SET n = n + ?",
+                  (self.name, n, n))
+
+    def _drop(self, w: sqlite3.Connection, cid: str) -> bool:
+        row = w.execute("SELECT persona_key, owner FROM prefix_convs WHERE name=? AND conv=?",
+                        (self.name, cid)).fetchone()
+        if row is None:
+            return False
+        if row[0] is not None:
+            w.execute("UPDATE prefix_personas SET n = n - 1 WHERE name=? AND persona=? AND owner=?",
+                      (self.name, row[0], row[1]))
+            w.execute("DELETE FROM prefix_personas WHERE name=? AND persona=? AND owner=? AND n <= 0",
+                      (self.name, row[0], row[1]))
+        w.execute("DELETE FROM prefix_keys WHERE name=? AND conv=?", (self.name, cid))
+        w.execute("DELETE FROM prefix_convs WHERE name=? AND conv=?", (self.name, cid))
+        return True
+
+    def set_warm(self, cid: str, warm: bool) -> None:
+        with self.write() as w:
+            w.execute("UPDATE prefix_keys SET warm=? WHERE name=? AND conv=?", (int(warm), self.name, cid))
+
+    # -- reading -------------------------------------------------------------------------------------
+
+    def stamp(self, cid: str) -> tuple[int, int, str, bool] | None:
+        """(transcript size, mtime, owner, warm) the conversation's row was built from; None if unknown."""
+        got = self._read("SELECT c.size, c.mtime, c.owner, COALESCE((SELECT warm FROM prefix_keys k WHERE "
+                         "k.name=c.name AND k.conv=c.conv LIMIT 1), 0) FROM prefix_convs c "
+                         "WHERE c.name=? AND c.conv=?", (self.name, cid))
+        return None if not got else (int(got[0][0]), int(got[0][1]), str(got[0][2]), bool(got[0][3]))
+
+    def ids(self) -> list[str]:
+        return [str(r[0]) for r in self._read("SELECT conv FROM prefix_convs WHERE name=?", (self.name,))]
+
+    def count(self) -> int:
+        with self._lock:
+            row = self._db().execute("SELECT n FROM prefix_counts WHERE name=?", (self.name,)).fetchone()
+        return 0 if row is None else int(row[0])
+
+    def lookup(self, key: str, *, owners: frozenset[str] | None, only: str | None, limit: int) -> list[PrefixKeyRow]:
+        """The boundaries at ``key``: at most ``limit`` per owner, those that had a state file first, then
+        the conversations that go least beyond it, the most recently updated."""
+        cols = "conv, k, pos, rest, updated, owner"
+        order = "ORDER BY warm DESC, rest, updated DESC, conv LIMIT ?"
+        if only is not None:  # one conversation's own boundaries (its primary key), not the key's
+            rows = self._read(f"SELECT {cols} FROM prefix_keys WHERE name=? AND conv=? AND key=?",
+                              (self.name, only, key))
+            rows = [r for r in rows if owners is None or r[5] in owners]
+        elif owners is None:
+            rows = self._read(f"SELECT {cols} FROM prefix_keys WHERE name=? AND key=? {order}", (self.name, key, limit))
+        else:
+            rows = []
+            for owner in sorted(owners):  # one index range each, read in order and cut at the limit
+                rows += self._read(f"SELECT {cols} FROM prefix_keys WHERE name=? AND key=? AND owner=? {order}",
+                                   (self.name, key, owner, limit))
+        return [PrefixKeyRow(str(c), int(k), int(p), int(r), float(u), str(o)) for c, k, p, r, u, o in rows]
+
+    def personas(self, owners: frozenset[str] | None) -> list[str]:
+        """The persona keys (JSON) of conversations with boundaries, of ``owners`` when given."""
+        rows = self._read("SELECT persona, owner FROM prefix_personas WHERE name=? ORDER BY persona", (self.name,))
+        return list(dict.fromkeys(str(p) for p, o in rows if owners is None or o in owners))
+
+    def persona_for_root(self, root: str, owners: frozenset[str] | None) -> str | None:
+        """The persona (JSON) of the first indexed conversation with this root, of ``owners`` when given."""
+        if owners is None:
+            got = self._read("SELECT rowid, persona FROM prefix_convs WHERE name=? AND root=? AND persona IS NOT "
+                             "NULL ORDER BY rowid LIMIT 1", (self.name, root))
+        else:
+            got = []
+            for owner in owners:
+                got += self._read("SELECT rowid, persona FROM prefix_convs WHERE name=? AND root=? AND owner=? "
+                                  "AND persona IS NOT NULL ORDER BY rowid LIMIT 1", (self.name, root, owner))
+        return str(min(got)[1]) if got else None
+
+    def dump(self) -> dict[str, dict[str, Any]]:
+        """Every row (the JSON file kept without a shared index)."""
+        out: dict[str, dict[str, Any]] = {}
+        for cid, size, mtime, root, persona, updated, n_active, owner in self._read(
+                "SELECT conv, size, mtime, root, persona, updated, n_active, owner FROM prefix_convs WHERE name=? "
+                "ORDER BY rowid", (self.name,)):
+            out[str(cid)] = {"size": size, "mtime": mtime, "root": root,
+                             "persona": None if persona is None else json.loads(persona), "updated": updated,
+                             "entries": [], "n_active": n_active, "owner": owner, "warm": False}
+        for cid, key, k, pos, warm in self._read("SELECT conv, key, k, pos, warm FROM prefix_keys WHERE name=? "
+                                                 "ORDER BY conv, k", (self.name,)):
+            out[str(cid)]["entries"].append([key, k, pos])
+            out[str(cid)]["warm"] = bool(warm)
+        return out
