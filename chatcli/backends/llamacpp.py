@@ -200,10 +200,7 @@ class _SharedBatch:
             b.seq_id[i][0] = s.seq
             b.logits[i] = s.logits
         with o._decode_lock:
-            threads = o._free_cores.threads() if o._free_cores is not None else o.n_threads
-            if threads != self._applied_threads:
-                llama_cpp.llama_set_n_threads(self._ctx, threads, threads)
-                self._applied_threads = threads
+            self._applied_threads = _apply_threads(self._ctx, o._decode_threads(), self._applied_threads)
             rc = llama_cpp.llama_decode(self._ctx, b)
             if rc != 0:
                 for s in steps:
@@ -234,6 +231,14 @@ class _SharedBatch:
 
 # llama.cpp logs a lot to stderr; keep the recent lines to explain failures instead of printing them.
 _LOG: collections.deque[str] = collections.deque(maxlen=50)
+
+
+def _apply_threads(ctx: ctypes.c_void_p, want: int, applied: int) -> int:
+    """Give ``ctx`` ``want`` CPU threads for its next decode unless it already has them; returns the count
+    now applied (a call into llama.cpp only when the count changes)."""
+    if want != applied:
+        llama_cpp.llama_set_n_threads(ctx, want, want)
+    return want
 
 
 @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]  # a ctypes CFUNCTYPE
@@ -555,6 +560,10 @@ class Engine:
             done += len(part)
             yield done, len(tokens)
 
+    def _decode_threads(self) -> int:
+        """Threads for the next decode: the cores other processes leave free, or the fixed count."""
+        return self._free_cores.threads() if self._free_cores is not None else self.n_threads
+
     def _decode(self, part: list[int], *, last_logits: bool) -> None:
         b = self._batch
         n0 = self.n_past
@@ -568,10 +577,7 @@ class Engine:
         if last_logits:
             b.logits[len(part) - 1] = True
         with self._decode_lock:
-            threads = self._free_cores.threads() if self._free_cores is not None else self.n_threads
-            if threads != self._applied_threads:
-                llama_cpp.llama_set_n_threads(self._ctx, threads, threads)
-                self._applied_threads = threads
+            self._applied_threads = _apply_threads(self._ctx, self._decode_threads(), self._applied_threads)
             rc = llama_cpp.llama_decode(self._ctx, b)
         if rc != 0:
             # A failed decode leaves no cells for this batch; the token list stays as it was. The output
