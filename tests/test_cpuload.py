@@ -15,7 +15,7 @@ class Machine:
         self.now = 100.0
         self.busy = 1000.0
         self.own = 5.0
-        self.load = 0.2
+        self.slept = 0.0
 
     def run(self, seconds: float, others: float, own: float) -> None:
         """``seconds`` pass with other processes on ``others`` cores and this one on ``own``."""
@@ -23,9 +23,14 @@ class Machine:
         self.busy += seconds * (others + own)
         self.own += seconds * own
 
-    def cores(self, max_threads: int = 2) -> FreeCores:
+    def sleep(self, seconds: float, others: float = 0.0) -> None:
+        self.slept += seconds
+        self.run(seconds, others=others, own=0.0)
+
+    def cores(self, max_threads: int = 2, others_while_sleeping: float = 0.0) -> FreeCores:
         return FreeCores(max_threads, stat=lambda: (self.n, self.busy), own_cpu=lambda: self.own,
-                         clock=lambda: self.now, n_usable=self.n, recent_load=lambda: self.load)
+                         clock=lambda: self.now, n_usable=self.n,
+                         sleep=lambda s: self.sleep(s, others_while_sleeping))
 
 
 def test_idle_machine_uses_every_thread_even_while_this_process_is_busy() -> None:
@@ -82,12 +87,23 @@ def test_reads_this_machines_proc_stat(tmp_path) -> None:
     assert read_proc_stat(str(tmp_path / "missing")) is None
 
 
-def test_before_the_first_interval_the_load_average_decides() -> None:
+def test_the_first_look_judges_the_time_since_construction_not_the_load_average() -> None:
+    # The engine makes its FreeCores before loading the model: the first decode judges the load's time.
     m = Machine()
-    m.load = 3.5  # a busy machine when the process starts: no spinning team through the first prompt batch
     fc = m.cores()
-    assert fc.threads() == 1
-    m.run(1.0, others=0.1, own=1.0)
+    m.run(0.3, others=1.0, own=1.0)  # another process held a core while the model loaded
+    assert fc.threads() == 1 and m.slept == 0.0  # no wait: the window was long enough
+    m = Machine()
+    fc = m.cores()
+    m.run(0.3, others=0.0, own=1.0)  # an idle machine, however high the load average still is
     assert fc.threads() == 2
-    m.load = 0.3
-    assert m.cores().threads() == 2
+
+
+def test_a_first_decode_right_after_construction_waits_for_a_short_window() -> None:
+    m = Machine()
+    fc = m.cores(others_while_sleeping=2.0)
+    m.run(0.01, others=2.0, own=0.0)
+    assert fc.threads() == 1  # judged over 0.1 s, not one or two 10 ms clock ticks
+    assert abs(m.slept - 0.09) < 1e-9
+    m.run(0.01, others=0.0, own=2.0)
+    assert fc.threads() == 1 and abs(m.slept - 0.09) < 1e-9  # later looks never wait: the interval rules

@@ -51,19 +51,17 @@ def read_proc_stat(path: str = "/proc/stat") -> tuple[int, float] | None:
     return None if busy is None or n == 0 else (n, busy)
 
 
-def one_minute_load() -> float | None:
-    """The 1-minute load average, or None where the system has none."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return None
-
-
 class FreeCores:
     """Picks a thread count in 1..``max_threads`` from the cores other processes left free recently.
 
     ``threads()`` is cheap to call before every decode: it looks at the machine again only once ``interval``
-    seconds have passed, and judges the load over the whole time since its previous look.
+    seconds have passed, and judges the load over the whole time since its previous look. The first look
+    judges the time since construction (the engine makes one before loading the model, so that is usually
+    the load's few hundred ms), waiting until ``first_window`` has passed if it has not: a first prompt batch
+    can take seconds, and both spinning through it on a busy machine and halving it on an idle one cost most
+    of them. (The 1-minute load average, used here before, still counts a process that ended a minute ago:
+    a benchmark run right after another took one thread on an idle machine and evaluated prompts at half
+    speed.)
     """
 
     def __init__(
@@ -75,10 +73,14 @@ class FreeCores:
         own_cpu: Callable[[], float] = time.process_time,
         clock: Callable[[], float] = time.monotonic,
         n_usable: int | None = None,
-        recent_load: Callable[[], float | None] = one_minute_load,
+        first_window: float = 0.1,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.max_threads = max(1, max_threads)
         self._interval = interval
+        self._first_window = first_window
+        self._sleep = sleep
+        self._looked = False
         self._stat = stat
         self._own_cpu = own_cpu
         self._clock = clock
@@ -89,13 +91,6 @@ class FreeCores:
         self.adaptive = first is not None and first[0] == usable and self.max_threads > 1
         self._n_cpus = usable
         self._last = (clock(), first[1] if first else 0.0, own_cpu())
-        if self.adaptive:
-            # Before there is an interval to judge by, the load average: a new process has used no CPU yet,
-            # so it is all others' (a first prompt batch can take seconds; spinning through it on a busy
-            # machine would cost most of them).
-            load = recent_load()
-            if load is not None:
-                self._current = self._pick(usable - load)
 
     def _pick(self, free: float) -> int:
         # Round half up: a core that others use less than half the time is still worth a thread.
@@ -106,7 +101,13 @@ class FreeCores:
             return self.max_threads
         now = self._clock()
         t0, busy0, own0 = self._last
-        if now - t0 < self._interval:
+        if not self._looked:
+            # /proc/stat counts in clock ticks (10 ms): a shorter window would judge by one or two of them.
+            if now - t0 < self._first_window:
+                self._sleep(self._first_window - (now - t0))
+                now = self._clock()
+            self._looked = True
+        elif now - t0 < self._interval:
             return self._current
         sample = self._stat()
         if sample is None:

@@ -296,6 +296,8 @@ class Engine:
             llama_cpp.llama_backend_init()
             _BACKEND_READY = True
         self.model_path = str(model_path)
+        # Made before the model loads: its first look at the machine then judges the load's time (FreeCores).
+        free_cores = FreeCores(n_threads or usable_cpus()) if n_threads is None else None
         mparams = llama_cpp.llama_model_default_params()
         if progress is not None:
             def _cb(value: float, _data: ctypes.c_void_p) -> bool:
@@ -348,7 +350,7 @@ class Engine:
         self._mem = llama_cpp.llama_get_memory(ctx)
         self.n_ctx = llama_cpp.llama_n_ctx(ctx)
         self.n_threads = threads
-        self._free_cores = FreeCores(threads) if n_threads is None else None
+        self._free_cores = free_cores
         self._applied_threads = threads
         # Shared with every sibling: one decode at a time across the contexts of a model, so N resident
         # conversations never run N thread teams on the same cores.
