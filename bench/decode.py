@@ -10,8 +10,9 @@ CPU-bound process that this harness starts (a Python busy loop) and stops.
 
 1. Prompt evaluation and decoding tokens/s: ``llama-bench`` and ``llama-server`` (streamed) built from the
    same sdist as llama-cpp-python; chatcli's ``Engine`` with its default thread policy (``bench.decode_worker``),
-   the same with ``OMP_WAIT_POLICY=PASSIVE`` (what chatcli set before #22), piped ``chatcli talk`` (its stats
-   line) and ``chatcli serve`` (streamed); a bare llama-cpp-python loop in a process of its own (secondary).
+   the same with ``OMP_WAIT_POLICY=PASSIVE`` (what chatcli set before #22), ``chatcli talk`` piped and in a
+   terminal (a pty: the REPL, rendering as it streams; the stats line's tok/s) and ``chatcli serve``
+   (streamed); a bare llama-cpp-python loop in a process of its own (secondary).
 2. ``serve`` with N concurrent clients (N = 1, 2, 4, 8), each its own conversation of several turns: total
    completion tokens/s and p50/p95 request latency, ``chatcli serve --parallel N`` vs ``llama-server -np N
    --kv-unified``, the servers taking turns.
@@ -42,6 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import PARAGRAPHS, REPO, RESULT_PREFIX
+from bench.pty_talk import talk_in_terminal
 from bench.serve import Proc, chat, find_llama_server, free_port, http_json
 
 FULL = {"rounds": 4, "prompt": 512, "decode": 128, "clients": [1, 2, 4, 8], "turns": 3, "reply": 48,
@@ -132,6 +134,15 @@ class Bench:
         m = re.search(r"([\d.]+) tok/s", out.stderr)
         return {"prompt_tps": None, "decode_tps": float(m.group(1)) if m else None}
 
+    def talk_terminal(self) -> dict[str, float | None]:
+        """``chatcli talk`` in a terminal (a pty): the REPL's rendering runs between decodes."""
+        env = {**self.env, "CHATCLI_HOME": str(self.work / "talk-home")}
+        argv = [sys.executable, "-m", "chatcli", "talk", "--temperature", "0", "--max-tokens", str(self.cfg["decode"]),
+                "--model", self.model, "--n-ctx", str(self.o.n_ctx)]
+        if self.o.fixed_threads:
+            argv += ["--threads", str(self.o.threads)]
+        return {"prompt_tps": None, "decode_tps": talk_in_terminal(argv, env, COUNT_MSG, cwd=REPO)}
+
     def single_stream(self, servers: dict[str, tuple[Proc, int]]) -> list[dict[str, Any]]:
         """Section 1: every method once per round, the order rotating; returns one row per measurement."""
         methods: dict[str, Callable[[], dict[str, float | None]]] = {
@@ -141,6 +152,7 @@ class Bench:
             "chatcli Engine, OMP_WAIT_POLICY=PASSIVE (before #22)": lambda: self.worker(
                 extra_env={"OMP_WAIT_POLICY": "PASSIVE"}),
             "chatcli talk, piped": self.talk_piped,
+            "chatcli talk, terminal": self.talk_terminal,
             "chatcli serve streamed": lambda: self.stream_one(servers["chatcli"][1], "chatcli"),
             "bare llama-cpp-python loop (own process)": lambda: self.worker(bare=True),
         }

@@ -129,6 +129,10 @@ def _build_session(settings: Settings, paths: Paths, explicit: set[str], *, mode
     from chatcli.session import Session
 
     console = err_console()
+    if not settings.plain and _interactive():
+        from chatcli.repl.markdown import warm_in_background
+
+        warm_in_background()
     if settings.server:
         if quiet or not sys.stderr.isatty():
             return Session.build_remote(settings, paths, explicit=explicit, chat_template=chat_template)

@@ -28,6 +28,7 @@ from rich.text import Text
 
 from chatcli.core.events import Event, Notice, Progress, ReplyEnd, ReplyStart, ReplyText, TurnStats
 from chatcli.core.transcript import ActiveMessage
+from chatcli.repl.markdown import StreamingMarkdown, render_lines
 from chatcli.units import format_size
 
 # Prose is hard to read in very wide lines: replies are laid out at most this wide.
@@ -35,9 +36,9 @@ MAX_REPLY_WIDTH = 100
 # Nothing appears for operations shorter than this; longer ones get a spinner.
 SPINNER_DELAY = 0.3
 # Markdown is re-rendered at most this often while a reply streams...
-FRAME_SECONDS = 1 / 12
+FRAME_SECONDS = 1 / 10
 # ...and rendering may take at most this share of the time (it competes with generation for the CPU).
-RENDER_SHARE = 0.15
+RENDER_SHARE = 0.05
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
@@ -98,42 +99,14 @@ class _Waiting:
             yield self.spinner
 
 
-_FENCE = re.compile(r"^ {0,3}(```|~~~)", re.M)
-
-
-def _drop_dangling_fence(text: str) -> str:
-    """A fence that opens nothing at the very end of a reply (small models often close a block they never
-    opened; a streaming reply has just opened one) would render as an empty box: leave it out."""
-    body = text.rstrip()
-    fences = _FENCE.findall(body)
-    if len(fences) % 2 == 1:
-        last = body.rsplit("\n", 1)[-1]
-        if _FENCE.match(last):
-            return body[: len(body) - len(last)].rstrip("\n")
-    return text
-
-
-def _rstrip(line: list[Segment]) -> list[Segment]:
-    """Drop trailing padding so copied text and captures have no trailing blanks (code keeps its background)."""
-    out = list(line)
-    while out:
-        seg = out[-1]
-        if seg.control or (seg.style is not None and seg.style.bgcolor is not None):
-            break
-        text = seg.text.rstrip(" ")
-        if text:
-            out[-1] = Segment(text, seg.style)
-            break
-        out.pop()
-    return out
-
-
 class _Area:
     """The live area of one operation: what is shown in it, and what is printed for good above it.
 
     rich's own refresh thread renders concurrently with prints from the main thread, which garbles
     the screen when a reply is committed line by line; here one lock serialises both, and a small
-    ticker keeps spinners and progress bars moving while the main thread is blocked in the model.
+    ticker keeps spinners and progress bars moving while the main thread is blocked in the model. It
+    refreshes only while one is shown: a streaming reply's text changes only when a frame shows it, and
+    each wasted refresh takes the CPU (and the GIL) from the decode threads.
     """
 
     def __init__(self, live: Live, interval: float = 0.1) -> None:
@@ -141,6 +114,7 @@ class _Area:
         self.lock = threading.RLock()
         self._stop = threading.Event()
         self._interval = interval
+        self._animated = True
         self._thread = threading.Thread(target=self._tick, name="chatcli-live", daemon=True)
 
     def __enter__(self) -> _Area:
@@ -156,11 +130,12 @@ class _Area:
     def _tick(self) -> None:
         while not self._stop.wait(self._interval):
             with self.lock:
-                if not self._stop.is_set():
+                if self._animated and not self._stop.is_set():
                     self.live.refresh()
 
     def show(self, renderable: Any) -> None:
         with self.lock:
+            self._animated = isinstance(renderable, (_Waiting, RichProgress))
             self.live.update(renderable, refresh=True)
 
     def print(self, renderable: Any) -> None:
@@ -180,6 +155,7 @@ class _ReplyView:
         self.area = area
         self.console = renderer.console
         self.text = ""
+        self.markdown = StreamingMarkdown(lambda text, width: render_lines(self.console, text, width))
         self.committed = 0  # lines already printed for good
         self.next_frame = 0.0
         self.reasoning = ""
@@ -213,7 +189,7 @@ class _ReplyView:
             self.next_frame = time.monotonic() + max(FRAME_SECONDS, spent / RENDER_SHARE)
 
     def render(self, final: bool = False) -> None:
-        lines = self.renderer.markdown_lines(self.text)
+        lines = self.markdown.lines(self.text, self.renderer.reply_width)
         # Keep at most a screenful live: a live area taller than the screen cannot be redrawn in place.
         keep = 0 if final else max(1, self.console.size.height - 2)
         cut = max(self.committed, len(lines) - keep)
@@ -339,13 +315,12 @@ class Renderer:
                 view.finish(view.text)  # ended without a ReplyEnd (an error): keep what was shown
         return None
 
-    def markdown_lines(self, text: str) -> list[list[Segment]]:
-        width = max(10, min(self.console.width, self.max_width))
-        options = self.console.options.update(width=width)
-        from rich.markdown import Markdown  # here: it loads a Markdown parser that `chatcli ls` never needs
+    @property
+    def reply_width(self) -> int:
+        return max(10, min(self.console.width, self.max_width))
 
-        lines = self.console.render_lines(Markdown(_drop_dangling_fence(text)), options, pad=False)
-        return [_rstrip(line) for line in lines]
+    def markdown_lines(self, text: str) -> list[list[Segment]]:
+        return render_lines(self.console, text, self.reply_width)
 
     # -- one-off output ------------------------------------------------------------------------------
 

@@ -1,0 +1,124 @@
+"""A streaming reply's Markdown: what the REPL shows equals the whole text rendered, at a frame's cost that
+does not grow with the reply; the live area's ticker stays idle while text streams."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from rich.console import Console
+from rich.live import Live
+
+from chatcli.core.events import ReplyEnd, ReplyStart, ReplyText, TurnStats
+from chatcli.core.transcript import ActiveMessage
+from chatcli.repl.markdown import Line, StreamingMarkdown, next_block_start, render_lines
+from chatcli.repl.render import Renderer
+
+PROSE = ("A paragraph of prose with *emphasis* and `code`, long enough to wrap over several lines at sixty "
+         "columns wide.\n\n")
+REPLIES = [
+    "Para one.\n\n# Head\n\nPara two.",
+    "Sure! Here are steps:\n\n1. First do this.\n2. Then that.\n\nAnd code:\n\n```python\ndef f():\n\n"
+    "    return 1\n```\n\nDone.",
+    "Intro\n\n- a\n- b\n\n- c, a loose list\n\nOutro **bold**.",
+    "## Title\n\nText with `inline` and a [link](http://x).\n\n> quote here\n> more\n\n> its second para\n\nEnd.",
+    "| a | b |\n|---|---|\n| 1 | 2 |\n\nAfter the table.",
+    "Text\n\n---\n\nAfter a rule.",
+    "1. one\n\n   continued para\n\n2. two\n\nfinal",
+    "Heading\n=======\n\nSetext body.\n\nAnother\n---\n\nend",
+    "Para\n\n    indented code\n\n    more code\n\nback.",
+    "A\n\n\n\nB after many blanks",
+    "Code first:\n\n```\nplain\n```\n\n```js\nlet a = 1;\n```\n\n~~~\ntilde\n~~~\n\nend. " * 3,
+    PROSE * 12,
+]
+
+
+def console(width: int = 60) -> Console:
+    return Console(file=io.StringIO(), width=width, force_terminal=True, color_system="truecolor")
+
+
+@pytest.mark.parametrize("reply", REPLIES, ids=range(len(REPLIES)))
+def test_every_frame_shows_exactly_the_whole_text_rendered(reply: str) -> None:
+    con = console()
+    sm = StreamingMarkdown(lambda text, width: render_lines(con, text, width))
+    for i in range(1, len(reply) + 1, 3):
+        assert sm.lines(reply[:i], 60) == render_lines(con, reply[:i], 60), reply[:i]
+    assert sm.lines(reply, 60) == render_lines(con, reply, 60)
+
+
+def test_a_frame_renders_only_what_follows_the_finished_blocks() -> None:
+    con = console()
+    sizes: list[int] = []
+
+    def render(text: str, width: int) -> list[Line]:
+        sizes.append(len(text))
+        return render_lines(con, text, width)
+
+    sm = StreamingMarkdown(render)
+    reply = PROSE * 40
+    for i in range(1, len(reply) + 1, 4):
+        sizes.clear()
+        sm.lines(reply[:i], 60)
+        # Never more than the block being written and the one before it (while that one is checked).
+        assert max(sizes) <= 2 * len(PROSE) + 4, i
+    assert len(reply) > 15 * (2 * len(PROSE) + 4)  # the bound is far below the whole reply
+
+
+def test_a_final_text_that_is_not_the_streamed_one_or_a_new_width_starts_over() -> None:
+    con = console(80)
+    sm = StreamingMarkdown(lambda text, width: render_lines(con, text, width))
+    reply = PROSE * 5
+    for i in range(1, len(reply) + 1, 7):
+        sm.lines(reply[:i], 60)
+    shorter = PROSE * 2 + "The end."
+    assert sm.lines(shorter, 60) == render_lines(con, shorter, 60)
+    assert sm.lines(reply, 40) == render_lines(con, reply, 40)
+
+
+def test_block_starts_skip_fences_continuations_and_lines_still_too_short_to_tell() -> None:
+    text = "a\n\n```\nx\n\ny\n```\n\n- i\n\n- j\n\n  more\n\nnext para\n"
+    starts = []
+    b = next_block_start(text, 0)
+    while b is not None:
+        starts.append(text[b:].split("\n", 1)[0])
+        b = next_block_start(text, b)
+    assert starts == ["```", "next para"]  # a list item never starts one: a loose list is one list
+    assert next_block_start("para\n\n1", 0) is None  # "1" may become "10. item"
+    assert next_block_start("para\n\nA new paragraph", 0) == 6
+
+
+def test_the_live_ticker_stays_idle_while_text_streams_and_ticks_for_a_spinner(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ticks: list[float] = []
+    refresh = Live.refresh
+
+    def counting(self: Live) -> None:
+        if threading.current_thread().name == "chatcli-live":
+            ticks.append(time.monotonic())
+        refresh(self)
+
+    monkeypatch.setattr(Live, "refresh", counting)
+    out = io.StringIO()
+    renderer = Renderer(Console(file=out, width=60, height=20, force_terminal=True, highlight=False))
+    reply = "Counting: " + " ".join(f"{i}," for i in range(12))
+    msg = ActiveMessage(1, "assistant", reply, [1], 0, 0)
+    spans: dict[str, float] = {}
+
+    def events() -> Iterator[Any]:
+        yield ReplyStart(0, 0)
+        time.sleep(0.45)  # "thinking…": the spinner must move
+        spans["text"] = time.monotonic()
+        for piece in reply.split(" "):
+            yield ReplyText(piece + " ")
+            time.sleep(0.05)
+        spans["end"] = time.monotonic()
+        yield ReplyEnd(msg, TurnStats())
+
+    renderer.stream(events())
+    assert any(t < spans["text"] for t in ticks)
+    assert not [t for t in ticks if spans["text"] + 0.02 < t < spans["end"]]
+    assert "Counting: 0," in out.getvalue()
