@@ -263,6 +263,8 @@ class PrefixIndex:
             yield cids[i:i + size]
 
     def _refresh_changed(self, shared: Index) -> None:
+        if self._seq is not None and self._seq < shared.removed_floor():
+            self._seq = None  # removals since then were pruned from the index: check every conversation
         if self._seq is None:
             seq, _ = shared.changed_since(-1)
             stamps = shared.stamps()
