@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # the index is loaded without the conversation's engine-side 
 # 4: rows in tables of their own, looked up per request (core/files/index.py PrefixRows)
 INDEX_VERSION = 4
 LOOKUP_LIMIT = 32  # entries a lookup returns per owner: the candidates a request tries, not every sharer
+UPDATE_WAIT_S = 0.05  # the longest a reply's re-index waits for another process's write (then: retried later)
 RECONCILE_EVERY = 60.0  # seconds between two looks at every folder (~30 ms at 10,000 conversations)
 REPL_OWNER = "repl"  # the owner of conversations not made through the API
 
@@ -160,6 +161,7 @@ class PrefixIndex:
         self._saved_at = 0.0
         self._seq: int | None = None  # the SQLite index's change number this index has caught up with
         self._reconciled_at = -RECONCILE_EVERY
+        self._pending: set[str] = set()  # written here, not re-indexed yet (``update`` met a busy index)
         self._rows = self._open()
 
     @property
@@ -277,6 +279,8 @@ class PrefixIndex:
             self._dirty = self._dirty or bool(gone)
         else:
             seq, candidates = shared.changed_since(self._seq)
+        listed = set(candidates)
+        candidates = [*candidates, *(cid for cid in self._pending if cid not in listed)]
         for chunk in self._chunks(candidates):
             with self._rows.write():
                 for cid in chunk:
@@ -284,6 +288,7 @@ class PrefixIndex:
         # Worth saving only when something was looked at (nothing indexed yet: no number to keep).
         self._dirty = self._dirty or bool(candidates)
         self._seq = seq
+        self._pending.difference_update(candidates)
 
     def _check(self, cid: str, transcript: str) -> None:
         try:
@@ -337,7 +342,16 @@ class PrefixIndex:
         except OSError:
             return
         try:
-            self._set(conv.id, st.st_size, st.st_mtime_ns, Shape.of(conv), conv.meta)
+            # Not blocking: the service calls this under its lock, and another process holding the index's
+            # write lock (a REPL's turn, a long rebuild) would hold up every request up to the busy timeout.
+            with self._rows.write(timeout=UPDATE_WAIT_S):
+                self._set(conv.id, st.st_size, st.st_mtime_ns, Shape.of(conv), conv.meta)
+            self._pending.discard(conv.id)
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                self._lost()
+                return
+            self._pending.add(conv.id)  # read back from its transcript at the next refresh
         except sqlite3.Error:
             self._lost()  # read back from its transcript at the next refresh
 

@@ -91,6 +91,7 @@ _WARM_NEW = "(NEW.ok = 1 AND (CASE WHEN NEW.server != '' THEN NEW.checkpoint_byt
 _WARM_OLD = _WARM_NEW.replace("NEW.", "OLD.")
 _COUNTS = f"""
 CREATE INDEX IF NOT EXISTS convs_bad ON convs(id) WHERE ok = 0;
+CREATE INDEX IF NOT EXISTS convs_list ON convs(updated DESC, id) WHERE ok = 1;
 CREATE INDEX IF NOT EXISTS removed_seq ON removed(seq);
 CREATE TRIGGER IF NOT EXISTS convs_n_ins AFTER INSERT ON convs BEGIN
     UPDATE info SET value = value + (NEW.ok = 1) WHERE key = 'n_ok';
@@ -298,7 +299,7 @@ class Index:
     def _ensure_counts(db: sqlite3.Connection) -> None:
         """The kept counts (``count``) and the index of unusable rows, added to an index made without them:
         the counts taken once, in the transaction that adds the triggers keeping them."""
-        if db.execute("SELECT 1 FROM sqlite_master WHERE type='trigger' AND name='convs_n_upd'").fetchone():
+        if db.execute("SELECT COUNT(*) FROM sqlite_master WHERE name IN ('convs_n_upd', 'convs_list')").fetchone()[0] == 2:
             return
         db.executescript("BEGIN IMMEDIATE;" + _COUNTS + "COMMIT;")
 
@@ -382,17 +383,25 @@ class Index:
         """``BEGIN IMMEDIATE`` … ``COMMIT`` (rolled back on any error): one writer at a time across processes,
         and across the threads of this one (the server's requests share the connection)."""
 
-        def __init__(self, db: sqlite3.Connection, lock: threading.RLock) -> None:
+        def __init__(self, db: sqlite3.Connection, lock: threading.RLock, timeout: float | None = None) -> None:
             self.db = db
             self.lock = lock
             self.outer = False
+            self.timeout = timeout
 
         def __enter__(self) -> sqlite3.Connection:
             self.lock.acquire()
             try:
                 self.outer = not self.db.in_transaction
                 if self.outer:
-                    self.db.execute("BEGIN IMMEDIATE")
+                    if self.timeout is None:
+                        self.db.execute("BEGIN IMMEDIATE")
+                    else:  # a write that would rather fail than wait long for another process's
+                        self.db.execute(f"PRAGMA busy_timeout = {int(self.timeout * 1000)}")
+                        try:
+                            self.db.execute("BEGIN IMMEDIATE")
+                        finally:
+                            self.db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
             except BaseException:
                 self.lock.release()
                 raise
@@ -405,8 +414,10 @@ class Index:
             finally:
                 self.lock.release()
 
-    def write(self) -> _tx:
-        return Index._tx(self.db(), self._lock)
+    def write(self, timeout: float | None = None) -> _tx:
+        """One write transaction; ``timeout``: wait at most that long for another process's write
+        (``sqlite3.OperationalError`` "database is locked" past it) instead of ``BUSY_TIMEOUT_S``."""
+        return Index._tx(self.db(), self._lock, timeout)
 
     def close(self) -> None:
         if self._db is not None:
@@ -825,11 +836,12 @@ class Index:
             self._prune_removed(w)
 
     @staticmethod
-    def _prune_removed(w: sqlite3.Connection, keep: int = KEEP_REMOVED) -> None:
+    def _prune_removed(w: sqlite3.Connection, keep: int | None = None) -> None:
         """Keep the ``removed`` table to its last ``keep`` rows (it grew by one per conversation ever removed).
         Followers of the change numbers older than the rows dropped (``removed_floor``) cannot learn what
         was removed from it: they check every conversation instead, as on their first start."""
-        row = w.execute("SELECT seq FROM removed ORDER BY seq DESC LIMIT 1 OFFSET ?", (keep,)).fetchone()
+        row = w.execute("SELECT seq FROM removed ORDER BY seq DESC LIMIT 1 OFFSET ?",
+                        (KEEP_REMOVED if keep is None else keep,)).fetchone()
         if row is None:
             return
         w.execute("DELETE FROM removed WHERE seq <= ?", (int(row[0]),))
@@ -873,7 +885,7 @@ class Index:
             got.sort(key=itemgetter(0))
             got.sort(key=itemgetter(8), reverse=True)  # updated; stable: ties stay in id order
             return got
-        sql += " ORDER BY updated DESC, id LIMIT ?"  # the first ``limit`` entries of the index: flat
+        sql += " ORDER BY updated DESC, id LIMIT ?"  # the first ``limit`` entries of convs_list: flat
         args.append(limit)
         return [Row(*r) for r in self.db().execute(sql, args)]
 
@@ -1092,7 +1104,7 @@ class PrefixRows:
     no usable shared index. ``rows_read`` counts the rows read back (tests check what a start and a request
     cost by it)."""
 
-    def __init__(self, db: Callable[[], sqlite3.Connection], write: Callable[[], Index._tx],
+    def __init__(self, db: Callable[[], sqlite3.Connection], write: Callable[..., Index._tx],
                  lock: threading.RLock, name: str) -> None:
         self._db = db
         self.write = write
@@ -1104,7 +1116,7 @@ class PrefixRows:
     def in_memory(cls, name: str) -> PrefixRows:
         db = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
         lock = threading.RLock()
-        rows = cls(lambda: db, lambda: Index._tx(db, lock), lock, name)
+        rows = cls(lambda: db, lambda timeout=None: Index._tx(db, lock, timeout), lock, name)
         rows.ensure()
         return rows
 
