@@ -244,3 +244,33 @@ def test_all_rows_sorted_as_the_limited_query_sorts_them(chatcli_home: Path) -> 
     assert index is not None
     assert [r.id for r in index.rows()] == [r.id for r in index.rows(limit=100)]
 
+
+
+def test_a_big_first_server_build_says_what_it_is_doing(chatcli_home: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """The first `serve` after 90,000 folders were copied in reads every transcript before /health
+    answers (a minute at 100,000): the log says so at the start and when it is done; a restart says nothing."""
+    import logging
+
+    from chatcli.server import index as server_index
+    from chatcli.server.index import PrefixIndex
+
+    monkeypatch.setattr(server_index, "BUILD_NOTICE", 5)
+    base = _conv(_store(), "t", "hello", "world")
+    _copies(base, 6, "c")
+
+    def prefix() -> PrefixIndex:
+        return PrefixIndex(_store(), get_paths().data_dir / "server" / "index.json", model_identity={"m": 1},
+                           n_ctx=4096, template_source="t")
+
+    with caplog.at_level(logging.INFO, logger="chatcli.server"):
+        first = prefix()
+        first.refresh()
+        first.save()
+    said = [r.getMessage() for r in caplog.records]
+    assert "indexing 7 conversations for the server …" in said
+    assert any(m.startswith("indexed 7 conversations for the server in ") for m in said)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="chatcli.server"):
+        prefix().refresh()
+    assert not [r for r in caplog.records if "index" in r.getMessage()]
