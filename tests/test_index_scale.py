@@ -274,3 +274,28 @@ def test_a_big_first_server_build_says_what_it_is_doing(chatcli_home: Path, monk
     with caplog.at_level(logging.INFO, logger="chatcli.server"):
         prefix().refresh()
     assert not [r for r in caplog.records if "index" in r.getMessage()]
+
+
+
+def test_an_index_that_cannot_get_the_counts_still_lists(chatcli_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The triggers are added at open; where that cannot write (a read-only data directory, a lock held
+    past the busy timeout) the index is still read, its counts counted."""
+    store = _store()
+    for i in range(3):
+        _conv(store, f"t{i}", "hello", "world")
+    index = store.index
+    assert index is not None
+    with index.write() as w:
+        for name in ("convs_n_ins", "convs_n_del", "convs_n_upd"):
+            w.execute(f"DROP TRIGGER {name}")
+        w.execute("DELETE FROM info WHERE key IN ('n_ok', 'n_warm')")
+    index.close()
+
+    def cannot_write(db: sqlite3.Connection) -> None:
+        db.execute("BEGIN IMMEDIATE")  # left open, as a failure part-way through the script would
+        raise sqlite3.OperationalError("attempt to write a readonly database")
+
+    monkeypatch.setattr(Index, "_ensure_counts", staticmethod(cannot_write))
+    ro = _store().index
+    assert ro is not None and ro.count() == (3, 0) and len(ro.rows(limit=50)) == 3
+    assert not ro.db().in_transaction

@@ -296,10 +296,11 @@ class Index:
         else:
             try:
                 self._ensure_counts(db)
-            except sqlite3.OperationalError as exc:
-                if "locked" in str(exc) or "busy" in str(exc):
-                    raise IndexUnavailable(f"index {self.path} is locked by another process") from None
-                raise
+            except sqlite3.OperationalError:
+                # Locked past the busy timeout, or a read-only data directory: the counts are counted
+                # (``count``'s fallback) until an open that can write adds them.
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
         return db
 
     @staticmethod
