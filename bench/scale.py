@@ -11,8 +11,9 @@ copy. Both trees run against the same directory, alternating which goes first (A
 the shared machine's load hits both; the load average is recorded with every size.
 
 Measured, each as a whole process where the user would wait for one:
-- `chatcli ls` into a pipe (before: every row, its only form; after: the default 50 most recent), and
-  `ls --all` (before: `ls` again);
+- `chatcli ls` into a pipe (1c16758: every row, its only form; later: the default 50 most recent), as the
+  other tree left the folders and again with the index current (the walks each made are recorded), and
+  `ls --all` (a tree without `--all`: `ls` again);
 - the model load alone (a process that loads the bundled model as `serve` does, nothing else): the part
   of `serve` until /health that no index can change;
 - `chatcli resume ID` + one turn (4 tokens), piped;
@@ -126,6 +127,39 @@ def before_tree(work: Path, rev: str) -> Path:
     archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     return dest
+
+
+def index_stamp(home: Path) -> tuple[Any, ...]:
+    """What the shared index says about its walks: this tree's counters (``walks_names``, ``walks_full``)
+    and the stamps any index-aware tree writes when it walks (``walked_at``, ``root_mtime``). A command that
+    changed them walked the folders; one that did not answered from the index as it was."""
+    import sqlite3
+
+    path = home / "data" / "index.sqlite"
+    if not path.exists():
+        return ()
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+        try:
+            got = dict(db.execute("SELECT key, value FROM info WHERE key IN "
+                                  "('walks_names', 'walks_full', 'walked_at', 'root_mtime')").fetchall())
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return ()
+    return tuple(got.get(k) for k in ("walks_names", "walks_full", "walked_at", "root_mtime"))
+
+
+def walk_kind(before: tuple[Any, ...], after: tuple[Any, ...]) -> str:
+    """"names", "full", "walk" (a tree without the counters walked), or "" (no walk)."""
+    if before == after:
+        return ""
+    if len(before) == 4 and len(after) == 4:
+        if before[0] != after[0]:
+            return "names"
+        if before[1] != after[1]:
+            return "full"
+    return "walk"
 
 
 def free_port() -> int:
@@ -249,15 +283,29 @@ def main() -> None:
     ap.add_argument("--sizes", default="10,1000,10000,100000")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path("/tmp/chatcli-scale"))
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scale")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scale.md",
+                    help="the results file: the run is added to it as a new `## Run N` section, its data in "
+                         "<name>-runN.json and its chart in <name>-runN.png beside it")
     a = ap.parse_args()
+    out = a.out.resolve()
+    if out.suffix != ".md":
+        out = out.with_suffix(".md")
+    work = a.work.resolve()
+    if out.is_relative_to(work):  # the work directory is deleted at the start and at the end of a run
+        ap.error(f"--out {a.out} is inside --work {a.work}, which the run deletes")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    run_no = next_run(out)
     shutil.rmtree(a.work, ignore_errors=True)
     started = time.perf_counter()
     before = a.before.resolve() if a.before is not None else before_tree(a.work, a.before_rev)
     trees = {"before": before, "after": a.after.resolve()}
+    # `ls --all` on both sides when both have it (1c16758 had only `ls`, which lists every row).
     home = a.work / "home"
     source_home = a.work / "source"
     source = make_source(trees["after"], source_home)
+    has_all = {name: "--all" in subprocess.run([*CHATCLI, "ls", "--help"], capture_output=True, text=True,
+                                               env=environment(tree, source_home), cwd=tree).stdout
+               for name, tree in trees.items()}
     (home / "data" / "conversations").mkdir(parents=True)
     corpus = Corpus(home, source)
     results: list[dict[str, Any]] = []
@@ -274,70 +322,144 @@ def main() -> None:
         # That first start is recorded apart; the timed ones are restarts, as a user's are.
         row["serve_cold_s"] = {name: serve(tree, home, targets[name][0])[0] for name, tree in trees.items()}
         samples: dict[str, dict[str, list[float]]] = {n: {} for n in trees}
+        walks: dict[str, list[str]] = {}
         for rep in range(a.reps):
             order = list(trees) if rep % 2 == 0 else list(reversed(trees))
             for name in order:
                 tree, s = trees[name], samples[name]
+                # `ls` first as the other tree's commands left the folders (a walk if they moved a stamp:
+                # recorded), then again with the index current: the two cases the goal separates.
+                stamp = index_stamp(home)
                 wall, cpu = run_cpu(tree, home, ["ls"])
+                walks.setdefault(name, []).append(walk_kind(stamp, stamp := index_stamp(home)))
                 s.setdefault("ls", []).append(wall)
                 s.setdefault("ls_cpu", []).append(cpu)
-                s.setdefault("ls_all", []).append(run(tree, home, ["ls"] if name == "before" else ["ls", "--all"]))
+                wall, cpu = run_cpu(tree, home, ["ls"])
+                walks.setdefault(name + "_again", []).append(walk_kind(stamp, stamp := index_stamp(home)))
+                s.setdefault("ls_current", []).append(wall)
+                s.setdefault("ls_current_cpu", []).append(cpu)
+                s.setdefault("ls_all", []).append(run(tree, home, ["ls", "--all"] if has_all[name] else ["ls"]))
+                walks.setdefault(name + "_all", []).append(walk_kind(stamp, index_stamp(home)))
                 s.setdefault("model_load", []).append(model_load(tree, home))
                 cid = targets[name][rep]
+                stamp = index_stamp(home)
                 s.setdefault("resume_turn", []).append(run(tree, home, [
                     "resume", cid, "--temperature", "0", "--max-tokens", "4"], stdin="One word please.\n"))
+                walks.setdefault(name + "_resume", []).append(walk_kind(stamp, stamp := index_stamp(home)))
                 ready, request = serve(tree, home, cid)
+                walks.setdefault(name + "_serve", []).append(walk_kind(stamp, index_stamp(home)))
                 s.setdefault("serve_ready", []).append(ready)
                 s.setdefault("request", []).append(request)
                 s.setdefault("turn_files_ms", []).append(turn_work(tree, home, cid))
-                print(f"size {corpus.n} rep {rep} {name}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in s.items()),
-                      flush=True)
+                print(f"size {corpus.n} rep {rep} {name}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in s.items())
+                      + ", walks ls/again/all/resume/serve: " + "/".join(
+                          walks[name + k][-1] or "-" for k in WALKED), flush=True)
         for name in trees:
             row[name] = {k: statistics.median(v) for k, v in samples[name].items()}
             row[name + "_all"] = samples[name]
+        row["walks"] = walks
         row["load_end"] = load()
         row["elapsed_s"] = time.perf_counter() - started
         results.append(row)
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.with_suffix(".json").write_text(json.dumps(results, indent=2))
-        write_report(results, a.out)
+        # Written after every size: a run stopped part-way keeps what it measured.
+        write_run(results, out, run_no, " ".join(["python -m bench.scale", *sys.argv[1:]]), trees)
     shutil.rmtree(a.work, ignore_errors=True)
+    print(f"wrote run {run_no} to {out} ({out.with_name(f'{out.stem}-run{run_no}.json').name}, "
+          f"{out.with_name(f'{out.stem}-run{run_no}.png').name})")
 
 
-COLUMNS = [("ls", "`chatcli ls`", "s"), ("ls_cpu", "`ls` CPU (user+sys)", "s"), ("ls_all", "`ls --all`", "s"),
+COLUMNS = [("ls", "`chatcli ls`", "s"), ("ls_cpu", "`ls` CPU (user+sys)", "s"),
+           ("ls_current", "`ls` again", "s"), ("ls_all", "`ls --all`", "s"),
            ("resume_turn", "`resume` + 1 turn", "s"), ("serve_ready", "`serve` until /health", "s"),
            ("model_load", "model load alone", "s"), ("request", "one API request", "s"),
            ("turn_files_ms", "per-turn file work", "ms")]
 
 
-def write_report(results: list[dict[str, Any]], out: Path) -> None:
-    lines = ["# Ten thousand conversations (issue #23): before and after the index", "",
-             "`python -m bench.scale` — medians of the reps, both trees against the same data directory, "
-             "alternating order. Whole processes except the last column (in-process: 2 transcript lines, "
-             "meta.json and the budget check twice, as every turn does besides the model).", "",
+WALKED = ("", "_again", "_all", "_resume", "_serve")  # the commands whose walks are recorded (``walks`` keys)
+
+
+def next_run(out: Path) -> int:
+    """The number of the run this one adds to ``out`` (its ``## Run N`` sections + 1)."""
+    import re
+
+    try:
+        text = out.read_text("utf-8")
+    except FileNotFoundError:
+        return 1
+    return max([int(n) for n in re.findall(r"^## Run (\d+)", text, re.MULTILINE)], default=0) + 1
+
+
+def run_section(results: list[dict[str, Any]], run_no: int, command: str, trees: dict[str, Path],
+                json_name: str, png_name: str | None) -> str:
+    """The run's section of the results file: how it ran, the table, the walks each `ls` made."""
+    files = f"`{json_name}`" + (f", `{png_name}`" if png_name else "")
+    lines = [f"## Run {run_no}: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} ({files})", "",
+             f"`{command}`; before = `{trees['before'].name}`, after = `{trees['after'].name}`. Medians of the "
+             "reps, both trees against the same data directory, alternating order. Whole processes except the "
+             "last column (in-process: 2 transcript lines, meta.json and the budget check twice, as every turn "
+             "does besides the model). `ls` runs as the other tree's commands left the folders (a walk when "
+             "they moved a stamp), then `ls` again right after it (no walk unless a stamp moved less than 2 s before).", "",
              "| conversations | " + " | ".join(f"{t} before → after" for _, t, _ in COLUMNS) + " | load (1/5/15 min) |",
              "|---:|" + "---:|" * len(COLUMNS) + "---|"]
     for r in results:
         cells = []
         for key, _, unit in COLUMNS:
-            b, a = r["before"][key], r["after"][key]
+            b, a = r["before"].get(key), r["after"].get(key)
             fmt = "{:.1f}" if unit == "ms" else "{:.2f}"
-            cells.append(f"{fmt.format(b)} → **{fmt.format(a)}** {unit}")
+            cells.append(f"{'–' if b is None else fmt.format(b)} → **{'–' if a is None else fmt.format(a)}** {unit}")
         lines.append(f"| {r['size']:,} | " + " | ".join(cells) + f" | {r['load_start']} → {r['load_end']} |")
-    lines += ["", "The index catching up with the copies added for each size (`ls`, first run after them): " +
+    def walked(r: dict[str, Any], name: str) -> str:
+        per = [r.get("walks", {}).get(name + k, []) for k in WALKED]
+        return " ".join("/".join(w or "-" for w in rep) for rep in zip(*per, strict=False))
+
+    lines += ["", "Walks of the folders (`names`: one scandir; `full`: a stat per folder; `walk`: a tree without "
+              "the counters walked; `-`: none), per rep, during `ls` / `ls` again / `ls --all` / `resume` / "
+              "`serve` (its start and request): " +
+              "; ".join(f"{r['size']:,}: before {walked(r, 'before')}, after {walked(r, 'after')}"
+                        for r in results) + ".",
+              "", "The index catching up with the copies added for each size (`ls`, first run after them): " +
               ", ".join(f"{r['size']:,}: {r['index_catch_up_s']:.1f} s" for r in results) + ".",
               "", "`serve` until /health the first time after the copies (its cache catching up; before → after): " +
               ", ".join(f"{r['size']:,}: {r['serve_cold_s']['before']:.1f} → {r['serve_cold_s']['after']:.1f} s"
                         for r in results) + ".",
               "", f"Whole run: {results[-1].get('elapsed_s', 0) / 60:.1f} min.", ""]
-    out.with_suffix(".md").write_text("\n".join(lines))
+    return "\n".join(lines)
+
+
+def write_run(results: list[dict[str, Any]], out: Path, run_no: int, command: str, trees: dict[str, Path]) -> None:
+    """Add (or, as the run goes on, replace) run ``run_no``'s section in ``out``, newest run first under
+    the title, with its data and chart beside it."""
+    import re
+
+    json_path = out.with_name(f"{out.stem}-run{run_no}.json")
+    png_path = out.with_name(f"{out.stem}-run{run_no}.png")
+    json_path.write_text(json.dumps(results, indent=2))
+    png = write_chart(results, png_path)
+    section = run_section(results, run_no, command, trees, json_path.name, png_path.name if png else None)
+    try:
+        text = out.read_text("utf-8")
+    except FileNotFoundError:
+        text = "# Many conversations (issue #23): before and after the SQLite index\n"
+    mine = re.compile(rf"^## Run {run_no}:.*?(?=^## Run |\Z)", re.MULTILINE | re.DOTALL)
+    if mine.search(text):
+        text = mine.sub(lambda _: section + "\n", text, count=1)
+    else:
+        first = re.search(r"^## Run ", text, re.MULTILINE)
+        at = first.start() if first else len(text)
+        head = text[:at].rstrip("\n") + "\n\n"
+        text = head + section + "\n" + text[at:]
+    out.write_text(text.rstrip("\n") + "\n", "utf-8")
+
+
+def write_chart(results: list[dict[str, Any]], path: Path) -> bool:
+    """One panel per column, before and after against the number of conversations; False without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return
+        return False
     cols = 3
     rows = -(-len(COLUMNS) // cols)
     fig, grid = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
@@ -347,7 +469,7 @@ def write_report(results: list[dict[str, Any]], out: Path) -> None:
     sizes = [r["size"] for r in results]
     for ax, (key, title, unit) in zip(axes, COLUMNS, strict=False):
         for name, style in (("before", "o--"), ("after", "o-")):
-            ax.plot(sizes, [r[name][key] for r in results], style, label=name)
+            ax.plot(sizes, [r[name].get(key, float("nan")) for r in results], style, label=name)
         ax.set_xscale("log")
         ax.set_title(title.replace("`", ""), fontsize=9)
         ax.set_xlabel("conversations")
@@ -355,7 +477,9 @@ def write_report(results: list[dict[str, Any]], out: Path) -> None:
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=110)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 if __name__ == "__main__":

@@ -292,3 +292,26 @@ def test_memory_kinds_bench_measures_a_recurrent_fixture(archs_bin: Path, tmp_pa
     assert row["bytes_per_turn"] > 2 * row["prefix_bytes"] * 0.9  # two points (message, reply) per exchange
     assert "| mamba-dense | recurrent |" in (out / "memory_kinds.md").read_text()
     assert (out / "memory_kinds.png").stat().st_size > 0
+
+
+def test_scale_adds_its_run_as_a_new_section_of_the_results_file(tmp_path: Path) -> None:
+    """bench/scale.py's --out: the run goes in as `## Run N` above the earlier runs (rewritten in place
+    after each size, never duplicated), its data and chart beside the file; earlier runs stay as they were."""
+    from bench import scale
+
+    out = tmp_path / "scale.md"
+    out.write_text("# Title\n\n## Run 5: old\n\nold table\n\n## Run 4: older\n\nolder table\n", "utf-8")
+    assert scale.next_run(out) == 6
+    row = {"size": 10, "load_start": "0.1", "load_end": "0.2", "index_catch_up_s": 0.1,
+           "serve_cold_s": {"before": 1.0, "after": 0.9}, "elapsed_s": 60.0,
+           "before": {k: 1.0 for k, _, _ in scale.COLUMNS}, "after": {k: 0.5 for k, _, _ in scale.COLUMNS},
+           "walks": {n + k: ["names" if n == "after" else ""] for n in ("before", "after") for k in scale.WALKED}}
+    trees = {"before": tmp_path / "before-x", "after": tmp_path / "after"}
+    scale.write_run([row], out, 6, "python -m bench.scale", trees)
+    scale.write_run([row, {**row, "size": 1000}], out, 6, "python -m bench.scale", trees)
+    text = out.read_text("utf-8")
+    assert text.count("## Run 6:") == 1 and text.index("## Run 6:") < text.index("## Run 5: old")
+    assert "| 1,000 |" in text and "old table" in text and "older table" in text
+    assert "after names/names/names/names/names" in text and "before -/-/-/-/-" in text
+    assert json.loads((tmp_path / "scale-run6.json").read_text())[1]["size"] == 1000
+    assert scale.next_run(out) == 7

@@ -128,21 +128,21 @@ def _build_session(settings: Settings, paths: Paths, explicit: set[str], *, mode
     from chatcli.models.resolve import resolve_model
     from chatcli.session import Session
 
-    console = err_console()
-    if not settings.plain and _interactive():
+    # The console (rich: ~0.1 s to import) only for the spinner: `serve` and a pipe load without it.
+    if not quiet and not settings.plain and _interactive():
         from chatcli.repl.markdown import warm_in_background
 
-        warm_in_background()
+        warm_in_background()  # the REPL's first frame need not import the Markdown parser
     if settings.server:
         if quiet or not sys.stderr.isatty():
             return Session.build_remote(settings, paths, explicit=explicit, chat_template=chat_template)
-        with console.status(f"connecting to {settings.server} …"):
+        with err_console().status(f"connecting to {settings.server} …"):
             return Session.build_remote(settings, paths, explicit=explicit, chat_template=chat_template)
     ref = resolve_model(model_path or settings.model)
     if quiet or not sys.stderr.isatty():
         session = Session.build(settings, paths, model=ref, explicit=explicit, chat_template=chat_template)
     else:
-        with console.status(f"loading {ref.path.name} …"):
+        with err_console().status(f"loading {ref.path.name} …"):
             session = Session.build(settings, paths, model=ref, explicit=explicit, chat_template=chat_template)
     return session
 
@@ -345,12 +345,14 @@ def serve(
                  max_queue=max_queue, max_tokens=max_tokens, reserve=reserve, kv_type=kv_type,
                  state_budget=state_budget, chat_template=chat_template, thinking=thinking)
     with user_errors():
-        try:
-            import fastapi  # noqa: F401
-            import uvicorn  # noqa: F401
-        except ImportError as exc:
-            raise CliError(f"chatcli serve needs the 'serve' extra ({exc.name} is missing): "
-                           "pip install 'chatcli[serve]'") from None
+        # Found, not imported: importing FastAPI takes ~0.4 s, which chatcli.server.run does in a thread
+        # while the model loads (imported here, it came before the model and added to `serve`'s start).
+        from importlib.util import find_spec
+
+        for name in ("fastapi", "uvicorn"):
+            if find_spec(name) is None:
+                raise CliError(f"chatcli serve needs the 'serve' extra ({name} is missing): "
+                               "pip install 'chatcli[serve]'")
         from chatcli.server.run import ApiKeysError, api_keys, listen_problem
         from chatcli.server.run import serve as run_server
 

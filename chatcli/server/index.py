@@ -45,6 +45,9 @@ if TYPE_CHECKING:  # the index is loaded without the conversation's engine-side 
 # 4: rows in tables of their own, looked up per request (core/files/index.py PrefixRows)
 INDEX_VERSION = 4
 LOOKUP_LIMIT = 32  # entries a lookup returns per owner: the candidates a request tries, not every sharer
+UPDATE_WAIT_S = 0.05  # the longest a reply's re-index waits for another process's write (then: retried later)
+BUILD_NOTICE = 2000  # a refresh that checks this many conversations says so in the log (a first start)
+BUILD_EVERY_S = 5.0  # ... and how far it got, this often
 RECONCILE_EVERY = 60.0  # seconds between two looks at every folder (~30 ms at 10,000 conversations)
 REPL_OWNER = "repl"  # the owner of conversations not made through the API
 
@@ -160,6 +163,9 @@ class PrefixIndex:
         self._saved_at = 0.0
         self._seq: int | None = None  # the SQLite index's change number this index has caught up with
         self._reconciled_at = -RECONCILE_EVERY
+        self._pending: set[str] = set()  # written here, not re-indexed yet (``update`` met a busy index)
+        self._roots: dict[tuple[Message, ...], str] = {}
+        self._docs: dict[tuple[tuple[Message, ...], str, str], tuple[str, str]] = {}
         self._rows = self._open()
 
     @property
@@ -170,7 +176,15 @@ class PrefixIndex:
     # -- keys ----------------------------------------------------------------------------------------
 
     def root(self, persona: Iterable[Message]) -> str:
-        return history.root_key(self.identity, self.n_ctx, self.template_source, tuple(persona))
+        # Kept per persona: a first start computes it for every stored conversation, and most share a
+        # handful of personas (a sha256 of the template and a JSON document each: 6 % of that start).
+        key = tuple(persona)
+        got = self._roots.get(key)
+        if got is None:
+            if len(self._roots) >= 1024:
+                self._roots.clear()
+            got = self._roots[key] = history.root_key(self.identity, self.n_ctx, self.template_source, key)
+        return got
 
     def personas(self, owners: frozenset[str] | None = None) -> list[tuple[Message, ...]]:
         """Personas of the indexed conversations (to recognise a REPL persona a client resends whole);
@@ -263,6 +277,8 @@ class PrefixIndex:
             yield cids[i:i + size]
 
     def _refresh_changed(self, shared: Index) -> None:
+        if self._seq is not None and self._seq < shared.removed_floor():
+            self._seq = None  # removals since then were pruned from the index: check every conversation
         if self._seq is None:
             seq, _ = shared.changed_since(-1)
             stamps = shared.stamps()
@@ -275,13 +291,28 @@ class PrefixIndex:
             self._dirty = self._dirty or bool(gone)
         else:
             seq, candidates = shared.changed_since(self._seq)
-        for chunk in self._chunks(candidates):
+        listed = set(candidates)
+        candidates = [*candidates, *(cid for cid in self._pending if cid not in listed)]
+        # A first start after many folders were copied in reads every transcript (~0.6 ms each) before
+        # /health answers: the log says what it is doing, and how far it got every BUILD_EVERY_S.
+        started = time.monotonic()
+        big = len(candidates) >= BUILD_NOTICE
+        if big:
+            log.info("indexing %d conversations for the server …", len(candidates))
+        next_say = started + BUILD_EVERY_S
+        for n, chunk in enumerate(self._chunks(candidates)):
+            if big and time.monotonic() >= next_say:
+                log.info("indexing conversations for the server: %d/%d", n * 64, len(candidates))
+                next_say += BUILD_EVERY_S
             with self._rows.write():
                 for cid in chunk:
                     self._check(cid, f"{self.store.root}{os.sep}{cid}{os.sep}{self._transcript}")
+        if len(candidates) >= BUILD_NOTICE:
+            log.info("indexed %d conversations for the server in %.1f s", len(candidates), time.monotonic() - started)
         # Worth saving only when something was looked at (nothing indexed yet: no number to keep).
         self._dirty = self._dirty or bool(candidates)
         self._seq = seq
+        self._pending.difference_update(candidates)
 
     def _check(self, cid: str, transcript: str) -> None:
         try:
@@ -335,7 +366,16 @@ class PrefixIndex:
         except OSError:
             return
         try:
-            self._set(conv.id, st.st_size, st.st_mtime_ns, Shape.of(conv), conv.meta)
+            # Not blocking: the service calls this under its lock, and another process holding the index's
+            # write lock (a REPL's turn, a long rebuild) would hold up every request up to the busy timeout.
+            with self._rows.write(timeout=UPDATE_WAIT_S):
+                self._set(conv.id, st.st_size, st.st_mtime_ns, Shape.of(conv), conv.meta)
+            self._pending.discard(conv.id)
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                self._lost()
+                return
+            self._pending.add(conv.id)  # read back from its transcript at the next refresh
         except sqlite3.Error:
             self._lost()  # read back from its transcript at the next refresh
 
@@ -361,10 +401,18 @@ class PrefixIndex:
         persona = sh.persona
         root = self.root(persona) if usable else ""
         entries = conversation_keys(root, sh) if usable else []
-        messages = [[m.role, m.content] for m in persona]
-        doc = json.dumps({"messages": messages, "name": str(meta.get("persona", "")),
-                          "hash": str(meta.get("persona_hash", ""))}, ensure_ascii=False) if usable else None
-        persona_key = json.dumps(messages, ensure_ascii=False) if usable and entries else None
+        doc = persona_key = None
+        if usable:  # the persona's two JSON documents, made once per persona (as its root key)
+            name, phash = str(meta.get("persona", "")), str(meta.get("persona_hash", ""))
+            docs = self._docs.get((persona, name, phash))
+            if docs is None:
+                if len(self._docs) >= 1024:
+                    self._docs.clear()
+                messages = [[m.role, m.content] for m in persona]
+                docs = self._docs[(persona, name, phash)] = (
+                    json.dumps({"messages": messages, "name": name, "hash": phash}, ensure_ascii=False),
+                    json.dumps(messages, ensure_ascii=False))
+            doc, persona_key = docs[0], (docs[1] if entries else None)
         self._rows.put(cid, size, mtime, root, doc, persona_key, updated, len(sh.active), owner_of(meta),
                        self._warm(cid), entries)
         self._dirty = True

@@ -18,6 +18,8 @@ from chatcli.session import Session
 
 def _import_http_layer() -> None:
     try:
+        import uvicorn  # noqa: F401
+
         import chatcli.server.app  # noqa: F401
     except Exception:  # imported again by serve(), which then says what is wrong
         pass
