@@ -224,6 +224,12 @@ class Session:
             raise ValueError("this needs the local engine: not available with --server")
         return self.engine
 
+    def new_context(self) -> Backend:
+        """Another context over the session's model: its own KV cache and tokens, the weights loaded once
+        (``Engine.sibling``), for a conversation resident beside others (``serve --parallel``). Close it
+        before the session. Not available with ``--server`` (ValueError)."""
+        return self.local_engine.sibling()
+
     @property
     def model_name(self) -> str:
         if self.model is not None:

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from chatcli.core.backend import (
     Capabilities,
     ContextFullError,
     GenerationResult,
+    GrammarError,
     Logits,
     Sampling,
     TokenEvent,
@@ -180,6 +181,9 @@ class FakeBackend:
                 max_tokens=max_tokens, stop_strings=stop_strings)
         finally:
             self._cancel = False
+
+    def json_grammar(self, schema: Mapping[str, Any] | None = None) -> str:
+        raise GrammarError("the fake backend has no grammar sampler")
 
     def cancel(self) -> None:
         self._cancel = True

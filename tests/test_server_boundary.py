@@ -1,7 +1,9 @@
 """The server uses only the conversation core's public API (issue #25 item 3).
 
-An AST check over ``chatcli/server/``: no ``chatcli.backends`` import (the engine comes through the
-``Session``), no private (``_x``) name of another package, no ``ConversationDir`` built by hand (the store
+An AST check over ``chatcli/server/``: no ``chatcli.backends`` or ``llama_cpp`` import (the engine comes
+through the ``Session``, and what only llama.cpp can do, such as building a grammar, through the ``Backend``
+protocol), no ``Session.local_engine`` (the concrete engine: the ``Session`` has the calls the server
+needs), no private (``_x``) name of another package, no ``ConversationDir`` built by hand (the store
 hands them out), and on a conversation only its public operations and views: never its internals (``r``,
 ``dir``, ``log``, ``engine``...), never an assignment to one of its attributes.
 
@@ -118,8 +120,13 @@ class _Checker:
     def _module(self, name: str, line: int) -> None:
         if name == "chatcli.backends" or name.startswith("chatcli.backends."):
             self.problems.append(f"line {line}: imports {name} (the engine comes through the Session)")
+        if name == "llama_cpp" or name.startswith("llama_cpp."):
+            self.problems.append(f"line {line}: imports {name} (only a backend touches llama.cpp)")
 
     def check_attribute(self, node: ast.Attribute) -> None:
+        if node.attr == "local_engine":
+            self.problems.append(f"line {node.lineno}: the concrete engine ({ast.unparse(node)}): use the "
+                                 "Session's or the Backend's calls")
         if isinstance(node.value, ast.Name) and node.value.id in self.modules and node.attr.startswith("_"):
             self.problems.append(f"line {node.lineno}: private name {node.value.id}.{node.attr}")
         if not self.is_conv(node.value):
@@ -162,10 +169,15 @@ def f(c: Conversation, slot: object) -> None:
     c.lock()
     def g() -> None:
         import chatcli.backends.cpuload
+        from llama_cpp import llama_grammar
+        import llama_cpp.llama_chat_format
+    session.local_engine.sibling()
 '''
     found = problems_in(src)
     for needle in ("imports chatcli.backends.llamacpp", "private name _ID_RE", "(c.r)", "(slot.conv.dir)",
                    "(other.engine)", "assigns a conversation's attribute (c.meta)", "ConversationDir built by hand",
-                   "private name conversation._eval", "imports chatcli.backends.cpuload"):
+                   "private name conversation._eval", "imports chatcli.backends.cpuload",
+                   "imports llama_cpp (only", "imports llama_cpp.llama_chat_format",
+                   "the concrete engine (session.local_engine)"):
         assert any(needle in p for p in found), (needle, found)
-    assert len(found) == 9, found  # send, messages and lock are the public API
+    assert len(found) == 12, found  # send, messages and lock are the public API

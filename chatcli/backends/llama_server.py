@@ -47,13 +47,14 @@ import time
 import urllib.parse
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from chatcli.core.backend import (
     BackendError,
     Capabilities,
     ContextFullError,
     GenerationResult,
+    GrammarError,
     Logits,
     Sampling,
     TokenEvent,
@@ -530,6 +531,9 @@ class LlamaServerBackend:
         self.stats.predicted += int(timings.get("predicted_n", 0))
 
     # -- generation ----------------------------------------------------------------------------------
+
+    def json_grammar(self, schema: Mapping[str, Any] | None = None) -> str:
+        raise GrammarError("grammars are not sent to a llama-server (caps.grammar is false)")
 
     def cancel(self) -> None:
         self._cancel.set()

@@ -17,13 +17,14 @@ from __future__ import annotations
 import collections
 import copy
 import ctypes
+import json
 import os
 import threading
 import time
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 # No OMP_WAIT_POLICY here: libgomp's default (spin, then sleep) is what llama.cpp's own tools run with, and
 # PASSIVE measured 2.7x slower decoding on an idle machine. Busy machines are handled by the thread count
@@ -40,6 +41,7 @@ from chatcli.core.backend import (
     Capabilities,
     ContextFullError,
     GenerationResult,
+    GrammarError,
     Sampling,
     TokenEvent,
 )
@@ -390,7 +392,7 @@ class Engine:
         # recurrent state still holds what a shift drops, so the result would match no evaluation.
         return Capabilities(cells=True, checkpoint=False, logits=True, local_sampling=True,
                             shift=self.can_shift and self.can_truncate, truncate=self.can_truncate,
-                            ranges=self.ranges,
+                            ranges=self.ranges, grammar=True,
                             memory="swa" if self.memory_kind == "attention" and self.n_swa else self.memory_kind)
 
     def _probe_memory(self) -> tuple[str, bool, bool]:
@@ -772,6 +774,22 @@ class Engine:
             return False
         llama_cpp.llama_sampler_free(g)
         return True
+
+    def json_grammar(self, schema: Mapping[str, Any] | None = None) -> str:
+        """llama.cpp's JSON grammar (an object), or a schema through llama-cpp-python's port of llama.cpp's
+        JSON-schema-to-grammar converter (the rules llama-server applies); checked by ``grammar_ok``."""
+        if schema is None:
+            gbnf = str(llama_cpp.llama_grammar.JSON_GBNF)
+        else:
+            try:
+                gbnf = str(llama_cpp.llama_grammar.json_schema_to_gbnf(json.dumps(schema)))
+            except Exception as exc:
+                # The converter raises whatever it meets (AssertionError for an unresolvable $ref, KeyError,
+                # NotImplementedError for an unknown type): all mean "this schema", one line for the caller.
+                raise GrammarError(f"the JSON schema cannot be used ({exc})") from None
+        if not self.grammar_ok(gbnf):
+            raise GrammarError("llama.cpp cannot build a grammar for it")
+        return gbnf
 
     # -- memory ------------------------------------------------------------------------------------
 

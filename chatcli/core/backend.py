@@ -23,7 +23,7 @@ This module imports nothing heavy (no numpy, no llama_cpp): front ends and the s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol, Sequence
 
 from chatcli.errors import ChatcliError, DoesNotFitError, Kind
 
@@ -40,6 +40,13 @@ class BackendError(ChatcliError, RuntimeError):
     """The engine refused or failed an operation (model load, decode, restore, connection)."""
 
     kind: Kind = "engine"
+
+
+class GrammarError(BackendError):
+    """A grammar the backend cannot build: a JSON schema its converter does not handle, a GBNF its parser
+    refuses, or no grammar sampler at all (``caps.grammar`` false). The caller's input, not a failure."""
+
+    kind: Kind = "usage"
 
 
 class ContextFullError(BackendError, DoesNotFitError):
@@ -92,6 +99,8 @@ class Capabilities:
     # A restored checkpoint's tokens are reused by a sequence that extends it (not by a llama-server whose
     # model has a sliding-window cache: nothing of a restored slot is reused there).
     restore_reuse: bool = True
+    # Sampling can be constrained by a GBNF grammar (``Sampling.grammar``; ``Backend.json_grammar`` builds one).
+    grammar: bool = False
 
 
 @dataclass
@@ -164,6 +173,12 @@ class Backend(Protocol):
         stop_strings: Sequence[str] = (),
     ) -> Iterator[TokenEvent]:
         """Sample a reply; each token joins ``tokens`` before the next is yielded. Closing early keeps it."""
+        ...
+
+    def json_grammar(self, schema: Mapping[str, Any] | None = None) -> str:
+        """The GBNF (``Sampling.grammar``) of a reply that is JSON: an object when ``schema`` is None, else a
+        value matching that JSON schema. Checked by the grammar sampler that will use it; raises
+        ``GrammarError`` when it cannot be built, always when ``caps.grammar`` is false."""
         ...
 
     def cancel(self) -> None: ...

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from chatcli.core.template import Message
 from chatcli.server.errors import APIError
-from chatcli.server.response_format import ResponseFormatError, grammar_for
+from chatcli.server.response_format import ResponseFormatError, json_reply_for
 from chatcli.server.service import ChatRequest
 
 
@@ -141,7 +141,7 @@ def parse_chat_request(doc: Any, *, max_messages: int, header_conversation: str 
         raise APIError("invalid_request", "stop: up to 4 non-empty strings", "stop")
     conversation = body.conversation or header_conversation or None
     try:
-        grammar = grammar_for(body.response_format.model_dump(by_alias=True) if body.response_format else None)
+        json_reply = json_reply_for(body.response_format.model_dump(by_alias=True) if body.response_format else None)
     except ResponseFormatError as exc:
         raise APIError("invalid_request", str(exc), "response_format") from None
     req = ChatRequest(
@@ -149,6 +149,6 @@ def parse_chat_request(doc: Any, *, max_messages: int, header_conversation: str 
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, repeat_penalty=body.repeat_penalty,
         max_tokens=body.max_completion_tokens or body.max_tokens, seed=body.seed, stop=tuple(stop),
         conversation=conversation, min_p=body.min_p, presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty, logit_bias=_logit_bias(body.logit_bias), grammar=grammar,
+        frequency_penalty=body.frequency_penalty, logit_bias=_logit_bias(body.logit_bias), json_reply=json_reply,
     )
     return req, body

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chatcli.core.backend import Backend, Sampling
+from chatcli.core.backend import Backend, GrammarError, Sampling
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import (
     ConversationError,
@@ -50,6 +50,7 @@ from chatcli.errors import ChatcliError, DoesNotFitError, Kind
 from chatcli.server import history
 from chatcli.server.history import HistoryError, SplitHistory
 from chatcli.server.index import REPL_OWNER, Entry, PrefixIndex, conversation_keys, owner_of
+from chatcli.server.response_format import JsonReply
 from chatcli.session import Session
 
 _TURN_OVERHEAD = 8  # template tokens around one message (ChatML: 5), rounded up: the fit test errs on the safe side
@@ -85,7 +86,7 @@ class ChatRequest:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
-    grammar: str = ""  # GBNF the reply is constrained to (response_format)
+    json_reply: JsonReply | None = None  # the reply must be JSON (response_format; None: any text)
 
 
 @dataclass
@@ -186,8 +187,8 @@ class ChatService:
             self.index.refresh()
         # ``parallel`` contexts over the one model: that many conversations stay resident; switching among
         # them restores nothing. The least recently used is released (its state is already on disk).
-        engine, model = session.local_engine, session.local_model
-        self._slots = [_Slot(engine)] + [_Slot(engine.sibling()) for _ in range(parallel - 1)]
+        model = session.local_model
+        self._slots = [_Slot(session.engine)] + [_Slot(session.new_context()) for _ in range(parallel - 1)]
         self.parallel = parallel
         self.model_name = model.info.name or Path(str(model.path)).stem  # for people: the GGUF's general.name
         # For clients (``GET /v1/models``, the responses' ``model``): the file's stem, as llama-server names a
@@ -400,16 +401,19 @@ class ChatService:
             if not 0 <= tok < n_vocab:
                 raise ServiceError("usage", f"logit_bias: token {tok} is not in the vocabulary "
                                    f"(0..{n_vocab - 1})", "logit_bias")
-        if req.grammar and not self.session.local_engine.grammar_ok(req.grammar):
-            raise ServiceError("usage", "response_format: llama.cpp cannot build a grammar for it",
-                               "response_format")
+        grammar = ""
+        if req.json_reply is not None:
+            try:
+                grammar = self.engine.json_grammar(req.json_reply.schema)
+            except GrammarError as exc:
+                raise ServiceError("usage", f"response_format: {exc}", "response_format") from None
         return Sampling(
             temperature=s.temperature if req.temperature is None else req.temperature,
             top_p=s.top_p if req.top_p is None else req.top_p,
             top_k=s.top_k if req.top_k is None else req.top_k,
             repeat_penalty=s.repeat_penalty if req.repeat_penalty is None else req.repeat_penalty,
             min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0, logit_bias=req.logit_bias, grammar=req.grammar,
+            frequency_penalty=req.frequency_penalty or 0.0, logit_bias=req.logit_bias, grammar=grammar,
         )
 
     def _warm(self, cid: str) -> bool:
