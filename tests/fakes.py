@@ -262,14 +262,15 @@ class FakeBackend:
         self._decode([last])
         return 1
 
-    def save_cells(self, p0: int, p1: int) -> bytes:
+    def save_cells(self, p0: int, p1: int, *, point: bool = True) -> bytes:
         if not self.caps.cells:
             raise BackendError("this memory saves no cell ranges")
         if not 0 <= p0 <= p1 <= self.n_past:
             raise BackendError(f"bad cell range {p0}..{p1} (context holds {self.n_past})")
         if p0 == p1:
             return b""
-        if not self.caps.truncate and p1 != self.n_past:  # the recurrent part is as it is now
+        # The recurrent part is as it is now (``point`` False: the caller knows it is stale, as the engine's).
+        if not self.caps.truncate and point and p1 != self.n_past:
             raise BackendError(f"this memory ({self.caps.memory}) can only be saved where it ends, not at {p1}")
         if not self.caps.ranges and p0 != 0:
             raise BackendError(f"this memory ({self.caps.memory}) is saved whole, not from {p0}")

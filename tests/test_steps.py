@@ -1,4 +1,5 @@
-"""core/steps.py: the one evaluate-with-progress loop and the one drain of events (on the fake backend)."""
+"""core/steps.py: the one evaluate-with-progress loop, the guard for evaluation that cannot stop halfway and
+the one drain of events (on the fake backend)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ from pathlib import Path
 import pytest
 
 from chatcli.core.backend import Sampling
-from chatcli.core.events import Progress, ReplyEnd
+from chatcli.core.conversation import Conversation
+from chatcli.core.events import Progress, ReplyEnd, ReplyStart
 from chatcli.core.files.store import ConversationStore
+from chatcli.core.kv import log as kvlog
 from chatcli.core.loading import create_conversation, open_conversation
-from chatcli.core.steps import drain, evaluate, progress
+from chatcli.core.steps import drain, evaluate, finish, progress, to_the_end
 from chatcli.core.template import ChatTemplate
-from tests.fakes import IDENTITY, PERSONA, FakeBackend, new_conversation
+from tests.fakes import HYBRID_CAPS, IDENTITY, PERSONA, FakeBackend, new_conversation, open_again, say
 
 pytestmark = pytest.mark.fast
 
@@ -84,3 +87,64 @@ def test_drain_stopped_at_a_progress_closes_the_opening_and_releases_its_lock(tm
     (cdir,) = [store.resolve(p.name) for p in tmp_path.iterdir() if p.is_dir()]
     cdir.lock()  # released by the stop: this would raise LockedError otherwise
     cdir.unlock()
+
+
+def test_to_the_end_passes_progress_on_and_finishes_when_closed_early() -> None:
+    plain, guarded = FakeBackend(n_batch=4), FakeBackend(n_batch=4)
+    gen = evaluate(plain, list(range(10)), "reading")
+    assert next(gen).done == 4
+    gen.close()
+    assert plain.tokens == [0, 1, 2, 3]  # what the guard is for: a closed evaluation stops halfway
+    steps = to_the_end(evaluate(guarded, list(range(10)), "rebuilding"))
+    first = next(steps)
+    assert (first.label, first.done, first.total) == ("rebuilding", 4, 10)
+    steps.close()
+    assert guarded.tokens == list(range(10))
+    again = FakeBackend(n_batch=4)
+    assert finish(to_the_end(evaluate(again, [1, 2, 3], "x"))) >= 0 and again.tokens == [1, 2, 3]
+
+
+def _merged_hybrid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[FakeBackend, Conversation]:
+    """A conversation on a memory that cannot be cut back whose early points were merged away (one point
+    kept), so going back to its first message rebuilds the persona prefix from the start."""
+    monkeypatch.setattr(kvlog, "HYBRID_POINTS", 1)
+    backend = FakeBackend(n_batch=4, caps=HYBRID_CAPS)
+    conv = new_conversation(backend, tmp_path)
+    for i in range(4):
+        say(conv, f"message {i}", reply=f"reply {i}")
+    return backend, conv
+
+
+REBUILD = "rebuilding context from a saved point"
+
+
+def test_an_edit_that_rebuilds_from_a_saved_point_reports_each_batch(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    backend, conv = _merged_hybrid(tmp_path, monkeypatch)
+    p0 = conv.user_messages()[0].p0
+    backend.queue("new reply")
+    events = list(conv.edit(1, "changed"))
+    bars = [e for e in events if isinstance(e, Progress) and e.label == REBUILD]
+    start = next(i for i, e in enumerate(events) if isinstance(e, ReplyStart))
+    assert len(bars) >= p0 // 4 and all(events.index(b) < start for b in bars), bars
+    assert bars[-1].done == bars[-1].total == p0 and not any(b.stoppable for b in bars)
+    assert conv.messages[-1].text == "new reply" and backend.kv == backend.tokens
+
+
+def test_closed_during_that_rebuild_the_context_is_not_left_halfway(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    backend, conv = _merged_hybrid(tmp_path, monkeypatch)
+    p0 = conv.user_messages()[0].p0
+    before = list(backend.tokens)
+    events = conv.edit(1, "changed")
+    for ev in events:
+        if isinstance(ev, Progress) and ev.label == REBUILD:
+            assert ev.done < ev.total
+            break
+    events.close()  # a client that went away, a rendering error
+    assert backend.tokens == before[:p0] and backend.kv == backend.tokens
+    assert say(conv, "after", reply="still whole") == "still whole"
+    conv.close()
+    backend.clear()
+    again, report = open_again(backend, tmp_path, conv.id)
+    assert [m.text for m in again.messages] == ["after", "still whole"] and report.reevaluated == 0

@@ -40,7 +40,7 @@ from chatcli.core.reply import (
     returned_tokens,
     stream_reply,
 )
-from chatcli.core.steps import evaluate
+from chatcli.core.steps import evaluate, finish, to_the_end
 from chatcli.core.template import ChatTemplate, Message, ReasoningStream
 from chatcli.core.transcript import ActiveMessage, Replay, Transcript
 from chatcli.core.views import ConversationViews
@@ -223,7 +223,7 @@ class Conversation(ConversationViews):
 
     def _reply(self, turn: int, *, alt: int, stats: TurnStats, seed: int | None) -> Iterator[Event]:
         eng = self.backend
-        stats.reevaluated = (stats.reevaluated or 0) + self.log.before_reply()
+        stats.reevaluated = (stats.reevaluated or 0) + (yield from self.log.before_reply())
         # No --seed: each alternative gets its own seed (a new reply every /regen). An explicit --seed makes
         # the reply reproducible: the same seed gives the same reply whichever alternative it becomes.
         use_seed = reply_seed(self.seed, turn, alt) if seed is None else reply_seed(seed, turn, 0)
@@ -273,7 +273,8 @@ class Conversation(ConversationViews):
                 raise
             closing = []  # a dead server cannot tokenize the closing: the partial reply is kept without it
         if closing and eng.n_past + len(closing) <= eng.n_ctx:
-            _eval(eng, closing)
+            # Unseen: a few tokens, and this generator may have been closed already (an abandoned reply).
+            finish(evaluate(eng, closing, "closing the reply"))
             reply_tokens = eng.tokens[p0:]
         stats.server_evaluated = res.n_prompt_evaluated
         stats.server_cached = res.n_prompt_cached
@@ -296,7 +297,7 @@ class Conversation(ConversationViews):
                                           stop=res.stop_reason, parts=parts)
         except OSError:
             # Not in the transcript means not in the conversation: the context must not keep it either.
-            self.log.rollback(p0, persist=False)
+            finish(self.log.rollback(p0, persist=False))
             raise
         self.log.reply_done(p0, reply_tokens, stats)
         self._touch_meta()
@@ -324,9 +325,9 @@ class Conversation(ConversationViews):
             # A memory that cannot be cut back mid-reply: back to the reply's start (a saved point), then
             # the kept tokens again, one by one as they were sampled.
             rest = [*eng.tokens[p0:p0 + k], *rest]
-            self.log.rollback(p0, persist=False)
+            finish(self.log.rollback(p0, persist=False))
         for tok in rest:
-            _eval(eng, [tok])
+            finish(evaluate(eng, [tok], "rebuilding the reply"))
 
     def cancel(self) -> None:
         self.backend.cancel()
@@ -408,7 +409,7 @@ class Conversation(ConversationViews):
             # transcript, out of the active path; a front end gives the text back to the user).
             self.transcript.append({"type": "truncate", "to": p0, "reason": "failed"})
             if eng.n_past > p0:
-                self.log.rollback(p0, persist=False)
+                finish(self.log.rollback(p0, persist=False))  # on the way out: nothing can be shown
             raise
         return seconds
 
@@ -426,7 +427,7 @@ class Conversation(ConversationViews):
             user_msg = self.r.active[-2] if len(self.r.active) >= 2 else None
             if user_msg is None or user_msg.role != "user":
                 raise ConversationError("the last reply is part of the persona and cannot be regenerated")
-            stats.dropped = self._truncate(last.p0, "regen")
+            stats.dropped = yield from self._truncate(last.p0, "regen")
             yield from self._notices()
         else:
             stats.dropped = self._rolled_again = 0
@@ -442,10 +443,12 @@ class Conversation(ConversationViews):
         stats.notices = self._notices()
         return stats
 
-    def _truncate(self, to: int, reason: str) -> int:
+    def _truncate(self, to: int, reason: str) -> Generator[Progress, None, int]:
+        """Roll back to ``to`` (recorded first); a ``Progress`` per step of a rebuild from a saved point.
+        Returns the positions dropped."""
         dropped = self.backend.n_past - to
         self.transcript.append({"type": "truncate", "to": to, "reason": reason})
-        self._rolled_again = self.log.rollback(to)
+        self._rolled_again = yield from self.log.rollback(to)
         return dropped
 
     def undo(self, n: int = 1) -> TurnStats:
@@ -457,7 +460,8 @@ class Conversation(ConversationViews):
             raise ConversationError(f"only {len(users)} exchange(s) to undo")
         to = users[-n].p0
         stats = TurnStats(kept=to, reevaluated=0)
-        stats.dropped = self._truncate(to, "undo")
+        # /undo, /redo and /alt return their result, not events: what they evaluate is not shown.
+        stats.dropped = finish(self._truncate(to, "undo"))
         stats.reevaluated = self._rolled_again
         return self._settled(stats)
 
@@ -474,7 +478,7 @@ class Conversation(ConversationViews):
         for i, mid in enumerate(mids):
             self.transcript.append({"type": "activate", "mid": mid, "p0": p0 + len(tokens), "redo": i == 0})
             tokens.extend(int(t) for t in self.r.all[mid]["tokens"])
-        stats.n_eval = stats.reevaluated = len(tokens) - self.log.put_back(tokens)
+        stats.n_eval = stats.reevaluated = len(tokens) - finish(self.log.put_back(tokens))
         return self._settled(stats)
 
     def switch_alt(self, index: int) -> TurnStats:
@@ -489,10 +493,10 @@ class Conversation(ConversationViews):
             return TurnStats(kept=self.backend.n_past, dropped=0, reevaluated=0)
         to = self.r.active[-1].p0
         stats = TurnStats(kept=to)
-        stats.dropped = self._truncate(to, "alt")
+        stats.dropped = finish(self._truncate(to, "alt"))
         self.transcript.append({"type": "activate", "mid": target.mid, "p0": to})
         toks = [int(t) for t in self.r.all[target.mid]["tokens"]]
-        stats.n_eval = len(toks) - self.log.put_back(toks)
+        stats.n_eval = len(toks) - finish(self.log.put_back(toks))
         stats.reevaluated = self._rolled_again
         return self._settled(stats)
 
@@ -515,7 +519,7 @@ class Conversation(ConversationViews):
         if self.title == make_title(target.text):
             # The title was made from the message being replaced (not set by the user): it follows the edit.
             self.meta["title"] = make_title(text)
-        self._truncate(target.p0, "edit")
+        yield from self._truncate(target.p0, "edit")
         yield from self._notices()
         yield from self._send(text, tokens, seed)
 
@@ -567,13 +571,13 @@ class Conversation(ConversationViews):
                          f"kept the persona and {eng.n_past - keep} tokens, nothing re-evaluated", "info")
         else:
             kept = eng.tokens[keep + drop:]
-            self.log.rollback(keep)
+            yield from self.log.rollback(keep)
             if not self._warned_no_shift:
                 why = {"attention": "cannot be shifted"}.get(eng.caps.memory, f"({eng.caps.memory}) cannot be shifted")
                 yield Notice(f"context full and this model's memory {why}: {n_msgs} oldest message(s) "
                              f"({drop} tokens) left; rebuilding the kept {len(kept)} tokens", "warn")
                 self._warned_no_shift = True
-            yield from evaluate(eng, kept, "rebuilding context")
+            yield from to_the_end(evaluate(eng, kept, "rebuilding context"))  # the shift is recorded already
             stats.reevaluated = (stats.reevaluated or 0) + len(kept)
         self.log.shifted()
 
@@ -603,7 +607,3 @@ class Conversation(ConversationViews):
         self._meta_error = ""
         self.log.meta_changed = False
 
-
-def _eval(backend: Backend, tokens: Sequence[int]) -> None:
-    for _ in backend.eval_steps(tokens):
-        pass

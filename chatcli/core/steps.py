@@ -1,9 +1,10 @@
 """Running the core's steps: ``evaluate`` puts tokens into the context with a ``Progress`` per batch, and
 ``drain`` runs an operation's or an opening's events to their end for a caller with no screen.
 
-The core's long operations are generators of events (``core.events``) that front ends render; these two are
+The core's long operations are generators of events (``core.events``) that front ends render; these are
 the only loops that turn batches into progress and events into results, so every caller reports progress
-and stops early the same way. Nothing here prints.
+and stops early the same way (``to_the_end``: evaluation that must not stop halfway finishes when closed;
+``finish``: the same steps run without a screen). Nothing here prints.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, Generic, TypeVar, cast, overload
 
 from chatcli.core.backend import Backend
 from chatcli.core.events import Event, Notice, Progress, ReplyEnd, ResumeReport
 from chatcli.core.opening import Opening
 
 C = TypeVar("C")
+T = TypeVar("T")
 
 
 def progress(steps: Iterable[tuple[int, int]], label: str, *, stoppable: bool = False, above: int = 0,
@@ -39,6 +41,33 @@ def evaluate(backend: Backend, tokens: Sequence[int], label: str, *, stoppable: 
     """Evaluate ``tokens`` at the end of ``backend``'s context, a ``Progress`` per batch (see ``progress``);
     returns the seconds the evaluation took."""
     return (yield from progress(backend.eval_steps(tokens), label, stoppable=stoppable, above=above))
+
+
+def to_the_end(steps: Generator[Progress, None, T]) -> Generator[Progress, None, T]:
+    """``steps`` (evaluation that cannot stop halfway: a context rebuilt to a rollback point, whose tokens the
+    transcript already says it holds), its ``Progress`` passed on; closed early, it first runs the rest
+    without showing it, so what the context holds always matches the conversation."""
+    # Not ``yield from``: closing it closes ``steps`` first, which would stop the evaluation halfway.
+    while True:
+        try:
+            ev = next(steps)
+        except StopIteration as stop:
+            return cast(T, stop.value)
+        try:
+            yield ev
+        except GeneratorExit:
+            finish(steps)
+            raise
+
+
+def finish(steps: Generator[Progress, None, T]) -> T:
+    """Run ``steps`` to their end without showing them and return their value: for an operation that returns
+    its result rather than events (``/undo``, ``/redo``, ``/alt``) or a path that cannot yield (cleanup)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return cast(T, stop.value)
 
 
 @dataclass
@@ -80,4 +109,4 @@ def drain(events: Opening[Any] | Iterable[Event], *, stop: Callable[[], bool] | 
     return out
 
 
-__all__ = ["Drained", "drain", "evaluate", "progress"]
+__all__ = ["Drained", "drain", "evaluate", "finish", "progress", "to_the_end"]

@@ -34,15 +34,15 @@ from __future__ import annotations
 import hashlib
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Protocol, Sequence
 
 import numpy as np
 
 from chatcli.core.backend import Backend, BackendError
-from chatcli.core.events import Event, ResumeReport, TurnStats
+from chatcli.core.events import Event, Progress, ResumeReport, TurnStats
 from chatcli.core.kv import prefix, rebuild
 from chatcli.core.kv import records as sf
-from chatcli.core.steps import evaluate, progress
+from chatcli.core.steps import evaluate, progress, to_the_end
 
 if TYPE_CHECKING:
     from chatcli.core.backend import Logits
@@ -85,18 +85,21 @@ class StateLog(Protocol):
     def flush(self) -> None:
         """Write what ``user_evaluated(defer=True)`` kept back (nothing when nothing is)."""
         ...
-    def before_reply(self) -> int:
+    # The three hooks below evaluate when the memory needs it (a rebuild from a saved point can be long): a
+    # ``Progress`` per step, and the tokens evaluated as the generator's value. Closed early, they finish
+    # first (``steps.to_the_end``): the context is never left halfway. ``steps.finish`` runs them unseen.
+    def before_reply(self) -> Generator[Progress, None, int]:
         """Get the backend ready to sample at its current position; returns tokens re-evaluated."""
         ...
 
     def reply_done(self, p0: int, tokens: list[int], stats: TurnStats) -> None: ...
-    def rollback(self, to: int, *, persist: bool = True) -> int:
+    def rollback(self, to: int, *, persist: bool = True) -> Generator[Progress, None, int]:
         """Make the backend end at ``to`` (a message boundary): truncation where the memory allows it, else
         a saved point's state. ``persist``: record it in the saved state (False when the state never got
         past ``to``). Returns the tokens evaluated again (0 unless a point had to be rebuilt)."""
         ...
 
-    def put_back(self, tokens: list[int]) -> int:
+    def put_back(self, tokens: list[int]) -> Generator[Progress, None, int]:
         """Append ``tokens`` to the context, reusing saved cells where possible; returns tokens reused."""
         ...
 
@@ -124,6 +127,7 @@ WHOLE_POINTS = 8
 # states per turn. Rolling back further than that evaluates from the start.
 HYBRID_POINTS = 16
 HEADER_BYTES = 512  # about what the header record takes (its JSON identity)
+PUT_BACK = "evaluating the messages brought back"  # redo, /alt: what the state file no longer had
 
 
 def _save_failed(exc: BaseException) -> str:
@@ -363,7 +367,10 @@ class CellLog:
             self._pending = None
             stats.state_bytes += self._append(self._user_records(p0, tokens, saved), stats)
 
-    def before_reply(self) -> int:
+    def before_reply(self) -> Generator[Progress, None, int]:
+        return to_the_end(self._before_reply())
+
+    def _before_reply(self) -> Generator[Progress, None, int]:
         eng = self.eng
         if self._turn_logits and self._turn_logits[0] == eng.n_past and not eng.has_logits:
             eng.set_logits(self._turn_logits[1])
@@ -372,7 +379,7 @@ class CellLog:
         # No logits, and the last token cannot be cut off to evaluate it again: rewind to the point before.
         n, toks = eng.n_past, list(eng.tokens)
         at = self._rewind(n - 1, exact=False)
-        return self._eval(toks[at:], n)
+        return (yield from self._eval(toks[at:], n))
 
     def reply_done(self, p0: int, tokens: list[int], stats: TurnStats) -> None:
         rec = self._point_record(p0, self.eng.n_past)
@@ -381,7 +388,10 @@ class CellLog:
         stats.state_bytes += self._append([*first, rec], stats)
         self.settle()
 
-    def rollback(self, to: int, *, persist: bool = True) -> int:
+    def rollback(self, to: int, *, persist: bool = True) -> Generator[Progress, None, int]:
+        return to_the_end(self._rollback(to, persist))
+
+    def _rollback(self, to: int, persist: bool) -> Generator[Progress, None, int]:
         self._flush()
         eng = self.eng
         again = 0
@@ -393,8 +403,8 @@ class CellLog:
             want = eng.tokens[:to]
             at = self._rewind(to, exact=False)
             # With the batching the tokens first had, so the result is bit-identical to the original.
-            for _ in rebuild.evaluate(eng, want, at, self.replan() if self.replan else [(0, to)]):
-                pass
+            yield from progress(rebuild.evaluate(eng, want, at, self.replan() if self.replan else [(0, to)]),
+                                "rebuilding context from a saved point")
             again = to - at
             if again:
                 self.failures.append(f"no saved state was left at position {to}: evaluated {again} tokens from "
@@ -411,11 +421,10 @@ class CellLog:
             self._turn_logits = None
         return again
 
-    def _eval(self, tokens: list[int], end: int) -> int:
+    def _eval(self, tokens: list[int], end: int) -> Generator[Progress, None, int]:
         """Evaluate ``tokens`` so that the backend ends at ``end``; returns how many."""
         eng = self.eng
-        for _ in eng.eval_steps(tokens):
-            pass
+        yield from evaluate(eng, tokens, "rebuilding context from a saved point")
         assert eng.n_past == end
         return len(tokens)
 
@@ -443,7 +452,10 @@ class CellLog:
         eng.clear()
         return 0
 
-    def put_back(self, tokens: list[int]) -> int:
+    def put_back(self, tokens: list[int]) -> Generator[Progress, None, int]:
+        return to_the_end(self._put_back(tokens))
+
+    def _put_back(self, tokens: list[int]) -> Generator[Progress, None, int]:
         """Put ``tokens`` back after the current context, reusing cells the state file still holds.
 
         A rolled-back reply's CELLS record stays in the file (dead, until compaction): switching back to it
@@ -457,7 +469,7 @@ class CellLog:
         eng = self.eng
         p0 = eng.n_past
         if self._whole:
-            return self._put_back_whole(tokens)
+            return (yield from self._put_back_whole(tokens))
         loaded = 0
         while loaded < len(tokens):
             pos = p0 + loaded
@@ -478,12 +490,11 @@ class CellLog:
             if not found:
                 break
         if loaded < len(tokens):
-            for _ in eng.eval_steps(tokens[loaded:]):
-                pass
+            yield from evaluate(eng, tokens[loaded:], PUT_BACK)
         self._append([self._point_record(p0, eng.n_past)], None)
         return loaded
 
-    def _put_back_whole(self, tokens: list[int]) -> int:
+    def _put_back_whole(self, tokens: list[int]) -> Generator[Progress, None, int]:
         """``put_back`` on a whole-sequence memory: a saved point holding exactly the sequence wanted is
         loaded (and its record appended again, live); else the tokens are evaluated."""
         eng = self.eng
@@ -500,13 +511,12 @@ class CellLog:
                 eng.load_cells(0, rec.p1, kv, toks)
             except Exception:
                 eng.clear()
-                for _ in eng.eval_steps(want[:len(want) - len(tokens)]):
-                    pass  # back to where we were (only reached when llama.cpp rejects a saved state)
+                # Back to where we were (only reached when llama.cpp rejects a saved state).
+                yield from evaluate(eng, want[:len(want) - len(tokens)], "rebuilding context")
                 continue
             self._append([sf.encode_record(sf.SNAPSHOT, 0, rec.p1, payload)], None)
             return len(tokens)
-        for _ in eng.eval_steps(tokens):
-            pass
+        yield from evaluate(eng, tokens, PUT_BACK)
         self._append([self._point_record(0, eng.n_past)], None)
         return 0
 
@@ -798,27 +808,31 @@ class CheckpointLog:
     def flush(self) -> None:
         pass
 
-    def before_reply(self) -> int:
+    def before_reply(self) -> Generator[Progress, None, int]:
+        yield from ()  # nothing to get ready: the server evaluates what the reply's request needs
         return 0
 
     def reply_done(self, p0: int, tokens: list[int], stats: TurnStats) -> None:
         self.settle()
 
-    def rollback(self, to: int, *, persist: bool = True) -> int:
+    def rollback(self, to: int, *, persist: bool = True) -> Generator[Progress, None, int]:
+        return to_the_end(self._rollback(to, persist))
+
+    def _rollback(self, to: int, persist: bool) -> Generator[Progress, None, int]:
         # The backend's own prefix reuse makes a shorter sequence free (the next settle saves it), unless it
         # cannot cut back: then the regenerate point's save, when this is that point, is restored; else the
         # backend is cut back now, so that what it costs is this rollback's and is said with it (undo, /alt,
         # edit). To ``to - 1``: a server's slot holding exactly the next prompt would have to go back one.
         eng = self.eng
         eng.truncate(to)
-        if self._to_regen_point(to) or not persist or eng.caps.truncate or not eng.caps.checkpoint or to < 2:
+        if (yield from self._to_regen_point(to)) or not persist or eng.caps.truncate or not eng.caps.checkpoint or to < 2:
             return 0
         try:
             return eng.flush(to - 1)
         except BackendError:
             return 0  # the next request or save meets it again and says so
 
-    def _to_regen_point(self, to: int) -> bool:
+    def _to_regen_point(self, to: int) -> Generator[Progress, None, bool]:
         """The backend (already cut back to ``to``) is at the last user message's end and its regenerate
         point's save holds those tokens but the last: restore that, and append the last one (evaluated by
         the reply's request); True when done. Anything else, or a failed restore, changes nothing."""
@@ -834,13 +848,14 @@ class CheckpointLog:
         except BackendError:
             ok = False  # the next request says what went wrong, if anything still does
         if ok:
-            for _ in eng.eval_steps(want[n:]):
-                pass
+            yield from evaluate(eng, want[n:], "rebuilding context from a saved point")
         return ok
 
-    def put_back(self, tokens: list[int]) -> int:
-        for _ in self.eng.eval_steps(tokens):
-            pass
+    def put_back(self, tokens: list[int]) -> Generator[Progress, None, int]:
+        return to_the_end(self._put_back(tokens))
+
+    def _put_back(self, tokens: list[int]) -> Generator[Progress, None, int]:
+        yield from evaluate(self.eng, tokens, PUT_BACK)
         return 0
 
     def shifted(self) -> None:

@@ -55,7 +55,8 @@ def segments(prefix_len: int, messages: Sequence[_Message], closing_len: Callabl
 
 def evaluate(engine: _Engine, want: Sequence[int], start: int, plan: list[tuple[int, int]], *,
              stops: Sequence[int] = (), at: Callable[[int], None] | None = None) -> Iterator[tuple[int, int]]:
-    """Evaluate ``want[start:]`` following ``plan``; yields (done, total) now and then, for a progress bar.
+    """Evaluate ``want[start:]`` following ``plan``; yields (done, total) now and then, for a progress bar
+    (after every call of more than one token, every 16 tokens of single ones, and between the batches of a call).
 
     Ranges the plan does not cover (it always should) are evaluated as one call. ``at(pos)`` is called
     whenever the evaluation reaches a position of ``stops`` (message ends: a memory that cannot be cut back
@@ -72,27 +73,28 @@ def evaluate(engine: _Engine, want: Sequence[int], start: int, plan: list[tuple[
             if pending.pop(0) == pos and at is not None:
                 at(pos)
 
+    def run(p1: int) -> Iterator[tuple[int, int]]:
+        """One evaluation call up to ``p1``; a long one (a persona, a pasted message) reports its batches."""
+        nonlocal pos
+        base = pos
+        for done, n in engine.eval_steps(want[pos:p1]):
+            if done < n:
+                yield base + done - start, total
+        pos = p1
+        reached()
+
     for p0, p1 in plan:
         p1 = min(p1, len(want))
         if p1 <= pos:
             continue
         if p0 > pos:  # a gap in the plan: evaluate it plainly
-            for _ in engine.eval_steps(want[pos:p0]):
-                pass
-            pos = p0
-            reached()
-        for _ in engine.eval_steps(want[pos:p1]):
-            pass
-        pos = p1
-        reached()
+            yield from run(p0)
+        yield from run(p1)
         if pos - start - last_report >= 16 or p1 - p0 > 1:
             last_report = pos - start
             yield last_report, total
     if pos < len(want):
-        for _ in engine.eval_steps(want[pos:]):
-            pass
-        pos = len(want)
-        reached()
+        yield from run(len(want))
     if pos - start != last_report:
         yield pos - start, total
 
