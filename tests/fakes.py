@@ -43,7 +43,7 @@ from chatcli.core.files.store import ConversationStore
 from chatcli.core.loading import create_conversation, open_conversation
 from chatcli.core.steps import drain
 from chatcli.core.template import ChatTemplate, Message
-from chatcli.core.token_loop import token_loop
+from chatcli.core.token_loop import check_load, checked_logits, ensure_logits, token_loop
 
 EOS = 256  # "<|im_end|>": ends a reply, as on SmolLM2
 BOS = 257  # "<|im_start|>"
@@ -247,20 +247,10 @@ class FakeBackend:
         return self._logits.copy()
 
     def set_logits(self, logits: Logits) -> None:
-        arr = np.asarray(logits, dtype=np.float32)
-        if arr.shape != (N_VOCAB,):
-            raise BackendError("saved logits do not match the vocabulary")
-        self._logits = arr.copy()
+        self._logits = checked_logits(logits, N_VOCAB)
 
     def ensure_logits(self) -> int:
-        if self.has_logits:
-            return 0
-        if not self.tokens:
-            raise BackendError("empty context has no logits")
-        last = self.tokens[-1]
-        self.truncate(self.n_past - 1)
-        self._decode([last])
-        return 1
+        return ensure_logits(self)
 
     def save_cells(self, p0: int, p1: int, *, point: bool = True) -> bytes:
         if not self.caps.cells:
@@ -280,12 +270,7 @@ class FakeBackend:
     def load_cells(self, p0: int, p1: int, data: bytes | memoryview, tokens: Sequence[int]) -> None:
         if not self.caps.cells:
             raise BackendError("this memory loads no cell ranges")
-        if p0 != self.n_past:
-            raise BackendError(f"cells start at {p0} but the context holds {self.n_past}")
-        if len(tokens) != p1 - p0:
-            raise BackendError("token ids do not match the cell range")
-        if p1 > self.n_ctx:
-            raise ContextFullError(f"saved state of {p1} tokens does not fit in n_ctx={self.n_ctx}")
+        check_load(self, p0, p1, tokens)
         if p0 == p1:
             return
         if not self.caps.ranges and p0 != 0:

@@ -12,18 +12,17 @@ import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
 from chatcli.cli.app import app
-from chatcli.config.settings import get_paths, load_settings
 from chatcli.core.backend import BackendError
 from chatcli.core.conversation import Conversation
-from chatcli.core.events import ReplyEnd, ReplyText, ResumeReport
+from chatcli.core.events import ReplyText, ResumeReport
 from chatcli.session import Session
 from tests.drive import drain
+from tests.remote_drive import alive, remote_session, reopen_after_a_crash, say
 from tests.remote_server import SKIP_REASON, LlamaServer, running_server, server_binary
 
 pytestmark = pytest.mark.skipif(server_binary() is None, reason=SKIP_REASON)
@@ -40,20 +39,7 @@ def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.fixture
 def live(server: LlamaServer) -> LlamaServer:
-    if server.proc is None or server.proc.poll() is not None:
-        server.start()
-    return server
-
-
-def remote_session(url: str, **flags: Any) -> Session:
-    base = {"server": url, "temperature": 0.0, "seed": 1234, "max_tokens": 32, "persona": "alice"}
-    settings = load_settings({**base, **flags}, paths=get_paths())
-    return Session.build_remote(settings, get_paths(), explicit=set(base) | set(flags))
-
-
-def say(conv: Conversation, text: str) -> ReplyEnd:
-    _, _, ends = drain(conv.send(text))
-    return ends[-1]
+    return alive(server)
 
 
 def new_conversation(session: Session) -> Conversation:
@@ -86,12 +72,7 @@ def test_resume_after_a_server_restart_restores_the_slot(live: LlamaServer) -> N
     b_id = b.id
     b.close()
     s1.close()
-    live.kill()
-    live.start()
-    s2 = remote_session(live.url)
-    b, report = open_conversation(s2, b_id)
-    assert report.reason == "" and report.reevaluated == 0
-    assert report.restored_tokens == b.context.n_past > 0
+    s2, b, report = reopen_after_a_crash(live, b_id)
     n_new = user_tokens(s2, b, NEXT)
     fourth = say(b, NEXT)
     # The server found the whole history in the restored slot: it evaluated the new message only.
@@ -134,11 +115,8 @@ def test_undo_saves_the_shorter_slot_and_resumes_from_it(live: LlamaServer) -> N
     conv_id = conv.id
     conv.close()
     s1.close()
-    live.kill()
-    live.start()
-    s2 = remote_session(live.url)
-    conv, report = open_conversation(s2, conv_id)
-    assert report.reason == "" and report.reevaluated == 0 and report.restored_tokens == stats.kept
+    s2, conv, report = reopen_after_a_crash(live, conv_id)
+    assert report.restored_tokens == stats.kept
     conv.close()
     s2.close()
 

@@ -21,12 +21,13 @@ from typer.testing import CliRunner
 
 from chatcli.backends.llama_server import LlamaServerBackend
 from chatcli.cli.app import app
-from chatcli.config.settings import get_paths, load_settings
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import Notice, Progress, ReplyEnd
 from chatcli.session import Session
 from tests.archs import ArchFixtures
 from tests.drive import drain
+from tests.remote_drive import alive, reopen_after_a_crash, say
+from tests.remote_drive import remote_session as shared_session
 from tests.remote_server import SKIP_REASON, LlamaServer, server_binary
 
 pytestmark = pytest.mark.skipif(server_binary() is None, reason=SKIP_REASON)
@@ -50,18 +51,14 @@ def hybrid(arch_fixtures: ArchFixtures, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture
 def live(hybrid: LlamaServer) -> LlamaServer:
-    if hybrid.proc is None or hybrid.proc.poll() is not None:
-        hybrid.start()
-    return hybrid
+    return alive(hybrid)
+
+
+FLAGS = {"max_tokens": 8, "reserve": 32}  # a 256-token context
 
 
 def remote_session(url: str) -> Session:
-    flags = {"server": url, "temperature": 0.0, "seed": 1234, "max_tokens": 8, "reserve": 32, "persona": "alice"}
-    return Session.build_remote(load_settings(flags, paths=get_paths()), get_paths(), explicit=set(flags))
-
-
-def say(conv: Conversation, text: str) -> ReplyEnd:
-    return drain(conv.send(text))[2][-1]
+    return shared_session(url, **FLAGS)
 
 
 def regen(conv: Conversation) -> ReplyEnd:
@@ -96,12 +93,7 @@ def test_regen_after_a_server_restart_evaluates_one_token_not_the_history(live: 
     conv.close()
     s1.close()
 
-    live.kill()
-    live.start()
-    s2 = remote_session(live.url)
-    conv, report, _ = drain(s2.open_conversation(conv_id))
-    assert conv is not None and report is not None
-    assert report.reason == "" and report.reevaluated == 0 and report.restored_tokens == conv.context.n_past
+    s2, conv, _ = reopen_after_a_crash(live, conv_id, **FLAGS)
     after = regen(conv)
     assert after.message.tokens == first[1].message.tokens  # the same state: the same greedy reply
     assert (after.stats.server_evaluated, after.stats.server_cached) == (1, n_history - 1)
@@ -151,12 +143,8 @@ def test_undo_reports_what_the_server_evaluated_to_cut_back(live: LlamaServer) -
     conv_id = conv.id
     conv.close()
     s1.close()
-    live.kill()
-    live.start()
-    s2 = remote_session(live.url)
-    conv, report, _ = drain(s2.open_conversation(conv_id))
-    assert conv is not None and report is not None
-    assert report.reason == "" and report.reevaluated == 0 and report.restored_tokens == stats.kept
+    s2, conv, report = reopen_after_a_crash(live, conv_id, **FLAGS)
+    assert report.restored_tokens == stats.kept
     conv.close()
     s2.close()
 

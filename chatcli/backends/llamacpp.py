@@ -45,7 +45,7 @@ from chatcli.core.backend import (
     Sampling,
     TokenEvent,
 )
-from chatcli.core.token_loop import token_loop
+from chatcli.core.token_loop import check_load, checked_logits, ensure_logits, token_loop
 
 SEQ = 0  # the conversation
 SCRATCH = 1  # staging area for saving/restoring cell ranges
@@ -615,21 +615,11 @@ class Engine:
 
     def set_logits(self, logits: np.ndarray) -> None:
         """Install logits saved earlier for the current position (so rollback needs no re-evaluation)."""
-        arr = np.asarray(logits, dtype=np.float32)
-        if arr.shape != (self.n_vocab,):
-            raise BackendError("saved logits do not match the vocabulary")
-        self._logits = arr.copy()
+        self._logits = checked_logits(logits, self.n_vocab)
 
     def ensure_logits(self) -> int:
         """Make logits available for the current position; returns tokens re-evaluated (0 or 1)."""
-        if self.has_logits:
-            return 0
-        if not self.tokens:
-            raise BackendError("empty context has no logits")
-        last = self.tokens[-1]
-        self.truncate(self.n_past - 1)
-        self.eval([last])
-        return 1
+        return ensure_logits(self)
 
     # -- generation ----------------------------------------------------------------------------------
 
@@ -902,12 +892,7 @@ class Engine:
         ``data`` may be any contiguous buffer, a view into a mapped state file included: llama.cpp reads it
         in place (its own copy into the KV cache is the only one).
         """
-        if p0 != self.n_past:
-            raise BackendError(f"cells start at {p0} but the context holds {self.n_past}")
-        if len(tokens) != p1 - p0:
-            raise BackendError("token ids do not match the cell range")
-        if p1 > self.n_ctx:
-            raise ContextFullError(f"saved state of {p1} tokens does not fit in n_ctx={self.n_ctx}")
+        check_load(self, p0, p1, tokens)
         if p0 == p1:
             return
         if not self.ranges:

@@ -1,7 +1,9 @@
-"""The token loop of ``Backend.generate`` for a backend that samples locally: sample, show, decode, until a stop.
+"""The token loop of ``Backend.generate`` for a backend that samples locally: sample, show, decode, until a stop;
+and the rules its logits and cells follow (``checked_logits``, ``ensure_logits``, ``check_load``).
 
-The local engine and the tests' fake backend run this one loop, so the fake keeps the engine's contract
-(when a reply stops and why, what joins the context when the consumer goes away) by construction.
+The local engine and the tests' fake backend run this one loop and these rules, so the fake keeps the
+engine's contract (when a reply stops and why, what joins the context when the consumer goes away, which
+saved logits are refused, how missing ones are made: a truncation the memory may refuse) by construction.
 """
 
 from __future__ import annotations
@@ -9,7 +11,43 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from chatcli.core.backend import GenerationResult, TokenEvent
+import numpy as np
+
+from chatcli.core.backend import Backend, BackendError, ContextFullError, GenerationResult, Logits, TokenEvent
+
+
+def checked_logits(logits: Logits, n_vocab: int) -> Logits:
+    """What ``set_logits`` keeps: a float32 copy of saved logits, refused unless one per vocabulary token."""
+    arr = np.asarray(logits, dtype=np.float32)
+    if arr.shape != (n_vocab,):
+        raise BackendError("saved logits do not match the vocabulary")
+    return arr.copy()
+
+
+def check_load(backend: Backend, p0: int, p1: int, tokens: Sequence[int]) -> None:
+    """What ``load_cells`` refuses before it touches anything: cells that do not start where the context
+    ends, token ids that are not one per cell, a range past the context."""
+    if p0 != backend.n_past:
+        raise BackendError(f"cells start at {p0} but the context holds {backend.n_past}")
+    if len(tokens) != p1 - p0:
+        raise BackendError("token ids do not match the cell range")
+    if p1 > backend.n_ctx:
+        raise ContextFullError(f"saved state of {p1} tokens does not fit in n_ctx={backend.n_ctx}")
+
+
+def ensure_logits(backend: Backend) -> int:
+    """``Backend.ensure_logits`` of a backend that holds the logits of its last position only: without them the
+    last token is cut off and evaluated again (refused by a memory that cannot be cut back, as its
+    ``truncate`` refuses). Returns the tokens re-evaluated (0 or 1)."""
+    if backend.has_logits:
+        return 0
+    if not backend.tokens:
+        raise BackendError("empty context has no logits")
+    last = backend.tokens[-1]
+    backend.truncate(backend.n_past - 1)
+    for _ in backend.eval_steps([last]):
+        pass  # one token, one batch: nothing to report
+    return 1
 
 
 def token_loop(
