@@ -31,7 +31,6 @@ import numpy as np
 from chatcli.core.backend import (
     BackendError,
     Capabilities,
-    ContextFullError,
     GenerationResult,
     GrammarError,
     Logits,
@@ -43,7 +42,7 @@ from chatcli.core.files.store import ConversationStore
 from chatcli.core.loading import create_conversation, open_conversation
 from chatcli.core.steps import drain
 from chatcli.core.template import ChatTemplate, Message
-from chatcli.core.token_loop import check_load, checked_logits, ensure_logits, token_loop
+from chatcli.core.token_loop import check_load, checked_logits, ensure_logits, eval_batches, token_loop
 
 EOS = 256  # "<|im_end|>": ends a reply, as on SmolLM2
 BOS = 257  # "<|im_start|>"
@@ -150,15 +149,7 @@ class FakeBackend:
         return False
 
     def eval_steps(self, tokens: Sequence[int]) -> Iterator[tuple[int, int]]:
-        tokens = list(tokens)
-        if self.n_past + len(tokens) > self.n_ctx:
-            raise ContextFullError(f"{len(tokens)} tokens do not fit: {self.n_past}/{self.n_ctx} in use")
-        done = 0
-        while done < len(tokens):
-            part = tokens[done:done + self.n_batch]
-            self._decode(part)
-            done += len(part)
-            yield done, len(tokens)
+        return eval_batches(self, tokens, lambda part, last: self._decode(part))
 
     def _decode(self, part: Sequence[int]) -> None:
         self.tokens.extend(part)

@@ -45,7 +45,7 @@ from chatcli.core.backend import (
     Sampling,
     TokenEvent,
 )
-from chatcli.core.token_loop import check_load, checked_logits, ensure_logits, token_loop
+from chatcli.core.token_loop import check_load, checked_logits, ensure_logits, eval_batches, token_loop
 
 SEQ = 0  # the conversation
 SCRATCH = 1  # staging area for saving/restoring cell ranges
@@ -554,15 +554,7 @@ class Engine:
         Logits are computed for the last token only. The batch boundaries (every ``n_batch`` tokens) are the
         same however the tokens are evaluated, so the cells are too.
         """
-        tokens = list(tokens)
-        if self.n_past + len(tokens) > self.n_ctx:
-            raise ContextFullError(f"{len(tokens)} tokens do not fit: {self.n_past}/{self.n_ctx} in use")
-        done = 0
-        while done < len(tokens):
-            part = tokens[done:done + self.n_batch]
-            self._decode(part, last_logits=done + len(part) == len(tokens))
-            done += len(part)
-            yield done, len(tokens)
+        return eval_batches(self, tokens, lambda part, last: self._decode(part, last_logits=last))
 
     def _decode_threads(self) -> int:
         """Threads for the next decode: the cores other processes leave free, or the fixed count."""

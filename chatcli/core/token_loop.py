@@ -1,5 +1,5 @@
 """The token loop of ``Backend.generate`` for a backend that samples locally: sample, show, decode, until a stop;
-and the rules its logits and cells follow (``checked_logits``, ``ensure_logits``, ``check_load``).
+and the rules its logits and cells follow (``checked_logits``, ``ensure_logits``, ``check_load``, ``eval_batches``).
 
 The local engine and the tests' fake backend run this one loop and these rules, so the fake keeps the
 engine's contract (when a reply stops and why, what joins the context when the consumer goes away, which
@@ -22,6 +22,22 @@ def checked_logits(logits: Logits, n_vocab: int) -> Logits:
     if arr.shape != (n_vocab,):
         raise BackendError("saved logits do not match the vocabulary")
     return arr.copy()
+
+
+def eval_batches(backend: Backend, tokens: Sequence[int],
+                 decode: Callable[[list[int], bool], None]) -> Iterator[tuple[int, int]]:
+    """``Backend.eval_steps`` of a local backend: refused whole (``ContextFullError``, nothing evaluated)
+    when the tokens do not fit, else ``decode(batch, last)`` per ``n_batch`` tokens from the first (``last``:
+    the final batch, whose last token's logits are wanted), yielding (done, total) after each."""
+    tokens = list(tokens)
+    if backend.n_past + len(tokens) > backend.n_ctx:
+        raise ContextFullError(f"{len(tokens)} tokens do not fit: {backend.n_past}/{backend.n_ctx} in use")
+    done = 0
+    while done < len(tokens):
+        part = tokens[done:done + backend.n_batch]
+        decode(part, done + len(part) == len(tokens))
+        done += len(part)
+        yield done, len(tokens)
 
 
 def check_load(backend: Backend, p0: int, p1: int, tokens: Sequence[int]) -> None:
