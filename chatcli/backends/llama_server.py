@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 import re
 import ssl
@@ -92,6 +93,7 @@ class ServerStats:
     last_timings: dict[str, Any] = field(default_factory=dict)
     last_restore: dict[str, Any] = field(default_factory=dict)
     last_save: dict[str, Any] = field(default_factory=dict)
+    last_settings: dict[str, Any] = field(default_factory=dict)  # the last reply's generation_settings
 
 
 def parse_server_url(url: str) -> tuple[str, str, int, str]:
@@ -176,7 +178,7 @@ class LlamaServerBackend:
         memory = self._probe_memory() if persist else "attention"
         self.caps = Capabilities(cells=False, checkpoint=persist, logits=False, local_sampling=False, shift=False,
                                  truncate=memory == "attention", restore_reuse=memory != "sliding window",
-                                 memory=memory)
+                                 memory=memory, grammar=True)
         if not persist:
             self._tell("no-persistence", f"llama-server at {self.url} was started without --slot-save-path: "
                        "conversations work, but their context is not saved on the server (resume re-reads them)")
@@ -469,19 +471,40 @@ class LlamaServerBackend:
 
     def _sampling_fields(self, sampling: Sampling, seed: int) -> dict[str, Any]:
         """Every sampler spelled out: a server started with other defaults (--temp, --min-p, DRY, ...) must
-        not change chatcli's replies. The chain matches the local engine's: penalties, top-k, top-p, temp."""
+        not change chatcli's replies. The chain is the local engine's (llamacpp.Engine._make_sampler):
+        logit bias, then penalties, top-k, top-p, min-p, temperature, dist. The server puts the logit bias
+        first by itself; its grammar is checked against the sampled token and, when that token does not
+        fit, applied before the chain (the same token as the local grammar-first chain when greedy)."""
         greedy = sampling.temperature <= 0
-        samplers = ["penalties"] if sampling.repeat_penalty and sampling.repeat_penalty != 1.0 else []
+        penalized = ((sampling.repeat_penalty and sampling.repeat_penalty != 1.0)
+                     or sampling.frequency_penalty or sampling.presence_penalty)
+        samplers = ["penalties"] if penalized else []
         if not greedy:
             samplers += ["top_k", "top_p"]
+            if sampling.min_p > 0:
+                samplers.append("min_p")
         samplers.append("temperature")
         return {
             "temperature": max(0.0, sampling.temperature), "top_k": sampling.top_k, "top_p": sampling.top_p,
-            "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": sampling.repeat_penalty,
-            "repeat_last_n": sampling.repeat_last_n, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+            "min_p": sampling.min_p if not greedy else 0.0, "min_keep": 1, "typical_p": 1.0,
+            "repeat_penalty": sampling.repeat_penalty or 1.0, "repeat_last_n": sampling.repeat_last_n,
+            "presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty,
             "dry_multiplier": 0.0, "xtc_probability": 0.0, "mirostat": 0, "dynatemp_range": 0.0,
+            "logit_bias": self._logit_bias(sampling.logit_bias), "grammar": sampling.grammar,
             "samplers": samplers, "seed": (seed & 0xFFFFFFFF) % _RANDOM_SEED, "ignore_eos": False, "n_probs": 0,
         }
+
+    def _logit_bias(self, bias: Sequence[tuple[int, float]]) -> list[list[Any]]:
+        """[token, bias] pairs as the server reads them. It drops an id outside its vocabulary without a word,
+        so that is refused here (as the local engine refuses it); -inf (a ban) has no JSON number: ``false``."""
+        out: list[list[Any]] = []
+        for tok, value in bias:
+            if not 0 <= tok < self.n_vocab:
+                raise BackendError(f"logit_bias: token {tok} is not in the vocabulary (0..{self.n_vocab - 1})")
+            if math.isnan(value) or value == math.inf:
+                raise BackendError(f"logit_bias: the bias of token {tok} must be a finite number or -inf")
+            out.append([int(tok), False if value == -math.inf else float(value)])
+        return out
 
     def _completion(self, n_predict: int, prompt: list[int]) -> dict[str, Any]:
         return {
@@ -526,6 +549,7 @@ class LlamaServerBackend:
     def _note_timings(self, final: dict[str, Any]) -> None:
         timings = final.get("timings") or {}
         self.stats.last_timings = dict(timings)
+        self.stats.last_settings = dict(final.get("generation_settings") or {})
         self.stats.prompt_evaluated += int(timings.get("prompt_n", 0))
         self.stats.prompt_cached += int(timings.get("cache_n", 0))
         self.stats.predicted += int(timings.get("predicted_n", 0))
@@ -533,7 +557,12 @@ class LlamaServerBackend:
     # -- generation ----------------------------------------------------------------------------------
 
     def json_grammar(self, schema: Mapping[str, Any] | None = None) -> str:
-        raise GrammarError("grammars are not sent to a llama-server (caps.grammar is false)")
+        """The local engine's JSON grammar (the same function builds it), sent as the request's ``grammar``.
+        It is checked by llama.cpp's parser in this process (no vocabulary needed: it names no tokens), so a
+        schema the server would refuse is refused before anything is written."""
+        from chatcli.backends.llamacpp import json_gbnf  # loads llama.cpp: only when a grammar is asked for
+
+        return json_gbnf(schema)
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -558,6 +587,7 @@ class LlamaServerBackend:
         payload.update(self._sampling_fields(sampling, seed))
         text = b""
         final: dict[str, Any] = {}
+        refused = False
         try:
             for attempt in (0, 1):
                 restart = False
@@ -618,11 +648,23 @@ class LlamaServerBackend:
                 res.stop_reason = "stop"
             else:
                 res.stop_reason = "length"
+        except _HTTPStatusError as exc:
+            if not (sampling.grammar and "grammar" in exc.detail):
+                raise
+            if exc.status == 400:
+                # Refused before anything was evaluated (server-context.cpp launch_slot: "Failed to initialize
+                # samplers"): the caller's input, one line, the slot as it was.
+                refused = True
+                raise GrammarError(f"llama-server cannot build a sampler for the grammar: {exc.detail}") from None
+            # The grammar failed mid-reply (no token it allows, "Unexpected empty grammar stack"): the tokens
+            # delivered so far are kept, as for any reply cut off.
+            raise GrammarError(f"llama-server stopped the reply: {exc.detail}") from None
         finally:
-            # The slot holds the prompt and every delivered token but the last (sampled, never decoded);
-            # after a cancel it may hold more, which the next prefix match trims.
-            self._held = len(prompt) + max(0, len(res.tokens) - 1)
-            self._beyond = not final  # left before its end: the server may have decoded more than it sent
+            if not refused:
+                # The slot holds the prompt and every delivered token but the last (sampled, never decoded);
+                # after a cancel it may hold more, which the next prefix match trims.
+                self._held = len(prompt) + max(0, len(res.tokens) - 1)
+                self._beyond = not final  # left before its end: the server may have decoded more than it sent
             if not res.stop_reason:
                 res.stop_reason = "cancelled"
             res.seconds = time.perf_counter() - t0
@@ -799,9 +841,10 @@ class LlamaServerBackend:
 
 
 class _HTTPStatusError(BackendError):
-    def __init__(self, message: str, status: int) -> None:
+    def __init__(self, message: str, status: int, detail: str = "") -> None:
         super().__init__(message)
         self.status = status
+        self.detail = detail or message  # the server's own words
 
 
 def _json_or_none(raw: bytes) -> Any:
@@ -825,7 +868,7 @@ def _http_error(status: int, data: Any, raw: bytes, url: str, what: str) -> Back
         return ContextFullError(f"llama-server: {message}")
     if status == 401:
         return _HTTPStatusError(f"llama-server at {url} refused the API key ({what})", status)
-    return _HTTPStatusError(f"llama-server at {url} could not {what}: {message}", status)
+    return _HTTPStatusError(f"llama-server at {url} could not {what}: {message}", status, message)
 
 
 def _why(exc: BaseException) -> str:

@@ -235,6 +235,34 @@ class _SharedBatch:
 _LOG: collections.deque[str] = collections.deque(maxlen=50)
 
 
+def gbnf_ok(grammar: str, vocab: ctypes.c_void_p | None = None) -> bool:
+    """Whether llama.cpp's grammar parser accepts this GBNF. Without a vocabulary (a remote engine's, which
+    lives in its server) only grammars that name no tokens (``<[id]>``) can be checked, JSON's among them."""
+    g = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+    if not g:  # llama.cpp logs why (to _LOG); NULL is all it returns
+        return False
+    llama_cpp.llama_sampler_free(g)
+    return True
+
+
+def json_gbnf(schema: Mapping[str, Any] | None = None, vocab: ctypes.c_void_p | None = None) -> str:
+    """llama.cpp's JSON grammar (an object), or a schema through llama-cpp-python's port of llama.cpp's
+    JSON-schema-to-grammar converter (the rules llama-server applies); checked by ``gbnf_ok``. One function
+    for the local engine and the remote one, so a request is constrained the same way on both."""
+    if schema is None:
+        gbnf = str(llama_cpp.llama_grammar.JSON_GBNF)
+    else:
+        try:
+            gbnf = str(llama_cpp.llama_grammar.json_schema_to_gbnf(json.dumps(schema)))
+        except Exception as exc:
+            # The converter raises whatever it meets (AssertionError for an unresolvable $ref, KeyError,
+            # NotImplementedError for an unknown type): all mean "this schema", one line for the caller.
+            raise GrammarError(f"the JSON schema cannot be used ({exc})") from None
+    if not gbnf_ok(gbnf, vocab):
+        raise GrammarError("llama.cpp cannot build a grammar for it")
+    return gbnf
+
+
 def _apply_threads(ctx: ctypes.c_void_p, want: int, applied: int) -> int:
     """Give ``ctx`` ``want`` CPU threads for its next decode unless it already has them; returns the count
     now applied (a call into llama.cpp only when the count changes)."""
@@ -751,27 +779,10 @@ class Engine:
 
     def grammar_ok(self, grammar: str) -> bool:
         """Whether llama.cpp accepts this GBNF (checked before a request writes anything)."""
-        g = llama_cpp.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root")
-        if not g:
-            return False
-        llama_cpp.llama_sampler_free(g)
-        return True
+        return gbnf_ok(grammar, self._vocab)
 
     def json_grammar(self, schema: Mapping[str, Any] | None = None) -> str:
-        """llama.cpp's JSON grammar (an object), or a schema through llama-cpp-python's port of llama.cpp's
-        JSON-schema-to-grammar converter (the rules llama-server applies); checked by ``grammar_ok``."""
-        if schema is None:
-            gbnf = str(llama_cpp.llama_grammar.JSON_GBNF)
-        else:
-            try:
-                gbnf = str(llama_cpp.llama_grammar.json_schema_to_gbnf(json.dumps(schema)))
-            except Exception as exc:
-                # The converter raises whatever it meets (AssertionError for an unresolvable $ref, KeyError,
-                # NotImplementedError for an unknown type): all mean "this schema", one line for the caller.
-                raise GrammarError(f"the JSON schema cannot be used ({exc})") from None
-        if not self.grammar_ok(gbnf):
-            raise GrammarError("llama.cpp cannot build a grammar for it")
-        return gbnf
+        return json_gbnf(schema, self._vocab)
 
     # -- memory ------------------------------------------------------------------------------------
 
