@@ -130,9 +130,13 @@ class Bench:
                 "--model", self.model, "--n-ctx", str(self.o.n_ctx)]
         if self.o.fixed_threads:
             argv += ["--threads", str(self.o.threads)]
-        out = subprocess.run(argv, input=COUNT_MSG + "\n", env=env, capture_output=True, text=True, timeout=600)
-        m = re.search(r"([\d.]+) tok/s", out.stderr)
-        return {"prompt_tps": None, "decode_tps": float(m.group(1)) if m else None}
+        # The streamed rows' message (one line: a piped line is a message), so the prompt rates compare.
+        msg = f"Note {time.time_ns() % 100000}. {' '.join(PARAGRAPHS)[: self.cfg['prompt'] * 4]} {COUNT_MSG}"
+        out = subprocess.run(argv, input=msg.replace("\n", " ") + "\n", env=env, capture_output=True, text=True,
+                             timeout=600)
+        m = re.search(r"([\d.]+) tok/s", out.stderr)  # the first rate of the stats line: decoding
+        pm = re.search(r"prompt ([\d.]+) tok/s", out.stderr)  # the message read, evaluated
+        return {"prompt_tps": float(pm.group(1)) if pm else None, "decode_tps": float(m.group(1)) if m else None}
 
     def talk_terminal(self) -> dict[str, float | None]:
         """``chatcli talk`` in a terminal (a pty): the REPL's rendering runs between decodes."""

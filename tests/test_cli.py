@@ -37,7 +37,8 @@ SECOND = "Name one colour."
 GREEDY = ["--temperature", "0", "--max-tokens", "24"]
 COMMANDS = ("talk", "resume", "regen", "ls", "show", "export", "rm", "fork", "personas", "config")
 PERSONAS = ("alice", "coder", "pirate", "tutor")
-STATS_RE = re.compile(r"^\d+ tok evaluated · ttft \d+ ms · [\d.]+ tok/s · ctx \d+/\d+ · saved [\d.]+ [KMG]?B in \d+ ms",
+STATS_RE = re.compile(r"^\d+ tok evaluated · ttft \d+ ms · [\d.]+ tok/s · (?:prompt \d+ tok/s · )?ctx \d+/\d+ · "
+                      r"saved [\d.]+ [KMG]?B in \d+ ms",
                       re.M)
 
 

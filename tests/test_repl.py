@@ -714,7 +714,8 @@ def test_piped_talk_prints_only_the_reply_on_stdout_and_stats_on_stderr() -> Non
     reply = r.active[-1].text
     assert result.stdout == reply + "\n"  # nothing but the reply: no prompt, no colours, no stats
     assert "\x1b" not in result.stdout and "\x1b" not in result.stderr
-    assert re.search(r"^\d+ tok evaluated · ttft \d+ ms · [\d.]+ tok/s · ctx \d+/\d+", result.stderr, re.M)
+    assert re.search(r"^\d+ tok evaluated · ttft \d+ ms · [\d.]+ tok/s · prompt \d+ tok/s · ctx \d+/\d+", result.stderr,
+                     re.M)
     assert "last turn" in result.stderr and "session" in result.stderr
     assert f"resume with: chatcli resume {conv_dir.id}" in result.stderr
 

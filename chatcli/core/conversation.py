@@ -76,6 +76,7 @@ class Conversation(ConversationViews):
         # to show, or None. Its notices are yielded before the next ReplyEnd, or taken by the front end.
         self.after_save: Callable[[], str | None] | None = None
         self._pending_notices: list[Notice] = []
+        self._meta_due = False  # the metadata changed while writes are held (``defer_writes``): ``commit`` writes it
         self.log.on_saved = self._saved
         self.log.replan = lambda: rebuild.segments(len(self.r.prefix_tokens), list(self.r.active), self._closing_len)
 
@@ -173,6 +174,30 @@ class Conversation(ConversationViews):
     def close(self) -> None:
         self.unlock()
 
+    # A server answers a reply's end before its state is written (the transcript, the truth, is written
+    # first either way): ``defer_writes`` keeps each reply's cells and the metadata back, ``commit`` writes
+    # them. Every operation commits first, and so does ``unlock``: another process never finds the state
+    # file behind while it holds the lock, and nothing changes the context before its cells are read out.
+    def defer_writes(self, on: bool = True) -> None:
+        """Keep a reply's state records and the metadata back until ``commit`` (``on``), or not (writes
+        what was kept back)."""
+        if not on:
+            self.commit()
+        self.log.hold = on
+
+    def commit(self) -> None:
+        """Write what ``defer_writes`` kept back: the turn's cells (and logits), then the metadata. A failure
+        is said by the next operation, as any failed save is."""
+        try:
+            self.log.commit()
+        except (BackendError, OSError) as exc:
+            # The cells could not be read out (the context failed meanwhile): the state file only lags
+            # behind the transcript, which a restore catches up on.
+            self._failures.append(f"could not save the KV state ({exc}); the transcript is intact")
+        if self._meta_due:
+            self._meta_due = False
+            self._write_meta()
+
     # A long-lived process (the server) keeps a conversation open between requests without holding it:
     # ``unlock`` lets ``chatcli resume`` take it meanwhile, ``lock`` takes it back (LockedError if taken).
     def lock(self) -> None:
@@ -180,8 +205,12 @@ class Conversation(ConversationViews):
         self.dir.lock()
 
     def unlock(self) -> None:
-        """Let go of the conversation's lock; the object stays usable once ``lock`` takes it again."""
-        self.dir.unlock()
+        """Let go of the conversation's lock (writing what was kept back first); the object stays usable
+        once ``lock`` takes it again."""
+        try:
+            self.commit()
+        finally:
+            self.dir.unlock()
 
     def reload_meta(self) -> None:
         """Take the metadata another process wrote since (a title set in the REPL): the next write of this
@@ -192,6 +221,7 @@ class Conversation(ConversationViews):
 
     def send(self, text: str, *, seed: int | None = None) -> Iterator[Event]:
         """Add a user message and stream the reply."""
+        self.commit()
         if self.pending_user:
             raise ConversationError("the last message has no reply yet: /regen to generate it")
         yield from self._send(text, self._user_tokens(self.r.active, text), seed)
@@ -365,6 +395,7 @@ class Conversation(ConversationViews):
         the iterator there takes the message back out, as a failed ``send`` does. Refused before anything
         is written when it does not fit the context with ``reserve`` tokens left (no shift here).
         """
+        self.commit()
         tokens = self._user_tokens(self.r.active, text)
         self._check_fits(tokens)
         turn = self.r.max_turn + 1
@@ -377,6 +408,7 @@ class Conversation(ConversationViews):
         """Add a reply the client wrote (or edited) to the last user message: the template's rendering
         of it, closing included, recorded as a new alternative of that turn (``stop`` = "client").
         Iterated and closed like ``append_user``."""
+        self.commit()
         if not self.pending_user:
             raise ConversationError("a reply must follow a user message")
         closing = self.template.closing([*self.history(), Message("assistant", text)])
@@ -417,6 +449,7 @@ class Conversation(ConversationViews):
 
     def regen(self, *, seed: int | None = None) -> Iterator[Event]:
         """Sample a new reply to the last user message; the old one stays as an alternative."""
+        self.commit()
         self.backend.reset_cancel()
         if not self.r.active:
             raise ConversationError("nothing to regenerate yet")
@@ -453,6 +486,7 @@ class Conversation(ConversationViews):
 
     def undo(self, n: int = 1) -> TurnStats:
         """Remove the last ``n`` exchanges (kept in the transcript as undone; /redo brings them back)."""
+        self.commit()
         users = self.user_messages()
         if n < 1:
             raise ConversationError("undo needs a positive count")
@@ -466,6 +500,7 @@ class Conversation(ConversationViews):
         return self._settled(stats)
 
     def redo(self) -> TurnStats:
+        self.commit()
         if not self.r.redo:
             raise ConversationError("nothing to redo")
         mids = self.r.redo[-1]
@@ -483,6 +518,7 @@ class Conversation(ConversationViews):
 
     def switch_alt(self, index: int) -> TurnStats:
         """Make alternative ``index`` (0-based) of the last turn the active reply."""
+        self.commit()
         alts = self.alternatives()
         if not alts:
             raise ConversationError("no reply to switch")
@@ -506,6 +542,7 @@ class Conversation(ConversationViews):
         Everything is checked before anything changes: the index, the text, and that the new message fits
         the context once the messages after it are gone (a refused edit leaves the conversation as it was).
         """
+        self.commit()
         users = self.user_messages()
         if not users:
             raise ConversationError("no message to edit")
@@ -524,9 +561,11 @@ class Conversation(ConversationViews):
         yield from self._send(text, tokens, seed)
 
     def set_title(self, title: str) -> None:
+        self.commit()
         old = self.meta.get("title")
         self.meta["title"] = title.strip()[:120]
         self._touch_meta()
+        self.commit()  # the title is written now, held writes or not (its failure is said here)
         if self._meta_error:
             self.meta["title"] = old
             self._failures.clear()
@@ -598,6 +637,12 @@ class Conversation(ConversationViews):
         # What `chatcli ls` shows, so that it reads one small file per conversation (the transcript is on
         # disk already: every event is appended before its effect, so the stamp matches these counts).
         self.meta["summary"] = self.dir.make_summary(self.n_exchanges, self.n_turns, self.dir.transcript_stamp())
+        if self.log.hold:
+            self._meta_due = True  # written by ``commit`` (the fields above are what it writes)
+            return
+        self._write_meta()
+
+    def _write_meta(self) -> None:
         try:
             self.dir.write_meta(self.meta)
         except OSError as exc:

@@ -48,6 +48,8 @@ def stats_line(s: TurnStats) -> str:
     if s.n_generated:
         parts.append(f"ttft {s.ttft * 1000:.0f} ms")
         parts.append(f"{s.tokens_per_second:.1f} tok/s")
+    if s.n_prompt and s.prompt_seconds > 0:
+        parts.append(f"prompt {s.n_prompt / s.prompt_seconds:.0f} tok/s")  # the new message, evaluated
     parts.append(f"ctx {s.n_past}/{s.n_ctx}")
     if s.server_evaluated is not None:
         parts.append(f"server evaluated {s.server_evaluated}, reused {s.server_cached or 0}")

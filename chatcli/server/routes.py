@@ -128,7 +128,7 @@ class Routes:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = CompletionStream(run, ChunkEncoder(rid, created, model), headers, rid=rid,
                                       include_usage=include_usage, on_finished=lambda ev, ttft: log_done(rid, ev, ttft),
-                                      usage=usage, extension=extension, t0=t0)
+                                      usage=usage, extension=extension, timings=timings, t0=t0)
             return stream
         return await self._whole(run, rid, created, headers, t0)
 
@@ -151,7 +151,7 @@ class Routes:
                     "id": rid, "object": "chat.completion", "created": created, "model": self.service.model_id,
                     "choices": [{"index": 0, "message": message(ev), "finish_reason": ev.finish_reason,
                                  "logprobs": None}],
-                    "usage": usage(ev), "chatcli": extension(ev),
+                    "usage": usage(ev), "timings": timings(ev), "chatcli": extension(ev),
                 }, headers=headers)
             if not ttft:  # a Delta: the text comes whole with Finished
                 ttft = time.perf_counter() - t0
@@ -211,6 +211,19 @@ def usage(ev: Finished) -> dict[str, Any]:
     return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
             "total_tokens": ev.prompt_tokens + ev.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": ev.cached_tokens}}
+
+
+def timings(ev: Finished) -> dict[str, Any]:
+    """llama-server's ``timings`` (tools/server ``server_slot_stats::to_json``): the request's new messages
+    as evaluated (``prompt_*``; ``cache_n`` the context's tokens it did not evaluate) and the reply's tokens
+    as sampled and decoded (``predicted_*``, first token to last)."""
+    p_ms, g_ms = 1000 * ev.prompt_seconds, 1000 * ev.gen_seconds
+    p_n, g_n = ev.prompt_n, ev.completion_tokens
+    return {"cache_n": ev.cached_tokens,
+            "prompt_n": p_n, "prompt_ms": p_ms, "prompt_per_token_ms": p_ms / p_n if p_n else 0.0,
+            "prompt_per_second": 1000 * p_n / p_ms if p_ms > 0 else 0.0,
+            "predicted_n": g_n, "predicted_ms": g_ms, "predicted_per_token_ms": g_ms / g_n if g_n else 0.0,
+            "predicted_per_second": 1000 * g_n / g_ms if g_ms > 0 else 0.0}
 
 
 def extension(ev: Finished) -> dict[str, Any]:

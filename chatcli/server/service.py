@@ -121,6 +121,11 @@ class Finished:
     shifted: int = 0  # messages that left the context during this request (context shift)
     state: str = ""  # memory | disk | fork | new (see Started)
     reasoning: str = ""  # the reply's reasoning, returned apart from its answer (``text``)
+    # The request's new messages as evaluated (llama-server's ``timings``): tokens and seconds; the reply's
+    # sampling and decoding, first token to last.
+    prompt_n: int = 0
+    prompt_seconds: float = 0.0
+    gen_seconds: float = 0.0
 
     @property
     def cached_tokens(self) -> int:
@@ -139,6 +144,9 @@ class _Slot:
     stamp: tuple[int, ...] = ()
     used: float = 0.0
     busy: bool = False  # a request is running on this context
+    # Its reply was answered ([DONE] on its way) and its state is being written: a request for the same
+    # conversation waits for that (``_await_finishing``) instead of finding it locked.
+    finishing: bool = False
 
 
 @dataclass
@@ -248,6 +256,9 @@ class ChatService:
         conv, created, forked_from, tail = self._acquire(sh, root, keys, i, entries, sampling, max_tokens,
                                                          explicit, rq, owners, self._new_meta(req), cancelled)
         conv.set_options(sampling=sampling, max_tokens=max_tokens, extra_stop=req.stop)
+        # The reply's end goes to the client before its cells and the metadata are written (``_release``
+        # writes them, the context still this request's): the transcript line, the truth, is on disk first.
+        conv.defer_writes()
         seed = req.seed if req.seed is not None else secrets.randbits(31)
         return _Prepared(conv, created, forked_from, tail, seed)
 
@@ -257,6 +268,7 @@ class ChatService:
         conv, tail = prep.conv, prep.tail
         shifted0 = len(conv.out_of_context)
         notices: list[str] = []
+        t_app, n_app = time.perf_counter(), conv.context.n_past
         try:
             for m in tail[:-1]:
                 # A message of the client's history, added without generating (closing early takes it back).
@@ -274,6 +286,7 @@ class ChatService:
             # No new message: the history ends at a stored user message, whose reply is generated (from the
             # logits saved after it: 0 tokens evaluated).
             gen = conv.send(tail[-1].content, seed=prep.seed) if tail else conv.regen(seed=prep.seed)
+            t_app, n_app = time.perf_counter() - t_app, conv.context.n_past - n_app
         except DoesNotFitError:
             self._abandon(conv, rq, remove=prep.created)
             raise
@@ -321,15 +334,25 @@ class ChatService:
             finally:
                 self._release(conv, rq)
             raise
-        self._release(conv, rq)
-        assert started is not None and end is not None
-        text = end.message.shown
-        if text.startswith(emitted) and len(text) > len(emitted):
-            yield Delta(text[len(emitted):])
-        reason = "length" if end.stats.stop_reason in ("length", "context") else "stop"
-        yield Finished(conv.id, prep.forked_from, text, reason, started.prompt_tokens, started.evaluated,
-                       end.stats.n_generated, notices, len(conv.out_of_context) - shifted0, rq.how,
-                       end.message.reasoning)
+        # Indexed before the end is sent (the next request finds this reply); the state is written after it.
+        with self._cond:
+            self.index.update(conv)
+            if rq.slot is not None:
+                rq.slot.conv = conv
+                rq.slot.finishing = True
+        try:
+            assert started is not None and end is not None
+            text = end.message.shown
+            if text.startswith(emitted) and len(text) > len(emitted):
+                yield Delta(text[len(emitted):])
+            reason = "length" if end.stats.stop_reason in ("length", "context") else "stop"
+            st = end.stats
+            yield Finished(conv.id, prep.forked_from, text, reason, started.prompt_tokens, started.evaluated,
+                           st.n_generated, notices, len(conv.out_of_context) - shifted0, rq.how,
+                           end.message.reasoning, prompt_n=n_app + st.n_prompt,
+                           prompt_seconds=t_app + st.prompt_seconds, gen_seconds=st.gen_seconds)
+        finally:
+            self._release(conv, rq, indexed=True)
 
     # -- steps ------------------------------------------------------------------------------------------
 
@@ -497,6 +520,7 @@ class ChatService:
             self._give_back(rq)
         if i > 0 and cands:
             e = cands[0]
+            self._await_finishing(e.conv)  # its last reply's state is being written: fork what it holds
             parent = self.store.dir(e.conv)
             holder = next((s for s in self._slots if s.conv is not None and s.conv.id == e.conv and not s.busy), None)
             # A resident parent's cells are in its context already: the fork only cuts them back.
@@ -540,6 +564,7 @@ class ChatService:
     def _open(self, cid: str, sampling: Sampling, max_tokens: int, rq: _Req,
               cancelled: Callable[[], bool] = lambda: False) -> Conversation:
         """Restore ``cid`` into a context this request takes (its own context when it is resident there)."""
+        self._await_finishing(cid)
         for slot in self._slots:
             if slot.conv is not None and slot.conv.id == cid:
                 if slot.busy:
@@ -579,6 +604,12 @@ class ChatService:
         finally:
             self._cond.acquire()
 
+    def _await_finishing(self, cid: str) -> None:
+        """Wait (the service's lock let go meanwhile) while ``cid``'s last request writes its state: a request
+        sent right after ``[DONE]`` continues that conversation as it was recorded."""
+        self._cond.wait_for(lambda: not any(s.finishing and s.conv is not None and s.conv.id == cid
+                                            for s in self._slots))
+
     def _free_slot(self) -> _Slot:
         """A free context: an empty one, else the least recently used (its conversation is on disk already)."""
         slot = min((s for s in self._slots if not s.busy), key=lambda s: (s.conv is not None, s.used))
@@ -593,7 +624,7 @@ class ChatService:
 
     def _give_back(self, rq: _Req) -> None:
         if rq.slot is not None:
-            rq.slot.busy = False
+            rq.slot.busy = rq.slot.finishing = False
             rq.slot = None
             self._cond.notify_all()
 
@@ -602,11 +633,20 @@ class ChatService:
         keys = conversation_keys(root, conv)
         return bool(keys) and keys[-1][0] == want and keys[-1][1] == len(conv.messages)
 
-    def _release(self, conv: Conversation, rq: _Req) -> None:
-        """The request is done with the conversation: it stays resident in its context, unlocked."""
+    def _release(self, conv: Conversation, rq: _Req, *, indexed: bool = False) -> None:
+        """The request is done with the conversation: what it kept back is written (without the service's
+        lock: other requests go on), then it stays resident in its context, unlocked. ``indexed``: the
+        index has it already."""
+        try:
+            conv.commit()
+        finally:
+            self._settle(conv, rq, indexed)
+
+    def _settle(self, conv: Conversation, rq: _Req, indexed: bool) -> None:
         with self._cond:
             try:
-                self.index.update(conv)
+                if not indexed:
+                    self.index.update(conv)
                 if rq.slot is not None:
                     rq.slot.conv = conv
                     rq.slot.stamp = _stamp(self.store.dir(conv.id))

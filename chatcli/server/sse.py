@@ -76,13 +76,14 @@ class CompletionStream(Response):
 
     def __init__(self, run: Run, enc: ChunkEncoder, headers: dict[str, str], *, rid: str, include_usage: bool,
                  on_finished: Callable[[Finished, float], None], usage: Callable[[Finished], dict[str, Any]],
-                 extension: Callable[[Finished], dict[str, Any]], t0: float) -> None:
+                 extension: Callable[[Finished], dict[str, Any]], timings: Callable[[Finished], dict[str, Any]],
+                 t0: float) -> None:
         super().__init__(status_code=200)
         self.run, self.enc, self.rid = run, enc, rid
         self.sse_headers = {"cache-control": "no-store", **{k.lower(): v for k, v in headers.items()},
                         "connection": "keep-alive", "x-accel-buffering": "no"}
         self.include_usage = include_usage
-        self.on_finished, self.usage, self.extension = on_finished, usage, extension
+        self.on_finished, self.usage, self.extension, self.timings = on_finished, usage, extension, timings
         self.t0 = t0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -122,10 +123,15 @@ class CompletionStream(Response):
                     out.append(enc.delta(ev.text, ev.reasoning))
                 elif isinstance(ev, Finished):
                     self.on_finished(ev, ttft or time.perf_counter() - self.t0)
-                    # Usage only in its own chunk, and only when asked (stream_options.include_usage), as OpenAI.
-                    out.append(enc.chunk({}, ev.finish_reason, chatcli=self.extension(ev)))
+                    # Usage only in its own chunk, and only when asked (stream_options.include_usage), as OpenAI;
+                    # ``timings`` on the last chunk, as llama-server.
                     if self.include_usage:
-                        out.append(event({**enc.head, "choices": [], "usage": self.usage(ev)}))
+                        out.append(enc.chunk({}, ev.finish_reason, chatcli=self.extension(ev)))
+                        out.append(event({**enc.head, "choices": [], "usage": self.usage(ev),
+                                          "timings": self.timings(ev)}))
+                    else:
+                        out.append(enc.chunk({}, ev.finish_reason, chatcli=self.extension(ev),
+                                             timings=self.timings(ev)))
                     out.append(DONE)
                     await _send_body(send, b"".join(out), more=False)
                     return True

@@ -58,6 +58,10 @@ class StateLog(Protocol):
     failures: list[str]  # failures not yet reported; the conversation turns them into Notices and clears it
     meta_changed: bool  # the log changed the conversation's metadata: write it
     on_saved: Callable[[], None] | None  # called after every successful write to this machine's disk
+    # Keep a turn's writes back until ``commit`` (a server answers the reply's end first): its cells are read
+    # out of the backend only then, so nothing may change the backend before (the conversation commits
+    # first in every operation; the log's own operations do too).
+    hold: bool
     # How the conversation's tokens were first batched (rebuild.segments), for evaluating part of it again
     # bit-identically when a rollback finds no saved point (set by the conversation).
     replan: Callable[[], list[tuple[int, int]]] | None
@@ -83,7 +87,11 @@ class StateLog(Protocol):
         ...
 
     def flush(self) -> None:
-        """Write what ``user_evaluated(defer=True)`` kept back (nothing when nothing is)."""
+        """Write what ``user_evaluated(defer=True)`` kept back (nothing when nothing is, or while ``hold``)."""
+        ...
+
+    def commit(self) -> None:
+        """Write everything kept back (``hold``): the turn's records, then compaction as ``settle`` does."""
         ...
     # The three hooks below evaluate when the memory needs it (a rebuild from a saved point can be long): a
     # ``Progress`` per step, and the tokens evaluated as the generator's value. Closed early, they finish
@@ -155,6 +163,9 @@ class CellLog:
         # A user message's records not written yet (see user_evaluated's ``defer``), with the record itself
         # where it had to be read out at once.
         self._pending: tuple[int, list[int], TurnStats, bytes | None] | None = None
+        # A reply's record kept back by ``hold``: (p0, p1, stats, the record where it had to be read out at once).
+        self._pending_reply: tuple[int, int, TurnStats, bytes | None] | None = None
+        self.hold = False
 
     @property
     def turn_logits(self) -> tuple[int, Logits] | None:
@@ -358,14 +369,27 @@ class CellLog:
         return recs
 
     def flush(self) -> None:
+        if not self.hold:
+            self._flush()
+
+    def commit(self) -> None:
         self._flush()
 
     def _flush(self) -> None:
-        """Write a deferred user message's records (before anything else touches the state file)."""
-        if self._pending is not None:
-            p0, tokens, stats, saved = self._pending
-            self._pending = None
-            stats.state_bytes += self._append(self._user_records(p0, tokens, saved), stats)
+        """Write a deferred user message's records and a held reply's (before anything else touches the
+        state file); after a reply, compact as ``reply_done`` does."""
+        pending, reply = self._pending, self._pending_reply
+        self._pending = self._pending_reply = None
+        recs = self._user_records(pending[0], pending[1], pending[3]) if pending is not None else []
+        if reply is not None:
+            p0, p1, stats, saved = reply
+            recs.append(saved if saved is not None else self._point_record(p0, p1))
+        elif pending is not None:
+            stats = pending[2]
+        if recs:
+            stats.state_bytes += self._append(recs, stats)
+        if reply is not None:
+            self.settle()
 
     def before_reply(self) -> Generator[Progress, None, int]:
         return to_the_end(self._before_reply())
@@ -382,7 +406,13 @@ class CellLog:
         return (yield from self._eval(toks[at:], n))
 
     def reply_done(self, p0: int, tokens: list[int], stats: TurnStats) -> None:
-        rec = self._point_record(p0, self.eng.n_past)
+        n = self.eng.n_past
+        if self.hold:
+            # Cells are read out at ``commit`` (the backend must not change before it; see ``hold``); a
+            # memory that cannot be cut back is read out now, as a deferred user message is.
+            self._pending_reply = (p0, n, stats, None if self._cuts else self._point_record(p0, n))
+            return
+        rec = self._point_record(p0, n)
         pending, self._pending = self._pending, None
         first = self._user_records(pending[0], pending[1], pending[3]) if pending else []
         stats.state_bytes += self._append([*first, rec], stats)
@@ -621,7 +651,7 @@ class CellLog:
         """Rewrite the state file as ``kept`` records of the current file (copied, crc-checked), then
         ``added`` ones, then the logits: the points survive. On any read failure the backend's end state is
         written as one snapshot instead (the points before it are then gone: rollbacks there evaluate)."""
-        self._pending = None
+        self._pending = self._pending_reply = None
         try:
             copies = [sf.encode_record(r.kind, r.p0, r.p1, sf.read_payload(self.path, r), r.flags) for r in kept]
         except (OSError, sf.StateFileError):
@@ -653,7 +683,7 @@ class CellLog:
 
     def _rewrite_state(self) -> bytes | None:
         """Write the whole live state as one snapshot (compaction, shifts, recovery); returns its cells."""
-        self._pending = None  # the snapshot holds those cells (and the logits, below)
+        self._pending = self._pending_reply = None  # the snapshot holds those cells (and the logits, below)
         eng = self.eng
         n = eng.n_past
         recs = [self._header()]
@@ -705,6 +735,7 @@ class CheckpointLog:
         self.failures: list[str] = []
         self.meta_changed = False
         self.on_saved: Callable[[], None] | None = None  # its saves live on the server: nothing to budget here
+        self.hold = False  # nothing is kept back: a checkpoint is the backend's own save
         self.replan: Callable[[], list[tuple[int, int]]] | None = None
         self._saved: list[int] | None = None  # the tokens of the last checkpoint this process made
         # The regenerate point's checkpoint ({"name", "tokens", "sha256", "bytes"}), when one was saved.
@@ -806,6 +837,9 @@ class CheckpointLog:
         self._write_meta()
 
     def flush(self) -> None:
+        pass
+
+    def commit(self) -> None:
         pass
 
     def before_reply(self) -> Generator[Progress, None, int]:
