@@ -77,6 +77,7 @@ class Conversation(ConversationViews):
         self.after_save: Callable[[], str | None] | None = None
         self._pending_notices: list[Notice] = []
         self._meta_due = False  # the metadata changed while writes are held (``defer_writes``): ``commit`` writes it
+        self._closing_due: list[int] = []  # a reply's closing, in the transcript, decoded by ``commit`` (held writes)
         self.log.on_saved = self._saved
         self.log.replan = lambda: rebuild.segments(len(self.r.prefix_tokens), list(self.r.active), self._closing_len)
 
@@ -187,7 +188,12 @@ class Conversation(ConversationViews):
 
     def commit(self) -> None:
         """Write what ``defer_writes`` kept back: the turn's cells (and logits), then the metadata. A failure
-        is said by the next operation, as any failed save is."""
+        is said by the next operation, as any failed save is — but a closing that cannot be decoded raises
+        (``BackendError``): the context then no longer holds what the transcript says, so its holder must
+        restore the conversation before using it again."""
+        closing, self._closing_due = self._closing_due, []
+        if closing:
+            finish(evaluate(self.backend, closing, "closing the reply"))
         try:
             self.log.commit()
         except (BackendError, OSError) as exc:
@@ -196,6 +202,7 @@ class Conversation(ConversationViews):
             self._failures.append(f"could not save the KV state ({exc}); the transcript is intact")
         if self._meta_due:
             self._meta_due = False
+            self._meta_fields()  # the context's length with the closing decoded
             self._write_meta()
 
     # A long-lived process (the server) keeps a conversation open between requests without holding it:
@@ -303,9 +310,16 @@ class Conversation(ConversationViews):
                 raise
             closing = []  # a dead server cannot tokenize the closing: the partial reply is kept without it
         if closing and eng.n_past + len(closing) <= eng.n_ctx:
-            # Unseen: a few tokens, and this generator may have been closed already (an abandoned reply).
-            finish(evaluate(eng, closing, "closing the reply"))
-            reply_tokens = eng.tokens[p0:]
+            if self.log.hold and failed is None and eng.caps.truncate:
+                # Decoded by ``commit``, after a server sent the reply's end (one decode less before it): the
+                # transcript names these tokens already, and nothing touches the context before a commit.
+                # (A memory that cannot be cut back saves its point after the closing: decoded now.)
+                self._closing_due = list(closing)
+                reply_tokens = [*eng.tokens[p0:], *closing]
+            else:
+                # Unseen: a few tokens, and this generator may have been closed already (an abandoned reply).
+                finish(evaluate(eng, closing, "closing the reply"))
+                reply_tokens = eng.tokens[p0:]
         stats.server_evaluated = res.n_prompt_evaluated
         stats.server_cached = res.n_prompt_cached
         if stats.kept is not None and res.n_prompt_evaluated is not None:
@@ -327,11 +341,12 @@ class Conversation(ConversationViews):
                                           stop=res.stop_reason, parts=parts)
         except OSError:
             # Not in the transcript means not in the conversation: the context must not keep it either.
+            self._closing_due = []
             finish(self.log.rollback(p0, persist=False))
             raise
         self.log.reply_done(p0, reply_tokens, stats)
         self._touch_meta()
-        stats.n_past = eng.n_past
+        stats.n_past = eng.n_past + len(self._closing_due)
         stats.n_ctx = eng.n_ctx
         self.last_stats = stats
         self.session_stats.add(stats)
@@ -631,16 +646,19 @@ class Conversation(ConversationViews):
         return [*(Notice(t, "warn") for t in texts), *self.take_notices()]
 
     def _touch_meta(self) -> None:
-        self.meta["updated"] = time.time()
-        self.meta["turns"] = self.n_turns
-        self.meta["tokens"] = self.backend.n_past
-        # What `chatcli ls` shows, so that it reads one small file per conversation (the transcript is on
-        # disk already: every event is appended before its effect, so the stamp matches these counts).
-        self.meta["summary"] = self.dir.make_summary(self.n_exchanges, self.n_turns, self.dir.transcript_stamp())
+        self._meta_fields()
         if self.log.hold:
             self._meta_due = True  # written by ``commit`` (the fields above are what it writes)
             return
         self._write_meta()
+
+    def _meta_fields(self) -> None:
+        self.meta["updated"] = time.time()
+        self.meta["turns"] = self.n_turns
+        self.meta["tokens"] = self.backend.n_past + len(self._closing_due)
+        # What `chatcli ls` shows, so that it reads one small file per conversation (the transcript is on
+        # disk already: every event is appended before its effect, so the stamp matches these counts).
+        self.meta["summary"] = self.dir.make_summary(self.n_exchanges, self.n_turns, self.dir.transcript_stamp())
 
     def _write_meta(self) -> None:
         try:

@@ -637,18 +637,22 @@ class ChatService:
         """The request is done with the conversation: what it kept back is written (without the service's
         lock: other requests go on), then it stays resident in its context, unlocked. ``indexed``: the
         index has it already."""
+        ok = False
         try:
             conv.commit()
+            ok = True
         finally:
-            self._settle(conv, rq, indexed)
+            self._settle(conv, rq, indexed, resident=ok)
 
-    def _settle(self, conv: Conversation, rq: _Req, indexed: bool) -> None:
+    def _settle(self, conv: Conversation, rq: _Req, indexed: bool, *, resident: bool = True) -> None:
         with self._cond:
             try:
                 if not indexed:
                     self.index.update(conv)
                 if rq.slot is not None:
-                    rq.slot.conv = conv
+                    # A commit that failed (the closing could not be decoded) leaves a context that does not
+                    # hold what the transcript says: restored next time.
+                    rq.slot.conv = conv if resident else None
                     rq.slot.stamp = _stamp(self.store.dir(conv.id))
                     rq.slot.used = time.monotonic()
             finally:

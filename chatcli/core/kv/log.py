@@ -406,7 +406,7 @@ class CellLog:
         return (yield from self._eval(toks[at:], n))
 
     def reply_done(self, p0: int, tokens: list[int], stats: TurnStats) -> None:
-        n = self.eng.n_past
+        n = p0 + len(tokens)  # the backend may still lack the reply's closing (held: the commit decodes it)
         if self.hold:
             # Cells are read out at ``commit`` (the backend must not change before it; see ``hold``); a
             # memory that cannot be cut back is read out now, as a deferred user message is.
