@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from chatcli.backends.cpuload import FreeCores, read_proc_stat
+from chatcli.backends.cpuload import FreeCores, read_proc_stat, running_others
 
 
 class Machine:
@@ -16,6 +16,8 @@ class Machine:
         self.busy = 1000.0
         self.own = 5.0
         self.slept = 0.0
+        self.running: int | None = 0  # other processes' threads running at this instant
+        self.asked = 0
 
     def run(self, seconds: float, others: float, own: float) -> None:
         """``seconds`` pass with other processes on ``others`` cores and this one on ``own``."""
@@ -27,10 +29,14 @@ class Machine:
         self.slept += seconds
         self.run(seconds, others=others, own=0.0)
 
+    def running_now(self) -> int | None:
+        self.asked += 1
+        return self.running
+
     def cores(self, max_threads: int = 2, others_while_sleeping: float = 0.0) -> FreeCores:
         return FreeCores(max_threads, stat=lambda: (self.n, self.busy), own_cpu=lambda: self.own,
                          clock=lambda: self.now, n_usable=self.n,
-                         sleep=lambda s: self.sleep(s, others_while_sleeping))
+                         sleep=lambda s: self.sleep(s, others_while_sleeping), running_now=self.running_now)
 
 
 def test_idle_machine_uses_every_thread_even_while_this_process_is_busy() -> None:
@@ -107,3 +113,41 @@ def test_a_first_decode_right_after_construction_waits_for_a_short_window() -> N
     assert abs(m.slept - 0.09) < 1e-9
     m.run(0.01, others=0.0, own=2.0)
     assert fc.threads() == 1 and abs(m.slept - 0.09) < 1e-9  # later looks never wait: the interval rules
+
+
+def test_after_a_long_pause_what_runs_now_caps_the_stale_average() -> None:
+    # A server between requests: another process ran through most of the pause and has just ended.
+    m = Machine()
+    fc = m.cores()
+    m.run(0.3, others=0.0, own=1.0)
+    assert fc.threads() == 2
+    m.run(3.0, others=1.8, own=0.0)
+    m.running = 0
+    assert fc.threads() == 2  # the average says 1.8 cores busy; nothing else runs now
+    m.run(3.0, others=1.0, own=0.0)
+    m.running = 1
+    assert fc.threads() == 1  # it still runs: one thread, no spinning against it
+
+
+def test_a_short_window_is_judged_by_its_average_alone() -> None:
+    m = Machine()
+    fc = m.cores()
+    m.run(0.3, others=0.0, own=1.0)
+    fc.threads()
+    asked = m.asked
+    m.run(0.5, others=1.0, own=1.0)
+    m.running = 0  # an instant's snapshot must not overrule half a second of measurement
+    assert fc.threads() == 1 and m.asked == asked
+
+
+def test_running_others_counts_other_processes_runnable_threads(tmp_path) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  1 0 1 1 0 0 0 0 0 0\nprocs_running 5\nprocs_blocked 0\n")
+    tasks = tmp_path / "task"
+    for tid, state in (("10", "R"), ("11", "S"), ("12", "R")):
+        (tasks / tid).mkdir(parents=True)
+        (tasks / tid / "stat").write_text(f"{tid} (a (odd) name) {state} 1 2 3\n")
+    assert running_others(str(stat), str(tasks)) == 3
+    assert running_others(str(tmp_path / "missing"), str(tasks)) is None
+    real = running_others()
+    assert real is None or real >= 0

@@ -51,6 +51,26 @@ def read_proc_stat(path: str = "/proc/stat") -> tuple[int, float] | None:
     return None if busy is None or n == 0 else (n, busy)
 
 
+def running_others(stat_path: str = "/proc/stat", tasks: str = "/proc/self/task") -> int | None:
+    """How many threads of other processes are running or runnable right now (``procs_running`` minus this
+    process's threads in state R), or None where /proc cannot tell."""
+    try:
+        with open(stat_path, "rb") as fh:
+            text = fh.read(1 << 16).decode("ascii", errors="replace")
+        running = next(int(line.split()[1]) for line in text.splitlines() if line.startswith("procs_running "))
+        own = 0
+        for tid in os.listdir(tasks):
+            try:
+                with open(f"{tasks}/{tid}/stat", "rb") as fh:
+                    # The state follows the command name, which is in parentheses and may hold anything.
+                    own += fh.read(512).rpartition(b")")[2].split()[:1] == [b"R"]
+            except OSError:
+                continue  # the thread ended meanwhile
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return max(0, running - own)
+
+
 class FreeCores:
     """Picks a thread count in 1..``max_threads`` from the cores other processes left free recently.
 
@@ -61,7 +81,9 @@ class FreeCores:
     can take seconds, and both spinning through it on a busy machine and halving it on an idle one cost most
     of them. (The 1-minute load average, used here before, still counts a process that ended a minute ago:
     a benchmark run right after another took one thread on an idle machine and evaluated prompts at half
-    speed.)
+    speed.) A look after a long pause (a server between requests) would judge a stale average: another
+    process that ran through most of the pause and has just ended would cost the next prompt half its speed.
+    Then the count of other processes' threads running right now caps the estimate.
     """
 
     def __init__(
@@ -75,12 +97,16 @@ class FreeCores:
         n_usable: int | None = None,
         first_window: float = 0.1,
         sleep: Callable[[float], None] = time.sleep,
+        stale_after: float = 1.0,
+        running_now: Callable[[], int | None] = running_others,
     ) -> None:
         self.max_threads = max(1, max_threads)
         self._interval = interval
         self._first_window = first_window
         self._sleep = sleep
         self._looked = False
+        self._stale_after = stale_after
+        self._running_now = running_now
         self._stat = stat
         self._own_cpu = own_cpu
         self._clock = clock
@@ -115,5 +141,9 @@ class FreeCores:
         own = self._own_cpu()
         self._last = (now, sample[1], own)
         others = max(0.0, (sample[1] - busy0) - (own - own0)) / (now - t0)
+        if now - t0 > self._stale_after:
+            running = self._running_now()
+            if running is not None:
+                others = min(others, float(running))
         self._current = self._pick(self._n_cpus - others)
         return self._current
