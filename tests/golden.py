@@ -207,3 +207,25 @@ class DiskFull:
         self._half_done = False
         self.failures += 1
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def wait_written(conv_dir: Path, timeout: float = 60.0) -> None:
+    """Until a server has written a conversation's last turn. `serve` answers a reply's end first and then
+    writes its state, holding the conversation's lock from the request until that is done; a test that
+    reads the files or kills the server "between turns" waits for it as a client's next request does."""
+    from chatcli.core.files.fsutil import try_lock
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fd = os.open(conv_dir / "lock", os.O_RDWR)
+        except FileNotFoundError:
+            return
+        try:
+            if try_lock(fd):
+                return  # closing the descriptor lets go of it at once
+        finally:
+            os.close(fd)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{conv_dir.name}: still being written after {timeout:.0f} s")
+        time.sleep(0.01)

@@ -172,6 +172,10 @@ class Serve:
         raw = client.chat.completions.with_raw_response.create(model="any", messages=messages, max_tokens=8,
                                                                temperature=0)
         comp = raw.parse()
+        from tests.golden import wait_written
+
+        if raw.headers.get("x-chatcli-conversation"):
+            wait_written(self.home / "data" / "conversations" / raw.headers["x-chatcli-conversation"])
         return {"conv": raw.headers.get("x-chatcli-conversation"), "text": comp.choices[0].message.content,
                 "prompt": comp.usage.prompt_tokens, "cached": comp.usage.prompt_tokens_details.cached_tokens,
                 **((comp.model_extra or {}).get("chatcli") or {})}

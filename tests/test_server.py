@@ -30,6 +30,7 @@ pytest.importorskip("fastapi")
 from chatcli.core.files.store import ConversationDir  # noqa: E402
 from chatcli.core.kv import records as sf  # noqa: E402  (after the importorskips)
 from chatcli.core.transcript import Replay, replay_events  # noqa: E402
+from tests.golden import wait_written  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "test-key-0123456789"
@@ -167,7 +168,10 @@ def chat(srv: Server, messages: list[dict[str, str]], **kw: Any) -> Reply:
     kw.setdefault("temperature", 0)
     raw = srv.client().chat.completions.with_raw_response.create(
         model="any", messages=messages, max_tokens=MAX_TOKENS, **kw)
-    return Reply(raw)
+    reply = Reply(raw)
+    if reply.conv:
+        wait_written(srv.conv(reply.conv).path)
+    return reply
 
 
 def chat_stream(srv: Server, messages: list[dict[str, str]]) -> tuple[str, Any, str]:
@@ -182,6 +186,8 @@ def chat_stream(srv: Server, messages: list[dict[str, str]]) -> tuple[str, Any, 
                 text += chunk.choices[0].delta.content or ""
             if chunk.usage is not None:
                 usage = chunk.usage
+    if conv:
+        wait_written(srv.conv(conv).path)
     return text, usage, conv
 
 
