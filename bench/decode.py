@@ -145,7 +145,10 @@ class Bench:
                 "--model", self.model, "--n-ctx", str(self.o.n_ctx)]
         if self.o.fixed_threads:
             argv += ["--threads", str(self.o.threads)]
-        return {"prompt_tps": None, "decode_tps": talk_in_terminal(argv, env, COUNT_MSG, cwd=REPO)}
+        # The streamed rows' message, as piped talk sends it, so the prompt rates compare.
+        msg = f"Note {time.time_ns() % 100000}. {' '.join(PARAGRAPHS)[: self.cfg['prompt'] * 4]} {COUNT_MSG}"
+        decode, prompt = talk_in_terminal(argv, env, msg.replace("\n", " "), cwd=REPO)
+        return {"prompt_tps": prompt, "decode_tps": decode}
 
     def single_stream(self, servers: dict[str, tuple[Proc, int]]) -> list[dict[str, Any]]:
         """Section 1: every method once per round, the order rotating; returns one row per measurement."""

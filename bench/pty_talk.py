@@ -25,9 +25,9 @@ def _screen_text(buf: bytes) -> str:
 
 
 def talk_in_terminal(argv: list[str], env: dict[str, str], message: str, *, cwd: Path, rows: int = 45,
-                     cols: int = 160, timeout: float = 300.0) -> float | None:
+                     cols: int = 160, timeout: float = 300.0) -> tuple[float | None, float | None]:
     """Start ``argv`` (a ``chatcli talk`` command line) on a ``rows``×``cols`` terminal, send ``message``,
-    wait for the reply's stats line, exit with Ctrl-D; its tok/s, or None when none appeared in time."""
+    wait for the reply's stats line, exit with Ctrl-D; its decode and prompt tok/s (None: not seen in time)."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
     p = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env={**env, "TERM": "xterm-256color"},
@@ -56,12 +56,16 @@ def talk_in_terminal(argv: list[str], env: dict[str, str], message: str, *, cwd:
 
     try:
         if wait_for(r"Ctrl-D exit") is None:  # the toolbar: the prompt is ready
-            return None
+            return None, None
         buf = b""
         os.write(master, message.encode() + b"\r")
-        got = wait_for(r"([\d.]+) tok/s")
+        # The stats line: "… · ttft N ms · D tok/s · … · prompt P tok/s · …" (decoding first).
+        got = wait_for(r"(?<!prompt )\b([\d.]+) tok/s.*?prompt ([\d.]+) tok/s")
         os.write(master, b"\x04")
-        return float(got[-1]) if got else None
+        if not got:
+            return None, None
+        decode, prompt = got[-1]
+        return float(decode), float(prompt)
     finally:
         try:
             p.wait(30)
