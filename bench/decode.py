@@ -124,30 +124,28 @@ class Bench:
         return {"prompt_tps": med(r["prompt_tps"]), "decode_tps": med(r["decode_tps"]),
                 "threads_used": r.get("threads_used")}
 
-    def talk_piped(self) -> dict[str, float | None]:
+    def _talk(self) -> tuple[list[str], dict[str, str], str]:
+        """``chatcli talk``'s command line, environment and message (the streamed rows' message, one line:
+        a piped line is a message), so the talk rows' prompt rates compare with the servers'."""
         env = {**self.env, "CHATCLI_HOME": str(self.work / "talk-home")}
         argv = [sys.executable, "-m", "chatcli", "talk", "--temperature", "0", "--max-tokens", str(self.cfg["decode"]),
                 "--model", self.model, "--n-ctx", str(self.o.n_ctx)]
         if self.o.fixed_threads:
             argv += ["--threads", str(self.o.threads)]
-        # The streamed rows' message (one line: a piped line is a message), so the prompt rates compare.
         msg = f"Note {time.time_ns() % 100000}. {' '.join(PARAGRAPHS)[: self.cfg['prompt'] * 4]} {COUNT_MSG}"
-        out = subprocess.run(argv, input=msg.replace("\n", " ") + "\n", env=env, capture_output=True, text=True,
-                             timeout=600)
+        return argv, env, msg.replace("\n", " ")
+
+    def talk_piped(self) -> dict[str, float | None]:
+        argv, env, msg = self._talk()
+        out = subprocess.run(argv, input=msg + "\n", env=env, capture_output=True, text=True, timeout=600)
         m = re.search(r"([\d.]+) tok/s", out.stderr)  # the first rate of the stats line: decoding
         pm = re.search(r"prompt ([\d.]+) tok/s", out.stderr)  # the message read, evaluated
         return {"prompt_tps": float(pm.group(1)) if pm else None, "decode_tps": float(m.group(1)) if m else None}
 
     def talk_terminal(self) -> dict[str, float | None]:
         """``chatcli talk`` in a terminal (a pty): the REPL's rendering runs between decodes."""
-        env = {**self.env, "CHATCLI_HOME": str(self.work / "talk-home")}
-        argv = [sys.executable, "-m", "chatcli", "talk", "--temperature", "0", "--max-tokens", str(self.cfg["decode"]),
-                "--model", self.model, "--n-ctx", str(self.o.n_ctx)]
-        if self.o.fixed_threads:
-            argv += ["--threads", str(self.o.threads)]
-        # The streamed rows' message, as piped talk sends it, so the prompt rates compare.
-        msg = f"Note {time.time_ns() % 100000}. {' '.join(PARAGRAPHS)[: self.cfg['prompt'] * 4]} {COUNT_MSG}"
-        decode, prompt = talk_in_terminal(argv, env, msg.replace("\n", " "), cwd=REPO)
+        argv, env, msg = self._talk()
+        decode, prompt = talk_in_terminal(argv, env, msg, cwd=REPO)
         return {"prompt_tps": prompt, "decode_tps": decode}
 
     def single_stream(self, servers: dict[str, tuple[Proc, int]]) -> list[dict[str, Any]]:
