@@ -40,6 +40,17 @@ SKIP_REASON = ("llama-server is not built: run scripts/build_llama_server.sh (or
                "or point CHATCLI_LLAMA_SERVER at a llama-server binary")
 
 
+def stop_process(proc: subprocess.Popen[bytes] | None, timeout: float = 30.0) -> None:
+    """End a test's server: SIGTERM (it writes what it held back and exits), then SIGKILL if it hangs."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -124,13 +135,7 @@ class LlamaServer:
         """End the server (SIGTERM, then SIGKILL) and reap it."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc, timeout=10)
         self.proc = None
 
     def kill(self) -> None:

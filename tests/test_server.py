@@ -31,17 +31,12 @@ from chatcli.core.files.store import ConversationDir  # noqa: E402
 from chatcli.core.kv import records as sf  # noqa: E402  (after the importorskips)
 from chatcli.core.transcript import Replay, replay_events  # noqa: E402
 from tests.golden import wait_written  # noqa: E402
+from tests.remote_server import free_port, stop_process  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "test-key-0123456789"
 N_CTX = 2048
 MAX_TOKENS = 24
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Resp:
@@ -114,13 +109,7 @@ class Server:
         self.proc.wait(30)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+        stop_process(self.proc)
 
     def client(self) -> Any:
         return openai.OpenAI(base_url=self.base + "/v1", api_key=self.api_key or "unused", max_retries=0, timeout=300)

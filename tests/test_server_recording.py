@@ -18,7 +18,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from chatcli.core.files.store import ConversationDir
 from chatcli.core.transcript import replay_events
 from chatcli.server.service import ChatRequest, ChatService, Finished, Started
 from tests.golden import GUARD, state_tokens, wait_for
+from tests.remote_server import free_port, stop_process
 
 BASE_SESSION = {"max_tokens": 16}
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,12 +154,6 @@ def test_responses_carry_llama_server_timings(chat_http: Any) -> None:
 # -- a server killed between [DONE] and the state write ----------------------------------------------------
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class _Serve:
     def __init__(self, home: Path, flag: Path) -> None:
         self.home, self.flag = home, flag
@@ -168,7 +162,7 @@ class _Serve:
 
     def start(self) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
-        self.port = _port()
+        self.port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("CHATCLI_")}
         env.update(CHATCLI_HOME=str(self.home), CHATCLI_TEST_KILL_FLAG=str(self.flag),
                    PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
@@ -210,13 +204,7 @@ class _Serve:
         return cid, text, ext, done
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+        stop_process(self.proc)
 
     def conv(self, cid: str) -> ConversationDir:
         return ConversationDir(self.home / "data" / "conversations" / cid)
