@@ -97,20 +97,34 @@ class Bench:
     # -- single-stream methods (section 1) ------------------------------------------------------------------
 
     def llama_bench_run(self, *, fa: int = 0, depth: int = 0, prompt: int | None = None,
-                        decode: int | None = None) -> dict[str, float | None]:
-        o = self.o
-        argv = [self.llama_bench, "-m", self.model, "-t", str(o.threads), "-p", str(prompt or self.cfg["prompt"]),
-                "-n", str(decode or self.cfg["decode"]), "-r", "1", "-fa", str(fa), "-d", str(depth),
-                "-b", "512", "-ub", "512", "-o", "json"]
+                        decode: int | None = None, decode_depth: int | None = None) -> dict[str, float | None]:
+        """llama-bench's prompt rate at ``depth`` and its decode rate at ``decode_depth`` (default: the same;
+        another depth is another llama-bench run, one test each)."""
+        p, n = prompt or self.cfg["prompt"], decode or self.cfg["decode"]
+        if decode_depth is not None and decode_depth != depth:
+            pp = self._llama_bench(fa, depth, p, 0).get("prompt_tps")
+            return {"prompt_tps": pp, "decode_tps": self._llama_bench(fa, decode_depth, 0, n).get("decode_tps")}
+        return self._llama_bench(fa, depth, p, n)
+
+    def _llama_bench(self, fa: int, depth: int, prompt: int, decode: int) -> dict[str, float | None]:
+        argv = [self.llama_bench, "-m", self.model, "-t", str(self.o.threads), "-p", str(prompt), "-n", str(decode),
+                "-r", "1", "-fa", str(fa), "-d", str(depth), "-b", "512", "-ub", "512", "-o", "json"]
         out = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=600)
         rows = json.loads(out.stdout) if out.returncode == 0 and out.stdout.strip() else []
         pp = next((r["avg_ts"] for r in rows if r.get("n_prompt") and not r.get("n_gen")), None)
         tg = next((r["avg_ts"] for r in rows if r.get("n_gen") and not r.get("n_prompt")), None)
         return {"prompt_tps": pp, "decode_tps": tg}
 
+    def decode_depth(self) -> int:
+        """Where the streamed rows decode: after their prompt (the system prompt, the message and the chat
+        template's tokens, ~30 more than ``prompt``). Every single-stream row decodes from there, since a
+        decode's cost grows with the context it attends over (1.3× between depth 0 and 600 here)."""
+        return int(self.cfg["prompt"]) + 32
+
     def worker(self, *, bare: bool = False, extra_env: dict[str, str] | None = None) -> dict[str, float | None]:
         a = {"model_path": self.model, "n_ctx": self.o.n_ctx, "threads": 0 if not bare else self.o.threads,
-             "prompt_tokens": self.cfg["prompt"], "decode_tokens": self.cfg["decode"], "reps": 1, "bare": bare}
+             "prompt_tokens": self.cfg["prompt"], "decode_tokens": self.cfg["decode"], "reps": 1, "bare": bare,
+             "decode_depth": self.decode_depth()}
         if self.o.fixed_threads and not bare:
             a["threads"] = self.o.threads
         env = {**self.env, **(extra_env or {})}
@@ -151,7 +165,7 @@ class Bench:
     def single_stream(self, servers: dict[str, tuple[Proc, int]]) -> list[dict[str, Any]]:
         """Section 1: every method once per round, the order rotating; returns one row per measurement."""
         methods: dict[str, Callable[[], dict[str, float | None]]] = {
-            "llama-bench": lambda: self.llama_bench_run(),
+            "llama-bench": lambda: self.llama_bench_run(decode_depth=self.decode_depth()),
             "llama-server streamed": lambda: self.stream_one(servers["llama-server"][1], "llama-server"),
             "chatcli Engine (default policy)": lambda: self.worker(),
             "chatcli Engine, OMP_WAIT_POLICY=PASSIVE (before #22)": lambda: self.worker(
@@ -330,6 +344,7 @@ class Bench:
 
     def run(self) -> dict[str, Any]:
         res: dict[str, Any] = {"config": self.cfg, "threads": self.o.threads, "n_ctx": self.o.n_ctx,
+                               "decode_depth": self.decode_depth(),
                                "model": self.model, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
                                "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "load_start": load(),
                                "fixed_threads": self.o.fixed_threads}
@@ -461,7 +476,9 @@ def markdown(res: dict[str, Any], chart: str | None) -> str:
     for cond, rows in res["single"].items():
         lines += [f"## 1. Prompt and decode tokens/s — {names.get(cond, cond)}", "",
                   f"{cfg['prompt']}-token prompt, {cfg['decode']} decoded tokens, {cfg['rounds']} rounds. "
-                  "Ratios are medians of the per-round ratios. Streamed rows: the end of turn banned "
+                  + (f"Every row decodes from ~{cfg['prompt'] + 32} tokens deep (llama-bench `-d`, the workers "
+                     "a filler first), where the streamed rows do. " if res.get("decode_depth") else "")
+                  + "Ratios are medians of the per-round ratios. Streamed rows: the end of turn banned "
                   "(`logit_bias`) so both servers decode the same number of tokens; decode = first to last "
                   "token's chunk, \"to [DONE]\" = first token to the end of the stream.", "", *single_table(rows), ""]
     if res.get("concurrency"):
