@@ -96,25 +96,9 @@ def test_vocabulary_and_identity_match_the_model_file(backend: LlamaServerBacken
     assert backend.chat_template  # rendered locally by core/template.py
 
 
-def test_greedy_reply_equals_the_local_engine(backend: LlamaServerBackend, engine: object) -> None:
-    """Same tokens in, same greedy tokens out: the server runs the same llama.cpp on the same model."""
-    from chatcli.backends.llamacpp import Engine
-
-    assert isinstance(engine, Engine)
-    prompt = chat_prompt(backend, "Name three colours.")
-    evaluate(backend, prompt)
-    remote = reply(backend, max_tokens=20)
-    engine.clear()
-    engine.eval(prompt)
-    local = GenerationResult()
-    for _ in engine.generate(GREEDY, seed=7, max_tokens=20, result=local):
-        pass
-    assert remote.tokens == local.tokens
-    assert remote.stop_reason == local.stop_reason
-    assert backend.tokens == prompt + remote.tokens
-
-
 # -- what the server evaluates ------------------------------------------------------------------------------
+# (Greedy tokens equal to the local engine's: tests/test_remote_sampling.py, whose server runs the local
+# engine's attention. This module's server keeps llama-server's default, flash attention "auto", as users run it.)
 
 
 def test_each_turn_evaluates_only_its_new_tokens(backend: LlamaServerBackend) -> None:

@@ -71,6 +71,28 @@ def local_reply(engine: object, prompt: list[int], sampling: Sampling, *, seed: 
     return res.tokens
 
 
+def test_greedy_reply_equals_the_local_engine(backend: LlamaServerBackend, engine: object) -> None:
+    """Same tokens in, same greedy tokens out, with the same stop reason, and the slot holds exactly them."""
+    prompt = prompt_of(backend, "Name three colours.")
+    res = GenerationResult()
+    backend.truncate(0)
+    for _ in backend.eval_steps(prompt):
+        pass
+    for _ in backend.generate(GREEDY, seed=7, max_tokens=20, result=res):
+        pass
+    from chatcli.backends.llamacpp import Engine
+
+    assert isinstance(engine, Engine)
+    engine.clear()
+    engine.eval(prompt)
+    local = GenerationResult()
+    for _ in engine.generate(GREEDY, seed=7, max_tokens=20, result=local):
+        pass
+    assert res.tokens == local.tokens
+    assert res.stop_reason == local.stop_reason
+    assert backend.tokens == prompt + res.tokens
+
+
 def test_logit_bias_ban_changes_the_reply_as_on_the_local_engine(backend: LlamaServerBackend, engine: object) -> None:
     prompt = prompt_of(backend, "Name a fruit.")
     plain = remote_reply(backend, prompt, GREEDY)
