@@ -104,3 +104,51 @@ def test_importing_the_engine_sets_no_openmp_waiting_policy() -> None:
     env["OMP_WAIT_POLICY"] = "PASSIVE"  # the user's choice is theirs
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["PASSIVE", "None"], out.stderr
+
+
+def _native_threads() -> set[int]:
+    """This process's OS threads that are not Python threads (libgomp's workers among them)."""
+    python = {t.native_id for t in threading.enumerate()}
+    return {int(tid) for tid in os.listdir("/proc/self/task")} - python
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc")
+def test_decodes_from_many_threads_share_one_openmp_pool(model_path: Path) -> None:
+    """libgomp gives every thread that decodes a pool of workers of its own; once they outnumber the CPUs,
+    every barrier of every decode sleeps instead of spinning (compute.py). Two threads, alive together,
+    each decoding with two CPU threads, must leave one pool: one new worker, not one per thread."""
+    eng = Engine(str(model_path), n_ctx=512, n_threads=2)
+    try:
+        eng.eval(eng.tokenize(PROMPT))  # the pool of whichever thread decodes, made before we count
+        before = _native_threads()
+        ran_on: set[int] = set()
+        real = llamacpp.llama_cpp.llama_decode
+        release = threading.Event()
+
+        def recording_decode(ctx: object, batch: object) -> int:
+            ran_on.add(threading.get_ident())
+            return int(real(ctx, batch))
+
+        def decode_and_wait(tok: int, decoded: threading.Event) -> None:
+            eng._decode([tok], last_logits=True)
+            decoded.set()
+            release.wait(30)  # stay alive: a pool lives as long as its thread
+
+        llamacpp.llama_cpp.llama_decode = recording_decode
+        threads: list[threading.Thread] = []
+        try:
+            for tok in (11, 12):  # one after the other: the engine's token list is not for two writers
+                decoded = threading.Event()
+                threads.append(threading.Thread(target=decode_and_wait, args=(tok, decoded)))
+                threads[-1].start()
+                assert decoded.wait(60)
+            new = _native_threads() - before
+        finally:
+            llamacpp.llama_cpp.llama_decode = real
+            release.set()
+            for t in threads:
+                t.join()
+        assert len(new) == 0, f"{len(new)} new native threads: a pool per decoding thread"
+        assert len(ran_on) == 1 and threading.get_ident() not in ran_on
+    finally:
+        eng.close()

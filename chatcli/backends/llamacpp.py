@@ -34,6 +34,7 @@ import llama_cpp  # the only import of llama_cpp in chatcli
 import numpy as np
 
 from chatcli.backends.batching import BatchScheduler
+from chatcli.backends.compute import COMPUTE
 from chatcli.backends.cpuload import FreeCores, usable_cpus
 from chatcli.backends.kvformat import KV_PARAMS, KV_TYPE_NAMES, engine_identity, kv_params_for
 from chatcli.core.backend import (
@@ -203,7 +204,7 @@ class _SharedBatch:
             b.logits[i] = s.logits
         with o._decode_lock:
             self._applied_threads = _apply_threads(self._ctx, o._decode_threads(), self._applied_threads)
-            rc = llama_cpp.llama_decode(self._ctx, b)
+            rc = COMPUTE.run(llama_cpp.llama_decode, self._ctx, b)
             if rc != 0:
                 for s in steps:
                     llama_cpp.llama_memory_seq_rm(self._mem, s.seq, s.pos, -1)
@@ -602,7 +603,7 @@ class Engine:
             b.logits[len(part) - 1] = True
         with self._decode_lock:
             self._applied_threads = _apply_threads(self._ctx, self._decode_threads(), self._applied_threads)
-            rc = llama_cpp.llama_decode(self._ctx, b)
+            rc = COMPUTE.run(llama_cpp.llama_decode, self._ctx, b)
         if rc != 0:
             # A failed decode leaves no cells for this batch; the token list stays as it was. The output
             # buffer may be half-written: the logits of the last good position are gone with it.

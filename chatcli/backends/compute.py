@@ -1,0 +1,108 @@
+"""Every ``llama_decode`` of the process runs on one thread.
+
+llama.cpp's CPU backend (built with OpenMP, the default) starts a ``#pragma omp parallel`` team per graph,
+and its threads meet at ``#pragma omp barrier`` hundreds of times per token. libgomp keeps a pool of worker
+threads per *calling* thread: a second thread that decodes gets a pool of its own, and the first thread's
+pool lives on until that thread exits. Once the workers of all pools outnumber the CPUs, libgomp spins
+100 times instead of 300,000 at every barrier (``gomp_throttled_spin_count_var``, libgomp/env.c) and sleeps
+in the kernel: every decode of the process then runs as with ``OMP_WAIT_POLICY=PASSIVE``, which costs 2.7×
+on an idle machine (bench/results/decode.md). ``serve`` decodes on the request threads, so with two clients
+(or a batch led by whichever thread got there first) it ran in that regime; measured on one context,
+alternating two Python threads between single-token decodes ran at 41–58 tokens/s against 79–106 from one.
+
+llama-server decodes on one thread; so does chatcli now: ``run`` hands the call to the compute thread and
+waits, unless the caller is that thread. A hop costs two futex wake-ups, microseconds against a decode's
+milliseconds.
+"""
+
+from __future__ import annotations
+
+import _thread
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class _Job:
+    __slots__ = ("args", "done", "error", "finished", "fn", "result")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.fn = fn
+        self.args = args
+        self.done = _thread.allocate_lock()  # held until the compute thread has run the call
+        self.done.acquire()
+        self.finished = False  # set before ``done`` is released: the truth when a wait was interrupted
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class ComputeThread:
+    """One daemon thread running the calls handed to it, one at a time, in order."""
+
+    def __init__(self, name: str = "chatcli-compute") -> None:
+        self._name = name
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._start_lock = threading.Lock()
+        self._ident: int | None = None
+        # A forked child has no compute thread (only the forking thread survives a fork): it starts its own.
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._jobs = queue.SimpleQueue()
+        self._start_lock = threading.Lock()
+        self._ident = None
+
+    def _ensure(self) -> None:
+        if self._ident is not None:
+            return
+        with self._start_lock:
+            if self._ident is None:
+                t = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                t.start()
+                self._ident = t.ident
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                job.result = job.fn(*job.args)
+            except BaseException as exc:  # the caller raises it
+                job.error = exc
+            job.finished = True
+            job.done.release()
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the compute thread; its result, or its exception raised here."""
+        if threading.get_ident() == self._ident:
+            return fn(*args)
+        self._ensure()
+        job = _Job(fn, args)
+        self._jobs.put(job)
+        interrupted: BaseException | None = None
+        while True:
+            # The call runs on whatever happens here: a Ctrl-C (KeyboardInterrupt from the signal handler)
+            # must not let the caller touch the context while the compute thread still decodes into it, so
+            # it is raised once the call has ended, as it was when the decode ran on the caller's thread.
+            # A KeyboardInterrupt may also come just after ``acquire`` returned: ``finished`` says whether
+            # there is anything left to wait for.
+            try:
+                job.done.acquire()
+                break
+            except BaseException as exc:
+                interrupted = exc
+                if job.finished:
+                    break
+        if interrupted is not None:
+            raise interrupted
+        if job.error is not None:
+            raise job.error
+        result: T = job.result
+        return result
+
+
+COMPUTE = ComputeThread()
+"""The process's compute thread: every llama_decode goes through it."""

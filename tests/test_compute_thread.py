@@ -1,0 +1,90 @@
+"""ComputeThread's policy (no llama.cpp): calls run on its one thread, in order, results and errors come
+back to the caller, a call made on the compute thread itself runs inline, and a KeyboardInterrupt while
+waiting is raised only after the call has ended (the caller must not touch a context still decoding)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+from chatcli.backends.compute import ComputeThread
+
+pytestmark = pytest.mark.fast
+
+
+def test_calls_from_many_threads_run_on_one_thread_in_order() -> None:
+    c = ComputeThread()
+    seen: list[tuple[int, int]] = []
+
+    def record(i: int) -> int:
+        seen.append((i, threading.get_ident()))
+        return i * 2
+
+    results: dict[int, list[int]] = {}
+
+    def caller(k: int) -> None:
+        results[k] = [c.run(record, k * 100 + j) for j in range(20)]
+
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {ident for _, ident in seen} == {c._ident}
+    assert c._ident != threading.get_ident()
+    for k in range(4):
+        assert results[k] == [(k * 100 + j) * 2 for j in range(20)]
+        mine = [i for i, _ in seen if i // 100 == k]
+        assert mine == sorted(mine)  # one caller's calls ran in its order
+
+
+def test_errors_reach_the_caller_and_the_thread_goes_on() -> None:
+    c = ComputeThread()
+
+    def boom() -> None:
+        raise ValueError("bad batch")
+
+    with pytest.raises(ValueError, match="bad batch"):
+        c.run(boom)
+    assert c.run(lambda: 7) == 7
+
+
+def test_a_call_on_the_compute_thread_runs_inline() -> None:
+    c = ComputeThread()
+    assert c.run(lambda: c.run(threading.get_ident)) == c._ident  # would deadlock if it were queued
+
+
+def test_ctrl_c_while_waiting_is_raised_after_the_call_ends() -> None:
+    c = ComputeThread()
+    ended: list[float] = []
+
+    def slow() -> str:
+        time.sleep(0.3)
+        ended.append(time.monotonic())
+        return "done"
+
+    timer = threading.Timer(0.05, lambda: signal.raise_signal(signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            c.run(slow)
+        raised = time.monotonic()
+    finally:
+        timer.cancel()
+    assert ended and raised >= ended[0]
+
+
+def test_a_forked_child_starts_its_own_compute_thread() -> None:
+    import os
+
+    c = ComputeThread()
+    assert c.run(lambda: 1) == 1
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's compute thread did not survive the fork
+        code = 0 if c.run(lambda: 41) + 1 == 42 else 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
