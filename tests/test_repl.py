@@ -76,6 +76,7 @@ class FakeConversation:
         self.pending_notices: list[Notice] = []  # what take_notices() hands the REPL (e.g. the state budget)
         self.closed = False
         self.sent: list[str] = []
+        self.rebuild = 0  # Progress steps each rollback's *_steps form yields (a memory that cannot be cut back)
 
     def take_notices(self) -> list[Notice]:
         out, self.pending_notices = self.pending_notices, []
@@ -187,6 +188,22 @@ class FakeConversation:
     def redo(self) -> TurnStats:
         raise ConversationError("nothing to redo")
 
+    def _rebuilt(self, stats: TurnStats) -> Generator[Progress, None, TurnStats]:
+        for i in range(1, self.rebuild + 1):
+            yield Progress("rebuilding context from a saved point", 10 * i, 10 * self.rebuild, 0.1 * i)
+        return stats
+
+    # The real ones check before anything changes and change the context as they are iterated; here the
+    # change is made at the call, which the UI cannot tell apart.
+    def undo_steps(self, n: int = 1) -> Generator[Progress, None, TurnStats]:
+        return self._rebuilt(self.undo(n))
+
+    def redo_steps(self) -> Generator[Progress, None, TurnStats]:
+        return self._rebuilt(self.redo())
+
+    def switch_alt_steps(self, index: int) -> Generator[Progress, None, TurnStats]:
+        return self._rebuilt(self.switch_alt(index))
+
     def switch_alt(self, index: int) -> TurnStats:
         alts = self.alternatives()
         if not 0 <= index < len(alts):
@@ -254,12 +271,13 @@ def rich_renderer(width: int = 100, **kw: Any) -> tuple[Renderer, io.StringIO]:
 
 
 def drive(keys: str, conv: FakeConversation | None = None, *, session: Any = None, width: int = 100,
-          plain: bool = False) -> tuple[Repl, str, str]:
-    """Run a REPL on a pipe fed with ``keys`` (end with Ctrl-D); returns it and its stdout/stderr text."""
+          plain: bool = False, terminal: bool = False) -> tuple[Repl, str, str]:
+    """Run a REPL on a pipe fed with ``keys`` (end with Ctrl-D); returns it and its stdout/stderr text.
+    ``terminal``: the console is a terminal's (live areas drawn, with their escape codes)."""
     conv = conv or FakeConversation()
     out, err = io.StringIO(), io.StringIO()
-    renderer = Renderer(Console(file=out, width=width, height=30, highlight=False, color_system=None),
-                        plain=plain, err=err)
+    renderer = Renderer(Console(file=out, width=width, height=30, highlight=False, color_system=None,
+                                force_terminal=terminal or None), plain=plain, err=err)
     with create_pipe_input() as pipe:
         pipe.send_text(keys)
         # A test whose keys do not end the session would wait for input forever: end it after a while.
@@ -375,6 +393,33 @@ def test_regen_undo_alt_and_stats() -> None:
     assert "last turn" in out and "session" in out and "context" in out
     assert "undid 1 exchange(s)" in out
     assert conv.messages == []  # undone
+
+
+LIVE = "\x1b[?25l"  # a live area starts (rich hides the cursor)
+
+
+@pytest.mark.parametrize("rebuild", [0, 3])
+def test_undo_and_alt_show_the_rebuild_bar_only_when_the_rollback_evaluates(rebuild: int) -> None:
+    conv = FakeConversation(replies=["First.", "Second."])
+    conv.rebuild = rebuild
+    _, out, _ = drive("hi\r/regen\r/alt 1\r/undo\r\x04", conv, terminal=True)
+    alt_at, undo_at = out.index("alternative 1/2"), out.index("undid 1 exchange(s)")
+    alt, undo = out[out.index("Second."):alt_at], out[alt_at:undo_at]
+    if rebuild:
+        for part in (alt, undo):  # the bar /regen shows, each of its steps, drawn before the command's line
+            assert part.count(LIVE) == 1
+            assert all(f"{10 * i}/30 tok" in part for i in (1, 2, 3)), part
+            assert "rebuilding context from a saved point" in part
+    else:
+        assert LIVE not in alt + undo and "rebuilding" not in out  # a plain truncation: nothing drawn at all
+    assert "re-evaluated 0" in out[undo_at:] and conv.messages == []
+
+
+def test_the_rebuild_bar_is_not_drawn_in_plain_mode() -> None:
+    conv = FakeConversation(replies=["First."])
+    conv.rebuild = 2
+    _, out, err = drive("hi\r/undo\r\x04", conv, plain=True)
+    assert "undid 1 exchange(s)" in err and "rebuilding" not in out + err and conv.messages == []
 
 
 def test_alt_keys_only_act_on_an_empty_line() -> None:

@@ -499,22 +499,39 @@ class Conversation(ConversationViews):
         self._rolled_again = yield from self.log.rollback(to)
         return dropped
 
+    # /undo, /redo and /alt return their result (a ``TurnStats``), not a reply. Each has two forms: ``undo``
+    # runs the steps unseen (``finish``); ``undo_steps`` checks everything at once (a refusal raises before
+    # anything changes) and returns a generator of the ``Progress`` of what the rollback evaluates (a memory
+    # that cannot be cut back may rebuild from a saved point), whose value is the ``TurnStats``. Nothing
+    # changes until it is iterated; closed once started, it runs the rest unseen (``to_the_end``): the
+    # operation is recorded in the transcript before the rebuild, so it must not stop halfway.
+
     def undo(self, n: int = 1) -> TurnStats:
         """Remove the last ``n`` exchanges (kept in the transcript as undone; /redo brings them back)."""
+        return finish(self.undo_steps(n))
+
+    def undo_steps(self, n: int = 1) -> Generator[Progress, None, TurnStats]:
+        """``undo`` with a ``Progress`` per step of the rebuild it may need (see above)."""
         self.commit()
         users = self.user_messages()
         if n < 1:
             raise ConversationError("undo needs a positive count")
         if len(users) < n:
             raise ConversationError(f"only {len(users)} exchange(s) to undo")
-        to = users[-n].p0
+        return to_the_end(self._undo(users[-n].p0))
+
+    def _undo(self, to: int) -> Generator[Progress, None, TurnStats]:
         stats = TurnStats(kept=to, reevaluated=0)
-        # /undo, /redo and /alt return their result, not events: what they evaluate is not shown.
-        stats.dropped = finish(self._truncate(to, "undo"))
+        stats.dropped = yield from self._truncate(to, "undo")
         stats.reevaluated = self._rolled_again
         return self._settled(stats)
 
     def redo(self) -> TurnStats:
+        """Bring back the exchanges the last /undo removed."""
+        return finish(self.redo_steps())
+
+    def redo_steps(self) -> Generator[Progress, None, TurnStats]:
+        """``redo`` with a ``Progress`` per step of what it evaluates (cells the state file no longer has)."""
         self.commit()
         if not self.r.redo:
             raise ConversationError("nothing to redo")
@@ -522,32 +539,42 @@ class Conversation(ConversationViews):
         total = sum(len(self.r.all[m]["tokens"]) for m in mids)
         if self.backend.n_past + total > self.backend.n_ctx:
             raise ConversationError("the undone exchanges no longer fit in the context")
+        return to_the_end(self._redo(list(mids)))
+
+    def _redo(self, mids: list[int]) -> Generator[Progress, None, TurnStats]:
         stats = TurnStats(kept=self.backend.n_past, dropped=0)
         tokens: list[int] = []
         p0 = self.backend.n_past
         for i, mid in enumerate(mids):
             self.transcript.append({"type": "activate", "mid": mid, "p0": p0 + len(tokens), "redo": i == 0})
             tokens.extend(int(t) for t in self.r.all[mid]["tokens"])
-        stats.n_eval = stats.reevaluated = len(tokens) - finish(self.log.put_back(tokens))
+        stats.n_eval = stats.reevaluated = len(tokens) - (yield from self.log.put_back(tokens))
         return self._settled(stats)
 
     def switch_alt(self, index: int) -> TurnStats:
         """Make alternative ``index`` (0-based) of the last turn the active reply."""
+        return finish(self.switch_alt_steps(index))
+
+    def switch_alt_steps(self, index: int) -> Generator[Progress, None, TurnStats]:
+        """``switch_alt`` with a ``Progress`` per step of the rollback's rebuild and of the reply's cells
+        evaluated again (when the state file no longer has them)."""
         self.commit()
         alts = self.alternatives()
         if not alts:
             raise ConversationError("no reply to switch")
         if not 0 <= index < len(alts):
             raise ConversationError(f"no alternative {index + 1} (this turn has {len(alts)})")
-        target = alts[index]
-        if target.active:
+        return to_the_end(self._switch_alt(alts[index].mid, alts[index].active))
+
+    def _switch_alt(self, mid: int, active: bool) -> Generator[Progress, None, TurnStats]:
+        if active:
             return TurnStats(kept=self.backend.n_past, dropped=0, reevaluated=0)
         to = self.r.active[-1].p0
         stats = TurnStats(kept=to)
-        stats.dropped = finish(self._truncate(to, "alt"))
-        self.transcript.append({"type": "activate", "mid": target.mid, "p0": to})
-        toks = [int(t) for t in self.r.all[target.mid]["tokens"]]
-        stats.n_eval = len(toks) - finish(self.log.put_back(toks))
+        stats.dropped = yield from self._truncate(to, "alt")
+        self.transcript.append({"type": "activate", "mid": mid, "p0": to})
+        toks = [int(t) for t in self.r.all[mid]["tokens"]]
+        stats.n_eval = len(toks) - (yield from self.log.put_back(toks))
         stats.reevaluated = self._rolled_again
         return self._settled(stats)
 

@@ -14,12 +14,12 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, TextIO
+from collections.abc import Generator, Iterable, Iterator, Sequence
+from typing import Any, TextIO, TypeVar, cast
 
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.live import Live
-from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
 from rich.segment import Segment
 from rich.spinner import Spinner
@@ -41,6 +41,8 @@ FRAME_SECONDS = 1 / 10
 RENDER_SHARE = 0.05
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+T = TypeVar("T")
 
 
 def stats_line(s: TurnStats) -> str:
@@ -149,6 +151,26 @@ class _Area:
         return self.live.console
 
 
+class _Bar:
+    """The progress bar of an evaluation (a long message, a rebuild): its label, tokens done of the total and
+    the rate; ``stream`` and ``steps`` show the same one."""
+
+    def __init__(self, console: Console) -> None:
+        self.progress = RichProgress(
+            TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} tok"),
+            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console, auto_refresh=False,
+        )
+        self.task: TaskID | None = None
+
+    def show(self, ev: Progress, area: _Area) -> None:
+        if self.task is None:
+            self.task = self.progress.add_task(ev.label, total=ev.total, rate="")
+        rate = f"{ev.done / ev.seconds:.0f} tok/s" if ev.seconds > 0 else ""
+        with area.lock:
+            self.progress.update(self.task, completed=ev.done, total=ev.total, description=ev.label, rate=rate)
+            area.show(self.progress)
+
+
 class _ReplyView:
     """A streaming reply: Markdown, re-rendered in frames, committed above the live area as it grows."""
 
@@ -233,18 +255,11 @@ class Renderer:
         it = iter(events)
         with Live(_Waiting(label + "…"), console=self.console, auto_refresh=False, transient=True,
                   redirect_stdout=False, redirect_stderr=False) as live, _Area(live) as area:
-            bar: RichProgress | None = None
-            task = None
+            bar: _Bar | None = None
             for ev in it:
                 if isinstance(ev, Progress):
-                    if bar is None:
-                        bar = self._new_bar()
-                        task = bar.add_task(ev.label, total=ev.total, rate="")
-                    rate = f"{ev.done / ev.seconds:.0f} tok/s" if ev.seconds > 0 else ""
-                    assert task is not None
-                    with area.lock:
-                        bar.update(task, completed=ev.done, total=ev.total, description=ev.label, rate=rate)
-                        area.show(bar)
+                    bar = bar or _Bar(self.console)
+                    bar.show(ev, area)
                     continue
                 bar = None
                 if isinstance(ev, ReplyStart):
@@ -255,6 +270,34 @@ class Renderer:
                     area.show(_Waiting(label + "…"))
         return end
 
+    def steps(self, steps: Generator[Progress, None, T]) -> T:
+        """Run an operation that returns its result (``/undo``, ``/redo``, ``/alt``) and return it, showing
+        the bar ``stream`` shows while it evaluates (a rollback rebuilt from a saved point). Nothing at all
+        appears when it evaluates nothing (a plain truncation), and nothing in plain mode. The steps are
+        closed on the way out (a rendering error): they then finish unseen, as they must."""
+        try:
+            try:
+                ev = next(steps)
+            except StopIteration as stop:
+                return cast(T, stop.value)
+            if self.plain:
+                while True:
+                    try:
+                        next(steps)
+                    except StopIteration as stop:
+                        return cast(T, stop.value)
+            bar = _Bar(self.console)
+            with Live(Text(""), console=self.console, auto_refresh=False, transient=True,
+                      redirect_stdout=False, redirect_stderr=False) as live, _Area(live) as area:
+                while True:
+                    bar.show(ev, area)
+                    try:
+                        ev = next(steps)
+                    except StopIteration as stop:
+                        return cast(T, stop.value)
+        finally:
+            steps.close()
+
     def _stream_plain(self, it: Iterator[Event]) -> ReplyEnd | None:
         end: ReplyEnd | None = None
         for ev in it:
@@ -263,12 +306,6 @@ class Renderer:
             elif isinstance(ev, Notice):
                 self.notice(ev.text, ev.level)
         return end
-
-    def _new_bar(self) -> RichProgress:
-        return RichProgress(
-            TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} tok"),
-            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=self.console, auto_refresh=False,
-        )
 
     def _reply_plain(self, it: Iterator[Event]) -> ReplyEnd | None:
         end: ReplyEnd | None = None
