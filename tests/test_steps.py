@@ -3,19 +3,30 @@ the one drain of events (on the fake backend)."""
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from pathlib import Path
 
 import pytest
 
-from chatcli.core.backend import Sampling
+from chatcli.core.backend import Capabilities, Sampling
 from chatcli.core.conversation import Conversation
-from chatcli.core.events import Progress, ReplyEnd, ReplyStart
+from chatcli.core.events import ConversationError, Progress, ReplyEnd, ReplyStart, TurnStats
 from chatcli.core.files.store import ConversationStore
 from chatcli.core.kv import log as kvlog
 from chatcli.core.loading import create_conversation, open_conversation
 from chatcli.core.steps import drain, evaluate, finish, progress, to_the_end
 from chatcli.core.template import ChatTemplate
-from tests.fakes import HYBRID_CAPS, IDENTITY, PERSONA, FakeBackend, new_conversation, open_again, say
+from tests.fakes import (
+    ALL_CAPS,
+    HYBRID_CAPS,
+    IDENTITY,
+    PERSONA,
+    WHOLE_CAPS,
+    FakeBackend,
+    new_conversation,
+    open_again,
+    say,
+)
 
 pytestmark = pytest.mark.fast
 
@@ -104,11 +115,12 @@ def test_to_the_end_passes_progress_on_and_finishes_when_closed_early() -> None:
     assert finish(to_the_end(evaluate(again, [1, 2, 3], "x"))) >= 0 and again.tokens == [1, 2, 3]
 
 
-def _merged_hybrid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[FakeBackend, Conversation]:
+def _merged_hybrid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caps: Capabilities = HYBRID_CAPS,
+                   ) -> tuple[FakeBackend, Conversation]:
     """A conversation on a memory that cannot be cut back whose early points were merged away (one point
     kept), so going back to its first message rebuilds the persona prefix from the start."""
     monkeypatch.setattr(kvlog, "HYBRID_POINTS", 1)
-    backend = FakeBackend(n_batch=4, caps=HYBRID_CAPS)
+    backend = FakeBackend(n_batch=4, caps=caps)
     conv = new_conversation(backend, tmp_path)
     for i in range(4):
         say(conv, f"message {i}", reply=f"reply {i}")
@@ -148,3 +160,108 @@ def test_closed_during_that_rebuild_the_context_is_not_left_halfway(tmp_path: Pa
     backend.clear()
     again, report = open_again(backend, tmp_path, conv.id)
     assert [m.text for m in again.messages] == ["after", "still whole"] and report.reevaluated == 0
+
+
+# -- /undo, /redo and /alt: the same rollbacks, their progress reported ---------------------------------------
+
+PUT_BACK = kvlog.PUT_BACK
+
+
+def _run(steps: Generator[Progress, None, TurnStats]) -> tuple[list[Progress], TurnStats]:
+    """Every event of ``steps`` and its value."""
+    events = []
+    while True:
+        try:
+            events.append(next(steps))
+        except StopIteration as stop:
+            return events, stop.value
+
+
+def _same(a: Conversation, b: Conversation, sa: TurnStats, sb: TurnStats) -> None:
+    assert (sa.kept, sa.dropped, sa.reevaluated, sa.n_eval) == (sb.kept, sb.dropped, sb.reevaluated, sb.n_eval)
+    assert [n.text for n in sa.notices] == [n.text for n in sb.notices]
+    ba, bb = a.backend, b.backend
+    assert isinstance(ba, FakeBackend) and isinstance(bb, FakeBackend)
+    assert ba.tokens == bb.tokens and ba.kv == bb.kv and ba.kv == ba.tokens
+    assert [(m.role, m.text, m.tokens, m.p0) for m in a.messages] == [(m.role, m.text, m.tokens, m.p0) for m in b.messages]
+    ma, mb = a.dir.read_meta(), b.dir.read_meta()
+    assert (ma["turns"], ma["tokens"]) == (mb["turns"], mb["tokens"])
+
+
+@pytest.mark.parametrize("caps", [HYBRID_CAPS, WHOLE_CAPS, ALL_CAPS], ids=lambda c: c.memory)
+def test_undo_redo_and_alt_steps_report_what_they_evaluate_and_end_as_the_plain_forms(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caps: Capabilities) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _, shown = _merged_hybrid(tmp_path / "a", monkeypatch, caps)
+    _, plain = _merged_hybrid(tmp_path / "b", monkeypatch, caps)
+    ops = [("undo", lambda c: c.undo_steps(4), lambda c: c.undo(4)),
+           ("redo", lambda c: c.redo_steps(), lambda c: c.redo()),
+           ("alt", lambda c: c.switch_alt_steps(0), lambda c: c.switch_alt(0)),
+           ("alt", lambda c: c.switch_alt_steps(1), lambda c: c.switch_alt(1)),
+           ("alt", lambda c: c.switch_alt_steps(1), lambda c: c.switch_alt(1))]  # already active: nothing
+    seen = {}
+    for i, (name, steps, finished) in enumerate(ops):
+        if i == 2:
+            for c in (shown, plain):
+                c.backend.queue("another reply")  # type: ignore[attr-defined]
+                drain(c.regen())
+        events, stats = _run(steps(shown))
+        _same(shown, plain, stats, finished(plain))
+        evaluated = (stats.reevaluated or 0) + stats.n_eval if name != "redo" else stats.n_eval
+        # A bar exactly when something is evaluated: a plain truncation or cells read back show nothing.
+        assert bool(events) == bool(evaluated), (name, events, stats)
+        assert all(isinstance(e, Progress) and not e.stoppable for e in events)
+        ends = {e.label: e for e in events}  # each bar's last step
+        assert set(ends) <= {REBUILD, PUT_BACK} and all(e.done == e.total for e in ends.values())
+        assert sum(e.total for e in ends.values()) == evaluated  # the bars count what the stats say
+        seen[i] = events
+    if caps.memory == "hybrid":  # the points were merged away: every rollback here rebuilds
+        assert seen[0] and seen[1] and seen[2]
+        assert {e.label for e in seen[0]} == {REBUILD} and {e.label for e in seen[2]} == {REBUILD, PUT_BACK}
+    if caps.memory == "attention":
+        assert not seen[0]  # an undo is a truncation
+    assert not seen[4]
+
+
+def test_a_refused_undo_redo_or_alt_raises_at_the_call_and_changes_nothing(tmp_path: Path) -> None:
+    backend = FakeBackend(n_batch=4, caps=HYBRID_CAPS)
+    conv = new_conversation(backend, tmp_path)
+    say(conv, "hello", reply="hi")
+    before = (conv.dir.transcript_path.read_bytes(), conv.dir.state_path.read_bytes(), list(backend.tokens))
+    for refused in (lambda: conv.undo_steps(2), lambda: conv.undo_steps(0), conv.redo_steps,
+                    lambda: conv.switch_alt_steps(1)):
+        with pytest.raises(ConversationError):
+            refused()  # at the call, before a bar could be shown
+    conv.undo_steps(1).close()  # never iterated: nothing done
+    assert (conv.dir.transcript_path.read_bytes(), conv.dir.state_path.read_bytes(), list(backend.tokens)) == before
+    assert [m.text for m in conv.messages] == ["hello", "hi"]
+
+
+@pytest.mark.parametrize("op", ["undo", "alt"])
+def test_closed_during_its_rebuild_an_undo_or_alt_still_finishes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 op: str) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    ba, closed = _merged_hybrid(tmp_path / "a", monkeypatch)
+    _, plain = _merged_hybrid(tmp_path / "b", monkeypatch)
+    if op == "alt":
+        for c in (closed, plain):
+            c.undo(4)  # the points merged again after the redo: the alt below rebuilds
+            c.redo()
+            c.backend.queue("another reply")  # type: ignore[attr-defined]
+            drain(c.regen())
+    steps = closed.undo_steps(4) if op == "undo" else closed.switch_alt_steps(0)
+    first = next(steps)
+    assert first.label == REBUILD and first.done < first.total  # stopped halfway through the rebuild...
+    steps.close()  # ...by a Ctrl-C'd or failed rendering
+    stats = plain.undo(4) if op == "undo" else plain.switch_alt(0)
+    # ...and yet all of it happened: the rebuild, the reply brought back, the metadata written.
+    assert ba.tokens == plain.backend.tokens and ba.kv == ba.tokens  # type: ignore[attr-defined]
+    assert [m.text for m in closed.messages] == [m.text for m in plain.messages]
+    assert closed.dir.read_meta()["tokens"] == plain.dir.read_meta()["tokens"] == stats.kept + (stats.n_eval or 0)
+    cid = closed.id
+    closed.close()
+    ba.clear()
+    again, report = open_again(ba, tmp_path / "a", cid)
+    assert [m.text for m in again.messages] == [m.text for m in plain.messages] and report.reevaluated == 0
