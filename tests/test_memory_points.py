@@ -4,17 +4,26 @@ A hybrid memory's records each carry the recurrent state at their end; past HYBR
 merged into one record without it (NOT_A_POINT). These tests run llama.cpp's granitehybrid and deepseek4
 fixtures with the bound set small, and prove on the real computation that resume, regenerate and undo still
 match an uninterrupted or fresh evaluation while the file stops growing by a recurrent state per message.
+An undo further back than the kept points rebuilds: the REPL shows it as /regen shows its rebuild.
 """
 
 from __future__ import annotations
 
+import io
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+from prompt_toolkit.input import create_pipe_input
+from prompt_toolkit.output import DummyOutput
+from rich.console import Console
 
 from chatcli.core.kv import log as kvlog
 from chatcli.core.kv import records as sf
+from chatcli.repl.loop import Repl
+from chatcli.repl.render import Renderer
+from chatcli.repl.terminal import TerminalIO
 from tests.archs import ArchFixtures
 from tests.drive import build_session, drain, say
 
@@ -61,3 +70,59 @@ def test_old_points_merge_and_everything_still_matches(arch_fixtures: ArchFixtur
     assert stats.reevaluated and any("no saved state was left" in n.text for n in stats.notices)
     assert np.array_equal(say(conv, MSGS[2])[1], want[2])
     conv.close()
+
+
+LIVE = "\x1b[?25l"  # a live area starts (rich hides the cursor)
+REBUILD = "rebuilding context from a saved point"
+OTHER = "something else"
+
+
+@pytest.mark.parametrize("arch", ["mamba", "granitehybrid", "llama"])
+def test_repl_undo_shows_its_rebuild_and_ends_as_the_plain_undo_and_a_fresh_evaluation(
+        arch_fixtures: ArchFixtures, arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``/undo 3`` past the kept points (a recurrent memory keeps 2 whole states here, a hybrid one 1 point):
+    the REPL draws the bar /regen draws, and the next reply is what ``Conversation.undo`` (the path without a
+    bar) gives and what a fresh evaluation gives: tokens equal, logits bit-identical. An attention memory
+    truncates: nothing is drawn."""
+    monkeypatch.setattr(kvlog, "HYBRID_POINTS", 1)
+    monkeypatch.setattr(kvlog, "WHOLE_POINTS", 2)
+    sess = _session(arch_fixtures.path(arch))
+    engine = sess.engine  # type: ignore[attr-defined]
+
+    def new() -> object:
+        conv, _, _ = drain(sess.new_conversation("alice"))  # type: ignore[attr-defined]
+        assert conv is not None
+        return conv
+
+    plain = new()
+    for m in MSGS[:4]:
+        say(plain, m)  # type: ignore[arg-type]
+    stats = plain.undo(3)  # type: ignore[attr-defined]
+    want_reply, want_logits = say(plain, OTHER)  # type: ignore[arg-type]
+    want_tokens = list(engine.tokens)
+    plain.close()  # type: ignore[attr-defined]
+    fresh = new()
+    say(fresh, MSGS[0])  # type: ignore[arg-type]
+    assert say(fresh, OTHER)[0] == want_reply and np.array_equal(fresh.turn_logits[1], want_logits)  # type: ignore[arg-type, attr-defined]
+    assert list(engine.tokens) == want_tokens
+    fresh.close()  # type: ignore[attr-defined]
+
+    conv = new()
+    for m in MSGS[:4]:
+        say(conv, m)  # type: ignore[arg-type]
+    out = io.StringIO()
+    renderer = Renderer(Console(file=out, width=120, height=30, force_terminal=True, color_system=None,
+                                highlight=False), err=io.StringIO())
+    with create_pipe_input() as pipe:
+        pipe.send_text(f"/undo 3\r{OTHER}\r\x04")
+        Repl(sess, conv, renderer, lambda r: TerminalIO(r, input=pipe, output=DummyOutput())).run()  # type: ignore[arg-type]
+    text = out.getvalue()
+    undo = text[:text.index("undid 3 exchange(s)")]
+    n = stats.reevaluated
+    if engine.caps.truncate:
+        assert n == 0 and LIVE not in undo  # a plain truncation: nothing drawn
+    else:
+        assert n and undo.count(LIVE) == 1 and REBUILD in undo and f"{n}/{n} tok" in undo, undo
+    assert re.search(rf"undid 3 exchange\(s\): kept \d+ tokens, dropped \d+, re-evaluated {n}\b", text), text
+    assert conv.messages[-1].tokens == want_reply and list(engine.tokens) == want_tokens  # type: ignore[attr-defined]
+    assert np.array_equal(conv.turn_logits[1], want_logits)  # type: ignore[attr-defined]
