@@ -61,8 +61,8 @@ def to_the_end(steps: Generator[Progress, None, T]) -> Generator[Progress, None,
 
 
 def finish(steps: Generator[Progress, None, T]) -> T:
-    """Run ``steps`` to their end without showing them and return their value: for an operation that returns
-    its result rather than events (``/undo``, ``/redo``, ``/alt``) or a path that cannot yield (cleanup)."""
+    """Run ``steps`` to their end without showing them and return their value: for a caller with no screen
+    (``Conversation.undo`` is ``finish(undo_steps())``) or a path that cannot yield (cleanup)."""
     while True:
         try:
             next(steps)

@@ -135,7 +135,7 @@ class Repl:
     @contextlib.contextmanager
     def _busy(self) -> Iterator[None]:
         """Around one command or message. Ctrl-C stops a streaming reply; any other operation (an undo,
-        a persona switch) is short and runs to its end, so the context and the files stay consistent."""
+        its rebuild included, a persona switch) runs to its end, so the context and the files stay consistent."""
         interrupted = [False]
 
         def on_int(signum: int, frame: Any) -> None:
