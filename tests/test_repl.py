@@ -396,6 +396,7 @@ def test_regen_undo_alt_and_stats() -> None:
 
 
 LIVE = "\x1b[?25l"  # a live area starts (rich hides the cursor)
+ESCAPES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 @pytest.mark.parametrize("rebuild", [0, 3])
@@ -404,14 +405,16 @@ def test_undo_and_alt_show_the_rebuild_bar_only_when_the_rollback_evaluates(rebu
     conv.rebuild = rebuild
     _, out, _ = drive("hi\r/regen\r/alt 1\r/undo\r\x04", conv, terminal=True)
     alt_at, undo_at = out.index("alternative 1/2"), out.index("undid 1 exchange(s)")
-    alt, undo = out[out.index("Second."):alt_at], out[alt_at:undo_at]
+    # From the end of /regen's stats line to /alt's line; from the reply /alt shows again to /undo's line.
+    alt = out[out.index("\n", out.rindex("tok evaluated", 0, alt_at)):alt_at]
+    undo = out[out.index("First.", alt_at) + len("First."):undo_at]
     if rebuild:
         for part in (alt, undo):  # the bar /regen shows, each of its steps, drawn before the command's line
             assert part.count(LIVE) == 1
             assert all(f"{10 * i}/30 tok" in part for i in (1, 2, 3)), part
             assert "rebuilding context from a saved point" in part
-    else:
-        assert LIVE not in alt + undo and "rebuilding" not in out  # a plain truncation: nothing drawn at all
+    else:  # a plain truncation: nothing drawn at all (the live area opened and closed, empty)
+        assert "rebuilding" not in out and ESCAPES.sub("", alt + undo).split() == []
     assert "re-evaluated 0" in out[undo_at:] and conv.messages == []
 
 

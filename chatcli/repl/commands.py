@@ -174,7 +174,7 @@ def _warn(ctx: CommandContext, stats: TurnStats) -> None:
 def _undo(ctx: CommandContext, arg: str) -> None:
     n = _int_arg(arg, "count", 1)
     assert n is not None
-    stats = ctx.renderer.steps(ctx.conv.undo_steps(n))  # a bar while a rollback rebuilds, as /regen shows
+    stats = ctx.renderer.steps(ctx.conv.undo_steps(n), "undoing")  # a bar while a rollback rebuilds, as /regen shows
     _warn(ctx, stats)
     ctx.renderer.notice(f"undid {n} exchange(s): kept {stats.kept} tokens, dropped {stats.dropped}, "
                         f"re-evaluated {stats.reevaluated or 0}")
@@ -183,7 +183,7 @@ def _undo(ctx: CommandContext, arg: str) -> None:
 @REGISTRY.register("redo", "bring back what /undo removed")
 def _redo(ctx: CommandContext, arg: str) -> None:
     n_before = len(ctx.conv.messages)
-    stats = ctx.renderer.steps(ctx.conv.redo_steps())
+    stats = ctx.renderer.steps(ctx.conv.redo_steps(), "redoing")
     _warn(ctx, stats)
     back = ctx.conv.messages[n_before:]
     n_users = sum(1 for m in back if m.role == "user")
@@ -231,7 +231,7 @@ def _alt(ctx: CommandContext, arg: str) -> None:
         n = _int_arg(arg, "alternative")
         assert n is not None
         index = n - 1
-    stats = ctx.renderer.steps(conv.switch_alt_steps(index))
+    stats = ctx.renderer.steps(conv.switch_alt_steps(index), "switching")
     _warn(ctx, stats)
     ctx.renderer.notice(f"alternative {index + 1}/{len(alts)}: kept {stats.kept} tokens, evaluated {stats.n_eval} "
                          f"reply tokens, re-evaluated {stats.reevaluated or 0} history tokens")

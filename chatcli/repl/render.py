@@ -270,31 +270,29 @@ class Renderer:
                     area.show(_Waiting(label + "…"))
         return end
 
-    def steps(self, steps: Generator[Progress, None, T]) -> T:
-        """Run an operation that returns its result (``/undo``, ``/redo``, ``/alt``) and return it, showing
-        the bar ``stream`` shows while it evaluates (a rollback rebuilt from a saved point). Nothing at all
-        appears when it evaluates nothing (a plain truncation), and nothing in plain mode. The steps are
-        closed on the way out (a rendering error): they then finish unseen, as they must."""
+    def steps(self, steps: Generator[Progress, None, T], label: str = "working") -> T:
+        """Run an operation that returns its result (``/undo``, ``/redo``, ``/alt``) and return it, shown as
+        ``stream`` shows an operation: nothing for a moment, then a spinner, and the same bar from the first
+        ``Progress`` (a rollback rebuilt from a saved point). A plain truncation, done in milliseconds, draws
+        nothing; plain mode draws nothing ever. The steps are closed on the way out (a rendering error):
+        they then finish unseen, as they must."""
         try:
-            try:
-                ev = next(steps)
-            except StopIteration as stop:
-                return cast(T, stop.value)
             if self.plain:
                 while True:
                     try:
                         next(steps)
                     except StopIteration as stop:
                         return cast(T, stop.value)
-            bar = _Bar(self.console)
-            with Live(Text(""), console=self.console, auto_refresh=False, transient=True,
+            with Live(_Waiting(label + "…"), console=self.console, auto_refresh=False, transient=True,
                       redirect_stdout=False, redirect_stderr=False) as live, _Area(live) as area:
+                bar: _Bar | None = None
                 while True:
-                    bar.show(ev, area)
                     try:
                         ev = next(steps)
                     except StopIteration as stop:
                         return cast(T, stop.value)
+                    bar = bar or _Bar(self.console)
+                    bar.show(ev, area)
         finally:
             steps.close()
 
