@@ -398,7 +398,8 @@ def run_section(results: list[dict[str, Any]], run_no: int, command: str, trees:
              "reps, both trees against the same data directory, alternating order. Whole processes except the "
              "last column (in-process: 2 transcript lines, meta.json and the budget check twice, as every turn "
              "does besides the model). `ls` runs as the other tree's commands left the folders (a walk when "
-             "they moved a stamp), then `ls` again right after it (no walk unless a stamp moved less than 2 s before).", "",
+             "they moved a stamp), then `ls` again right after it (no walk unless a stamp moved less than 50 ms before; 2 s "
+             "on a file system with whole-second stamps).", "",
              "| conversations | " + " | ".join(f"{t} before → after" for _, t, _ in COLUMNS) + " | load (1/5/15 min) |",
              "|---:|" + "---:|" * len(COLUMNS) + "---|"]
     for r in results:

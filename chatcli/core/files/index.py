@@ -46,7 +46,11 @@ FILE_NAME = "index.sqlite"
 BUSY_TIMEOUT_S = 5.0
 WALK_EVERY_S = 600.0  # the longest an unchanged conversations folder goes without a walk (see _reconcile)
 CHECKED_ROWS = 100  # the rows `ls` shows that are checked against their files (a screenful and more)
-RACY_NS = 2_000_000_000  # a folder mtime this close to a walk may hide a change made in the same tick
+# A folder mtime this close to a walk may hide a change made after it in the same clock tick (see
+# ``racy_window_ns``): for file systems with whole-second stamps (FAT's are 2 s) ...
+COARSE_RACY_NS = 2_000_000_000
+# ... and for fine-grained ones, whose stamps come from the kernel's coarse clock (a tick: 10 ms at HZ=100).
+FINE_RACY_NS = 50_000_000
 _ID_RE = re.compile(r"^[a-z0-9]{1,32}$")  # the store's rule for a conversation folder (store._ID_RE)
 
 _SCHEMA = """
@@ -216,18 +220,31 @@ def _message_fields(ev: dict[str, Any]) -> tuple[str, str] | None:
     return str(ev.get("text", "")), ""
 
 
+def racy_window_ns(mtime_ns: int) -> int:
+    """How close to a walk's clock a folder mtime must be for a later change to be able to leave it as it is.
+
+    A change stamps the folder with the file system's clock, truncated to its granularity. Once that clock
+    has moved past the mtime a walk saw, any change after the walk stamps a later one, so an equal mtime
+    means unchanged. The granularity shows in the stamp itself: a whole-second stamp (no digits below the
+    second) is a coarse file system's, and there the clock may sit on one value for up to 2 s; otherwise
+    the trailing zeros bound it (100 ns on NTFS, 10 ms on exFAT), and the kernel's coarse clock, which
+    stamps files, lags the clock ``time.time_ns`` reads by at most a tick. One sample is enough: a coarse
+    stamp is never mistaken for a fine one (its digits are zero), and a fine one that happens to end in
+    zeros only widens the window."""
+    sub = mtime_ns % 1_000_000_000
+    if sub == 0:
+        return COARSE_RACY_NS
+    grain = 1
+    while sub % (grain * 10) == 0:
+        grain *= 10
+    return max(FINE_RACY_NS, 2 * grain)
+
+
 def _mtime(path: Path) -> int:
     try:
         return os.stat(path).st_mtime_ns
     except OSError:
         return 0
-
-
-def _is_dir(entry: os.DirEntry[str]) -> bool:
-    try:
-        return entry.is_dir()  # the directory's own type field: a stat only where the file system has none
-    except OSError:
-        return False
 
 
 def _pid_alive(pid: int) -> bool:
@@ -460,9 +477,10 @@ class Index:
         - the index was just (re)built, or ``full`` (the server's ``refresh(full=True)``): the full walk.
 
         chatcli's own writes tell the index themselves and need no walk; the rows ``ls`` shows are checked
-        against their files anyway (``check_rows``). A folder mtime within ``RACY_NS`` of the walk is not
-        trusted (a change in the same clock tick would not move it: git's "racily clean" entries), so
-        the next call walks its names again. ``progress(done, total)`` is called while many folders are
+        against their files anyway (``check_rows``). A folder mtime within ``racy_window_ns`` of the walk
+        is not trusted (a change in the same clock tick would not move it: git's "racily clean" entries),
+        so the next call walks its names again: on a file system with fine stamps that is 50 ms, so an
+        `ls` right after a change walks once and the next one does not. ``progress(done, total)`` is called while many folders are
         read. ``last_walk`` (and the index's ``walks_*`` counters, which other processes can read) says
         what the call did: benchmarks and tests tell "ls, index current" from "ls after a walk" by it."""
         db = self.db()
@@ -490,11 +508,12 @@ class Index:
                         self._refresh(w, cid)
             return len(dead)
         seen: set[str] = set()
+        n_seen = 0
         try:
-            with os.scandir(self.root) as it:
-                if kind == "full":
-                    known = dict(db.execute("SELECT id, dir_mtime FROM convs").fetchall())
-                    mtimes: dict[str, int] = {}
+            if kind == "full":
+                known = dict(db.execute("SELECT id, dir_mtime FROM convs").fetchall())
+                mtimes: dict[str, int] = {}
+                with os.scandir(self.root) as it:
                     for ent in it:
                         if _ID_RE.match(ent.name):
                             try:
@@ -503,17 +522,23 @@ class Index:
                                     mtimes[ent.name] = st.st_mtime_ns
                             except OSError:
                                 continue
-                    seen = set(mtimes)
-                    todo = [cid for cid, m in mtimes.items() if known.get(cid) != m]
-                    gone = [cid for cid in known if cid not in mtimes]
-                else:
-                    # Sets, not a loop per entry in Python: the entry's type comes from the directory itself
-                    # (no stat), and only new names are checked against the store's rule for an id.
-                    names = {e.name for e in it if _is_dir(e)}
-                    ids = set(map(itemgetter(0), db.execute("SELECT id FROM convs")))
-                    todo = [cid for cid in names - ids if _ID_RE.match(cid)]
-                    gone = list(ids - names)
-                    seen = (ids & names) | set(todo)
+                seen = set(mtimes)
+                n_seen = len(seen)
+                todo = [cid for cid, m in mtimes.items() if known.get(cid) != m]
+                gone = [cid for cid in known if cid not in mtimes]
+            else:
+                # Sets, not a loop per entry in Python: names only (``listdir``, half of a ``scandir`` that
+                # asks each entry its type), the known ids as one string (a row each took twice as long),
+                # and only new names checked against the store's rule for an id and for being a folder.
+                # A known id is kept while its name exists (a folder replaced by a file is left to the
+                # periodic full walk, which looks at types).
+                seen = set(os.listdir(self.root))
+                joined = db.execute("SELECT group_concat(id, '/') FROM convs").fetchone()[0]
+                ids = set(str(joined).split("/")) if joined else set()
+                prefix = str(self.root) + os.sep
+                todo = [cid for cid in seen - ids if _ID_RE.match(cid) and os.path.isdir(prefix + cid)]
+                gone = list(ids - seen)
+                n_seen = len(ids) - len(gone) + len(todo)
         except (FileNotFoundError, NotADirectoryError):
             todo = []
             gone = [str(r[0]) for r in db.execute("SELECT id FROM convs")]
@@ -534,8 +559,8 @@ class Index:
             if progress is not None and len(todo) >= 200:
                 progress(done, len(todo))
         # The stamp this walk answers for: taken before it, so a change during the walk is seen next time.
-        racy = root_mtime < 0 or root_mtime >= started - RACY_NS
-        self.last_walk = Walk(kind, len(seen), len(todo), len(gone), time.perf_counter() - t0)
+        racy = root_mtime < 0 or root_mtime >= started - racy_window_ns(root_mtime)
+        self.last_walk = Walk(kind, n_seen, len(todo), len(gone), time.perf_counter() - t0)
         with self.write() as w:
             w.execute("INSERT OR REPLACE INTO info VALUES('root_mtime', ?)", (-2 if racy else root_mtime,))
             if kind == "full":  # a names walk does not answer for the folders' insides
