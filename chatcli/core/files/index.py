@@ -113,6 +113,13 @@ END;
 INSERT OR REPLACE INTO info SELECT 'n_ok', COUNT(*) FROM convs WHERE ok = 1;
 INSERT OR REPLACE INTO info SELECT 'n_warm', COUNT(*) FROM convs WHERE {_WARM_NEW.replace("NEW.", "")};
 """
+# Reading this many folders at once (a first build, a catch-up with copied-in folders) checkpoints the WAL
+# every BULK_CHECKPOINT_PAGES pages instead of SQLite's 1,000: each checkpoint fsyncs twice, 0.8 s of a
+# 20,000-folder catch-up. The commits stay as durable as any (synchronous=NORMAL). The WAL grows to ~100 MB
+# meanwhile and is cut back to JOURNAL_LIMIT when it restarts.
+BULK_FOLDERS = 1000
+BULK_CHECKPOINT_PAGES = 25_000
+JOURNAL_LIMIT = 8 << 20
 KEEP_REMOVED = 10_000  # rows of the ``removed`` table kept for followers of the change numbers (``_prune``)
 
 
@@ -257,6 +264,56 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+_META_COLS = ("title", "persona", "model", "source", "server", "kv_type", "tokens", "updated", "created",
+              "checkpoint_bytes")  # the row's fields read from meta.json (``_meta_cols``)
+_META_DEFAULTS: tuple[Any, ...] = ("", "", "", "", "", "f16", 0, 0.0, 0.0, 0)
+_UPSERT_COLS = ("id", "dir_mtime", "ok", "problem", *_META_COLS, "turns", "in_context", "counts_size",
+                "counts_mtime", "tx_size", "tx_mtime", "tx_crc", "meta_mtime", "state_bytes", "seq")
+# Every column a folder's read sets (``_refresh_many``); ``open_pid`` is the holder's to set and clear.
+_UPSERT = (f"INSERT INTO convs({', '.join(_UPSERT_COLS)}) VALUES({', '.join('?' * len(_UPSERT_COLS))}) "
+           f"ON CONFLICT(id) DO UPDATE SET {', '.join(f'{c}=excluded.{c}' for c in _UPSERT_COLS[1:])}")
+
+
+def _meta_cols(meta: dict[str, Any]) -> tuple[Any, ...]:
+    """The ``_META_COLS`` values of a conversation's metadata (ValueError/TypeError: a field of an odd type)."""
+    model = meta.get("model") if isinstance(meta.get("model"), dict) else {}
+    assert isinstance(model, dict)
+    params = meta.get("params") if isinstance(meta.get("params"), dict) else {}
+    assert isinstance(params, dict)
+    ck = meta.get("checkpoint")
+    ck_bytes = int(ck.get("bytes", 0) or 0) if isinstance(ck, dict) and isinstance(ck.get("bytes"), int) else 0
+
+    def num(v: object) -> float:
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+
+    return (str(meta.get("title", "") or ""), str(meta.get("persona", "") or ""),
+            str(model.get("name", "") or model.get("model", "") or ""),
+            "api" if meta.get("source") == "api" else "", str(model.get("server", "") or ""),
+            str(params.get("type_k", "f16")), int(num(meta.get("tokens"))), num(meta.get("updated")),
+            num(meta.get("created")), ck_bytes)
+
+
+def _hit_row(cid: str, line: bytes) -> tuple[Any, ...] | None:
+    """A transcript line's row of the ``hits`` table; None for a line that holds no message."""
+    if not line.strip():
+        return None
+    try:
+        ev = json.loads(line.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return None  # the store reports unreadable lines when the conversation is read
+    if not isinstance(ev, dict):
+        return None
+    fields = _message_fields(ev)
+    if fields is None:
+        return None
+    try:
+        mid = int(ev.get("mid", -1))
+        ts = float(ev.get("ts", 0) or 0)
+    except (TypeError, ValueError):
+        return None
+    return (fields[0], fields[1], cid, mid, str(ev.get("role", "")), ts)
+
+
 class Index:
     """The SQLite cache of one conversations folder. Core code: it never prints; ``notices`` collects the
     one-line reports (index rebuilt, repaired) for a front end to show."""
@@ -352,6 +409,7 @@ class Index:
         # NORMAL in WAL mode: a power loss may lose the last commits, never corrupt; the folders are the truth
         # and the stamps re-read whatever the index missed.
         db.execute("PRAGMA synchronous=NORMAL")
+        db.execute(f"PRAGMA journal_size_limit={JOURNAL_LIMIT}")
         return db
 
     @staticmethod
@@ -449,8 +507,9 @@ class Index:
             self._db.close()
             self._db = None
 
-    def _next_seq(self, db: sqlite3.Connection) -> int:
-        db.execute("UPDATE info SET value = value + 1 WHERE key='seq'")
+    def _next_seq(self, db: sqlite3.Connection, n: int = 1) -> int:
+        """Take ``n`` change numbers; returns the last (they are the ``n`` up to it)."""
+        db.execute("UPDATE info SET value = value + ? WHERE key='seq'", (n,))
         row = db.execute("SELECT value FROM info WHERE key='seq'").fetchone()
         return int(row[0])
 
@@ -504,8 +563,7 @@ class Index:
                 "SELECT id, open_pid FROM convs WHERE open_pid IS NOT NULL").fetchall() if not _pid_alive(int(pid))]
             if dead:
                 with self.write() as w:
-                    for cid in dead:
-                        self._refresh(w, cid)
+                    self._refresh_many(w, dead)
             return len(dead)
         seen: set[str] = set()
         n_seen = 0
@@ -551,13 +609,19 @@ class Index:
                     self._forget(w, cid)
                 self._prune_removed(w)
         done = 0
-        for start in range(0, len(todo), 200):  # a transaction per 200 folders: a rebuild commits 50× less
-            with self.write() as w:
-                for cid in todo[start:start + 200]:
-                    self._refresh(w, cid)
-            done = min(start + 200, len(todo))
-            if progress is not None and len(todo) >= 200:
-                progress(done, len(todo))
+        bulk = len(todo) >= BULK_FOLDERS
+        if bulk:  # a first build or a catch-up: one checkpoint (and its fsyncs) per ~100 MB, not per 4 MB
+            db.execute(f"PRAGMA wal_autocheckpoint={BULK_CHECKPOINT_PAGES}")
+        try:
+            for start in range(0, len(todo), 200):  # a transaction per 200 folders: a rebuild commits 50× less
+                with self.write() as w:
+                    self._refresh_many(w, todo[start:start + 200])
+                done = min(start + 200, len(todo))
+                if progress is not None and len(todo) >= 200:
+                    progress(done, len(todo))
+        finally:
+            if bulk:
+                db.execute("PRAGMA wal_autocheckpoint=1000")
         # The stamp this walk answers for: taken before it, so a change during the walk is seen next time.
         racy = root_mtime < 0 or root_mtime >= started - racy_window_ns(root_mtime)
         self.last_walk = Walk(kind, n_seen, len(todo), len(gone), time.perf_counter() - t0)
@@ -589,71 +653,100 @@ class Index:
     def refresh(self, cid: str) -> None:
         """Read one conversation's folder into its row (meta, counts, state files, transcript text)."""
         with self.write() as w:
-            self._refresh(w, cid)
+            self._refresh_many(w, [cid])
 
-    def _refresh(self, w: sqlite3.Connection, cid: str) -> None:
+    def _refresh_many(self, w: sqlite3.Connection, cids: list[str]) -> None:
+        """Read these folders into their rows (meta, counts, state files, transcript text); forget those gone.
+
+        The files are read per folder and the rows written per batch: one upsert of every column, one
+        insert of all the messages (a first build of 90,000 copied-in folders ran 13 statements per folder,
+        half of its 37 s). A row keeps what its folder cannot say now: its metadata fields when meta.json
+        is unreadable (or has fields of odd types), its counts when the summary no longer describes the
+        transcript (``counts_size`` -1: the shown rows are replayed, ``check_rows``)."""
         from chatcli.core.files.migrations import FormatError
         from chatcli.core.files.store import ConversationDir, StoreError
 
-        conv = ConversationDir(self.root / cid)
-        try:
-            dir_mtime = conv.path.stat().st_mtime_ns
-        except OSError:
-            self._forget(w, cid)
+        if not cids:
             return
-        problem = ""
-        meta: dict[str, Any] = {}
-        try:
-            meta = conv.read_meta()
-        except (StoreError, FormatError) as exc:
-            problem = str(exc)
-        row = w.execute("SELECT tx_size, tx_crc, counts_size, counts_mtime FROM convs WHERE id=?",
-                        (cid,)).fetchone()
-        seq = self._next_seq(w)
-        if row is None:
-            w.execute("INSERT INTO convs(id, dir_mtime, ok, seq) VALUES(?, 0, 0, ?)", (cid, seq))
-            row = (0, 0, -1, -1)
-        self._read_transcript(w, conv, int(row[0]), int(row[1]), meta, problem)
-        w.execute("UPDATE convs SET dir_mtime=?, ok=?, problem=?, seq=?, meta_mtime=? WHERE id=?",
-                  (dir_mtime, 0 if problem else 1, problem, seq, _mtime(conv.meta_path), cid))
-        if meta:
+        marks = ",".join("?" * len(cids))
+        known = {str(r[0]): r[1:] for r in w.execute(
+            f"SELECT id, tx_size, tx_crc, open_pid, {', '.join(_META_COLS)}, turns, in_context FROM convs "
+            f"WHERE id IN ({marks})", cids)}
+        had_files = {str(r[0]) for r in w.execute(f"SELECT DISTINCT conv FROM files WHERE conv IN ({marks})", cids)}
+        rows: list[list[Any]] = []
+        hits: list[tuple[Any, ...]] = []
+        reset: list[tuple[str]] = []
+        files_of: list[tuple[str, list[tuple[int, int, int]]]] = []
+        dead: list[tuple[str]] = []
+        for cid in cids:
+            conv = ConversationDir(self.root / cid)
             try:
-                self._set_meta(w, cid, meta)
-            except (ValueError, TypeError):  # a hand edit gave a field an odd type: shown as it can be
-                pass
-        self._set_files(w, cid, self._stat_files(conv))
-        pid = w.execute("SELECT open_pid FROM convs WHERE id=?", (cid,)).fetchone()[0]
-        if pid is not None and not _pid_alive(int(pid)):
-            # Read back now: a dead holder must not make every later reconcile re-read the folder.
-            w.execute("UPDATE convs SET open_pid=NULL WHERE id=?", (cid,))
-
-    def _read_transcript(self, w: sqlite3.Connection, conv: ConversationDir, size0: int, crc0: int,
-                         meta: dict[str, Any], problem: str) -> None:
-        """Index the transcript's lines past what is indexed; all of it if the indexed part changed."""
-        try:
-            raw = conv.transcript_path.read_bytes()
-            st = conv.transcript_path.stat()
-        except OSError:
-            raw, st = b"", None
-        end = raw.rfind(b"\n") + 1  # a torn last line is left for when it is whole
-        if size0 > end or zlib.crc32(raw[:size0]) != crc0:
-            w.execute("DELETE FROM hits WHERE conv=?", (conv.id,))
-            size0 = 0
-        crc = zlib.crc32(raw[size0:end], zlib.crc32(raw[:size0]) if size0 else 0)
-        for line in raw[size0:end].split(b"\n"):
-            self._index_line(w, conv.id, line)
-        w.execute("UPDATE convs SET tx_size=?, tx_mtime=?, tx_crc=? WHERE id=?",
-                  (end, st.st_mtime_ns if st is not None else 0, crc, conv.id))
-        # The counts come from the metadata's summary when it describes this transcript; otherwise they
-        # stay unknown (counts_size -1) until a front end replays the transcript (``set_counts``): replaying
-        # is the transcript module's job, a layer above this one.
-        counts = conv.cached_counts(meta) if meta and not problem else None
-        if counts is None:
-            w.execute("UPDATE convs SET counts_size=-1, counts_mtime=-1 WHERE id=?", (conv.id,))
-        else:
-            stamp = conv.transcript_stamp()
-            w.execute("UPDATE convs SET turns=?, in_context=?, counts_size=?, counts_mtime=? WHERE id=?",
-                      (counts[0], counts[1], stamp[0], stamp[1], conv.id))
+                dir_mtime = os.stat(conv.path).st_mtime_ns
+                names = os.listdir(conv.path)
+            except OSError:
+                self._forget(w, cid)
+                continue
+            problem = ""
+            meta: dict[str, Any] = {}
+            try:  # a state file's format is checked only where there is one (an open that fails costs too)
+                meta = conv.read_meta(check_state="state.kv" in names)
+            except (StoreError, FormatError) as exc:
+                problem = str(exc)
+            meta_mtime = _mtime(conv.meta_path)
+            try:
+                with open(conv.transcript_path, "rb") as fh:
+                    raw = fh.read()
+                    tx = os.fstat(fh.fileno())
+                stamp = [tx.st_size, tx.st_mtime_ns]
+            except OSError:
+                raw, stamp = b"", [0, 0]
+            old = known.get(cid)
+            size0, crc0 = (int(old[0]), int(old[1])) if old is not None else (0, 0)
+            # The lines past what is indexed; all of them if the indexed part changed (a hand edit).
+            end = raw.rfind(b"\n") + 1  # a torn last line is left for when it is whole
+            if size0 > end or zlib.crc32(raw[:size0]) != crc0:
+                reset.append((cid,))
+                size0 = 0
+            crc = zlib.crc32(raw[size0:end], zlib.crc32(raw[:size0]) if size0 else 0)
+            for line in raw[size0:end].split(b"\n"):
+                hit = _hit_row(cid, line)
+                if hit is not None:
+                    hits.append(hit)
+            meta_cols = tuple(old[3:3 + len(_META_COLS)]) if old is not None else _META_DEFAULTS
+            if meta:
+                try:
+                    meta_cols = _meta_cols(meta)
+                except (ValueError, TypeError):  # a hand edit gave a field an odd type: shown as it can be
+                    pass
+            # The counts come from the metadata's summary when it describes this transcript; otherwise they
+            # stay unknown (counts_size -1) until a front end replays the transcript (``set_counts``):
+            # replaying is the transcript module's job, a layer above this one.
+            counts = conv.cached_counts(meta, stamp) if meta and not problem else None
+            if counts is not None:
+                turns, in_context, counts_stamp = counts[0], counts[1], stamp
+            else:
+                turns, in_context = (int(old[-2]), int(old[-1])) if old is not None else (0, 0)
+                counts_stamp = [-1, -1]
+            files = self._stat_files_in(conv.path, names)
+            rows.append([cid, dir_mtime, 0 if problem else 1, problem, *meta_cols, turns, in_context, *counts_stamp,
+                         end, stamp[1], crc, meta_mtime, sum(f[2] for f in files), 0])
+            if files or cid in had_files:
+                files_of.append((cid, files))
+            if old is not None and old[2] is not None and not _pid_alive(int(old[2])):
+                dead.append((cid,))  # read back now: a dead holder must not make every reconcile re-read it
+        if not rows:
+            return
+        last = self._next_seq(w, len(rows))
+        for i, row in enumerate(rows):
+            row[-1] = last - len(rows) + 1 + i
+        w.executemany("DELETE FROM hits WHERE conv=?", [r for r in reset if r[0] in known])
+        w.executemany(_UPSERT, rows)
+        w.executemany("INSERT INTO hits(text, reasoning, conv, mid, role, ts) VALUES(?, ?, ?, ?, ?, ?)", hits)
+        self._add_files(w, [(cid, files) for cid, files in files_of if cid not in had_files])
+        for cid, files in files_of:
+            if cid in had_files:
+                self._set_files(w, cid, files)
+        w.executemany("UPDATE convs SET open_pid=NULL WHERE id=?", dead)
 
     def set_counts(self, cid: str, counts: tuple[int, int], stamp: list[int]) -> None:
         """Exchange counts a front end derived from the transcript whose (size, mtime) is ``stamp``."""
@@ -663,44 +756,13 @@ class Index:
 
     @staticmethod
     def _index_line(w: sqlite3.Connection, cid: str, line: bytes) -> None:
-        if not line.strip():
-            return
-        try:
-            ev = json.loads(line.decode("utf-8"))
-        except (ValueError, UnicodeDecodeError):
-            return  # the store reports unreadable lines when the conversation is read
-        if not isinstance(ev, dict):
-            return
-        fields = _message_fields(ev)
-        if fields is None:
-            return
-        try:
-            mid = int(ev.get("mid", -1))
-            ts = float(ev.get("ts", 0) or 0)
-        except (TypeError, ValueError):
-            return
-        w.execute("INSERT INTO hits(text, reasoning, conv, mid, role, ts) VALUES(?, ?, ?, ?, ?, ?)",
-                  (fields[0], fields[1], cid, mid, str(ev.get("role", "")), ts))
+        hit = _hit_row(cid, line)
+        if hit is not None:
+            w.execute("INSERT INTO hits(text, reasoning, conv, mid, role, ts) VALUES(?, ?, ?, ?, ?, ?)", hit)
 
     @staticmethod
     def _set_meta(w: sqlite3.Connection, cid: str, meta: dict[str, Any]) -> None:
-        model = meta.get("model") if isinstance(meta.get("model"), dict) else {}
-        assert isinstance(model, dict)
-        params = meta.get("params") if isinstance(meta.get("params"), dict) else {}
-        assert isinstance(params, dict)
-        ck = meta.get("checkpoint")
-        ck_bytes = int(ck.get("bytes", 0) or 0) if isinstance(ck, dict) and isinstance(ck.get("bytes"), int) else 0
-
-        def num(v: object) -> float:
-            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
-
-        w.execute("UPDATE convs SET title=?, persona=?, model=?, source=?, server=?, kv_type=?, tokens=?, "
-                  "updated=?, created=?, checkpoint_bytes=? WHERE id=?",
-                  (str(meta.get("title", "") or ""), str(meta.get("persona", "") or ""),
-                   str(model.get("name", "") or model.get("model", "") or ""),
-                   "api" if meta.get("source") == "api" else "", str(model.get("server", "") or ""),
-                   str(params.get("type_k", "f16")), int(num(meta.get("tokens"))), num(meta.get("updated")),
-                   num(meta.get("created")), ck_bytes, cid))
+        w.execute(f"UPDATE convs SET {'=?, '.join(_META_COLS)}=? WHERE id=?", (*_meta_cols(meta), cid))
 
     # -- the state files' running total ----------------------------------------------------------------
 
@@ -723,6 +785,19 @@ class Index:
             except OSError:
                 continue
             out[(st.st_dev, st.st_ino)] = st.st_size
+        return [(d, i, s) for (d, i), s in out.items()]
+
+    @staticmethod
+    def _stat_files_in(folder: Path, names: Iterable[str]) -> list[tuple[int, int, int]]:
+        """``_stat_files_at`` when the folder's names are known (a listing already made)."""
+        out: dict[tuple[int, int], int] = {}
+        for n in names:
+            if n == "state.kv" or (n.startswith("state.base-") and n.endswith(".kv")):
+                try:
+                    st = os.stat(folder / n)
+                except OSError:
+                    continue
+                out[(st.st_dev, st.st_ino)] = st.st_size
         return [(d, i, s) for (d, i), s in out.items()]
 
     @staticmethod
@@ -756,6 +831,31 @@ class Index:
         if delta:
             w.execute("UPDATE info SET value = value + ? WHERE key='state_total'", (delta,))
         w.execute("UPDATE convs SET state_bytes=? WHERE id=?", (sum(new.values()), cid))
+
+    @staticmethod
+    def _add_files(w: sqlite3.Connection, items: list[tuple[str, list[tuple[int, int, int]]]]) -> None:
+        """``_set_files`` for conversations that had no files (new rows): the same rows and total, in a
+        few statements for all of them (the warm tenth of a first build ran six each)."""
+        if not items:
+            return
+        w.executemany("INSERT INTO files VALUES(?, ?, ?, ?)", [(cid, *f) for cid, files in items for f in files])
+        added: dict[tuple[int, int], tuple[int, int]] = {}  # inode → (links added here, its size)
+        for _, files in items:
+            for d, i, size in files:
+                added[(d, i)] = (added.get((d, i), (0, 0))[0] + 1, size)
+        keys = list(added)
+        before: dict[tuple[int, int], int] = {}
+        for start in range(0, len(keys), 400):
+            part = keys[start:start + 400]
+            before.update({(int(d), int(i)): int(size) for d, i, size in w.execute(
+                f"SELECT dev, ino, size FROM inodes WHERE (dev, ino) IN (VALUES {','.join(['(?, ?)'] * len(part))})",
+                [x for key in part for x in key])})
+        w.executemany("INSERT INTO inodes VALUES(?, ?, ?, ?) ON CONFLICT(dev, ino) DO UPDATE SET "
+                      "refs = refs + excluded.refs, size = excluded.size",
+                      [(*key, size, n) for key, (n, size) in added.items()])
+        delta = sum(size - before.get(key, 0) for key, (_, size) in added.items())
+        if delta:
+            w.execute("UPDATE info SET value = value + ? WHERE key='state_total'", (delta,))
 
     def _forget(self, w: sqlite3.Connection, cid: str) -> None:
         self._set_files(w, cid, ())
