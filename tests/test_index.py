@@ -543,8 +543,13 @@ def test_a_restarted_server_looks_only_at_what_changed_since_its_save(chatcli_ho
     first.refresh()
     first.save()
     checked: list[str] = []
-    real = PrefixIndex._check
-    monkeypatch.setattr(PrefixIndex, "_check", lambda self, cid, tx: checked.append(cid) or real(self, cid, tx))
+    real = PrefixIndex._check_many
+
+    def counting(self: PrefixIndex, items: list[tuple[str, str]]) -> None:
+        checked.extend(cid for cid, _ in items)
+        real(self, items)
+
+    monkeypatch.setattr(PrefixIndex, "_check_many", counting)
     second = prefix()
     second.refresh()
     assert checked == [] and len(second) == 4

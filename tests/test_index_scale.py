@@ -205,8 +205,13 @@ def test_a_reply_reindex_does_not_wait_for_another_process_holding_the_index(
     stamp = idx._rows.stamp(conv.id)
     assert stamp is not None and stamp[0] != conv.transcript_path.stat().st_size  # not re-indexed yet
     checked: list[str] = []
-    real = PrefixIndex._check
-    monkeypatch.setattr(PrefixIndex, "_check", lambda self, cid, tx: checked.append(cid) or real(self, cid, tx))
+    real = PrefixIndex._check_many
+
+    def counting(self: PrefixIndex, items: list[tuple[str, str]]) -> None:
+        checked.extend(cid for cid, _ in items)
+        real(self, items)
+
+    monkeypatch.setattr(PrefixIndex, "_check_many", counting)
     idx.refresh()
     stamp = idx._rows.stamp(conv.id)
     assert conv.id in checked and idx._pending == set()

@@ -23,6 +23,7 @@ update is one ``BEGIN IMMEDIATE`` transaction that re-checks the row's stamps be
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -31,6 +32,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from operator import itemgetter
 from pathlib import Path
@@ -272,6 +274,20 @@ _UPSERT_COLS = ("id", "dir_mtime", "ok", "problem", *_META_COLS, "turns", "in_co
 # Every column a folder's read sets (``_refresh_many``); ``open_pid`` is the holder's to set and clear.
 _UPSERT = (f"INSERT INTO convs({', '.join(_UPSERT_COLS)}) VALUES({', '.join('?' * len(_UPSERT_COLS))}) "
            f"ON CONFLICT(id) DO UPDATE SET {', '.join(f'{c}=excluded.{c}' for c in _UPSERT_COLS[1:])}")
+
+
+@contextmanager
+def bulk_writes(db: sqlite3.Connection, on: bool = True) -> Iterator[None]:
+    """Many writes to come (a first build, a catch-up): checkpoint the WAL every ``BULK_CHECKPOINT_PAGES``
+    meanwhile, instead of SQLite's 1,000 pages (two fsyncs each). The commits stay as durable as any."""
+    if not on:
+        yield
+        return
+    db.execute(f"PRAGMA wal_autocheckpoint={BULK_CHECKPOINT_PAGES}")
+    try:
+        yield
+    finally:
+        db.execute("PRAGMA wal_autocheckpoint=1000")
 
 
 def _meta_cols(meta: dict[str, Any]) -> tuple[Any, ...]:
@@ -609,19 +625,13 @@ class Index:
                     self._forget(w, cid)
                 self._prune_removed(w)
         done = 0
-        bulk = len(todo) >= BULK_FOLDERS
-        if bulk:  # a first build or a catch-up: one checkpoint (and its fsyncs) per ~100 MB, not per 4 MB
-            db.execute(f"PRAGMA wal_autocheckpoint={BULK_CHECKPOINT_PAGES}")
-        try:
+        with bulk_writes(db, len(todo) >= BULK_FOLDERS):  # a first build or a catch-up
             for start in range(0, len(todo), 200):  # a transaction per 200 folders: a rebuild commits 50× less
                 with self.write() as w:
                     self._refresh_many(w, todo[start:start + 200])
                 done = min(start + 200, len(todo))
                 if progress is not None and len(todo) >= 200:
                     progress(done, len(todo))
-        finally:
-            if bulk:
-                db.execute("PRAGMA wal_autocheckpoint=1000")
         # The stamp this walk answers for: taken before it, so a change during the walk is seen next time.
         racy = root_mtime < 0 or root_mtime >= started - racy_window_ns(root_mtime)
         self.last_walk = Walk(kind, n_seen, len(todo), len(gone), time.perf_counter() - t0)
@@ -1221,6 +1231,11 @@ CREATE TABLE IF NOT EXISTS prefix_counts(name TEXT PRIMARY KEY, n INTEGER NOT NU
 """
 
 
+# What ``PrefixRows.put`` stores for one conversation: (id, transcript size, mtime, root, persona document,
+# persona key, updated, messages active, owner, warm, boundaries as (key, k, pos)).
+PrefixPut = tuple[str, int, int, str, str | None, str | None, float, int, str, bool, list[tuple[str, int, int]]]
+
+
 class PrefixKeyRow(NamedTuple):
     """One boundary of one conversation, as ``PrefixRows.lookup`` returns it."""
 
@@ -1292,6 +1307,39 @@ class PrefixRows:
                 w.execute("INSERT INTO prefix_personas VALUES(?,?,?,1) ON CONFLICT(name, persona, owner) "
                           "DO UPDATE SET n = n + 1", (self.name, persona_key, owner))
 
+    def put_many(self, puts: list[PrefixPut]) -> None:
+        """``put`` for each, with one statement per table for all of them (a first build puts thousands)."""
+        latest = {p[0]: p for p in puts}  # one row per conversation, as successive puts leave it
+        with self.write() as w:
+            known = self._known(w, list(latest))
+            for cid in known:
+                self._drop(w, cid)
+            self._add_count(w, len(latest) - len(known))
+            w.executemany("INSERT INTO prefix_convs VALUES(?,?,?,?,?,?,?,?,?,?)",
+                          [(self.name, *p[:8], p[8]) for p in latest.values()])
+            w.executemany("INSERT OR REPLACE INTO prefix_keys VALUES(?,?,?,?,?,?,?,?,?)",
+                          [(self.name, p[0], k, key, pos, p[7] - k, p[6], p[8], int(p[9]))
+                           for p in latest.values() for key, k, pos in p[10]])
+            personas: dict[tuple[str, str], int] = {}
+            for p in latest.values():
+                if p[5] is not None:
+                    personas[(p[5], p[8])] = personas.get((p[5], p[8]), 0) + 1
+            w.executemany("INSERT INTO prefix_personas VALUES(?,?,?,?) ON CONFLICT(name, persona, owner) "
+                          "DO UPDATE SET n = n + excluded.n", [(self.name, k, o, n) for (k, o), n in personas.items()])
+
+    def _known(self, w: sqlite3.Connection, cids: list[str]) -> list[str]:
+        out: list[str] = []
+        for start in range(0, len(cids), 500):
+            part = cids[start:start + 500]
+            out += [str(r[0]) for r in w.execute(
+                f"SELECT conv FROM prefix_convs WHERE name=? AND conv IN ({','.join('?' * len(part))})",
+                (self.name, *part))]
+        return out
+
+    def bulk(self, on: bool = True) -> contextlib.AbstractContextManager[None]:
+        """Many puts to come: see ``bulk_writes``."""
+        return bulk_writes(self._db(), on)
+
     def drop(self, cid: str) -> bool:
         """Forget the conversation; whether it was known."""
         with self.write() as w:
@@ -1331,6 +1379,18 @@ class PrefixRows:
                          "k.name=c.name AND k.conv=c.conv LIMIT 1), 0) FROM prefix_convs c "
                          "WHERE c.name=? AND c.conv=?", (self.name, cid))
         return None if not got else (int(got[0][0]), int(got[0][1]), str(got[0][2]), bool(got[0][3]))
+
+    def stamps(self, cids: list[str]) -> dict[str, tuple[int, int, str, bool]]:
+        """``stamp`` of each of these conversations that has a row."""
+        out: dict[str, tuple[int, int, str, bool]] = {}
+        for start in range(0, len(cids), 500):
+            part = cids[start:start + 500]
+            for cid, size, mtime, owner, warm in self._read(
+                    "SELECT c.conv, c.size, c.mtime, c.owner, COALESCE((SELECT warm FROM prefix_keys k WHERE "
+                    "k.name=c.name AND k.conv=c.conv LIMIT 1), 0) FROM prefix_convs c "
+                    f"WHERE c.name=? AND c.conv IN ({','.join('?' * len(part))})", (self.name, *part)):
+                out[str(cid)] = (int(size), int(mtime), str(owner), bool(warm))
+        return out
 
     def ids(self) -> list[str]:
         return [str(r[0]) for r in self._read("SELECT conv FROM prefix_convs WHERE name=?", (self.name,))]

@@ -19,6 +19,7 @@ import shutil
 import sqlite3
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -96,15 +97,15 @@ class ConversationDir:
             if msg not in self.index.notices:
                 self.index.notices.append(msg)
 
-    @property
+    @cached_property  # each a Path made once (a first build reads every folder's)
     def meta_path(self) -> Path:
         return self.path / "meta.json"
 
-    @property
+    @cached_property
     def transcript_path(self) -> Path:
         return self.path / "transcript.jsonl"
 
-    @property
+    @cached_property
     def state_path(self) -> Path:
         return self.path / "state.kv"
 
