@@ -312,8 +312,7 @@ from chatcli.config.settings import get_paths
 from chatcli.core.files.store import ConversationStore
 
 def progress(done: int, total: int) -> None:
-    if done >= 400:  # two transactions of 200 folders committed, the rest not
-        os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)  # after the first transaction, before the others
 
 index = ConversationStore(get_paths().conversations_dir).index
 index.reconcile(progress=progress)
@@ -334,7 +333,7 @@ def _dump(index: Index) -> dict[str, object]:
 
 def test_a_bulk_build_killed_part_way_is_completed_by_the_next_process(chatcli_home: Path) -> None:
     """A first build of many folders runs in batches with rare checkpoints (``BULK_FOLDERS``): killed
-    part-way, it leaves the batches it committed and no walk stamp, so the next process walks every
+    after its first batch, it leaves the batch it committed and no walk stamp, so the next process walks every
     folder and reads the rest. The result equals a build in one go, the state files' shared inodes and
     an unreadable folder included."""
     import signal
@@ -366,12 +365,12 @@ def test_a_bulk_build_killed_part_way_is_completed_by_the_next_process(chatcli_h
                           env={**os.environ, "PYTHONPATH": str(root)})
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     db = sqlite3.connect(index_path)
-    assert db.execute("SELECT COUNT(*) FROM convs").fetchone()[0] == 400
+    assert db.execute("SELECT COUNT(*) FROM convs").fetchone()[0] == index_mod.REFRESH_CHUNK < 1200
     db.close()
     index = _store().index
     assert index is not None
     index.reconcile()
-    assert index.last_walk is not None and index.last_walk.reread == 800
+    assert index.last_walk is not None and index.last_walk.reread == 1200 - index_mod.REFRESH_CHUNK
     completed = _dump(index)
     index.close()
     delete_index()

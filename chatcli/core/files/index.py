@@ -120,6 +120,7 @@ INSERT OR REPLACE INTO info SELECT 'n_warm', COUNT(*) FROM convs WHERE {_WARM_NE
 # 20,000-folder catch-up. The commits stay as durable as any (synchronous=NORMAL). The WAL grows to ~100 MB
 # meanwhile and is cut back to JOURNAL_LIMIT when it restarts.
 BULK_FOLDERS = 1000
+REFRESH_CHUNK = 500  # folders read per transaction by a walk: other processes' writes wait at most ~0.1 s
 BULK_CHECKPOINT_PAGES = 25_000
 JOURNAL_LIMIT = 8 << 20
 KEEP_REMOVED = 10_000  # rows of the ``removed`` table kept for followers of the change numbers (``_prune``)
@@ -626,10 +627,11 @@ class Index:
                 self._prune_removed(w)
         done = 0
         with bulk_writes(db, len(todo) >= BULK_FOLDERS):  # a first build or a catch-up
-            for start in range(0, len(todo), 200):  # a transaction per 200 folders: a rebuild commits 50× less
+            step = REFRESH_CHUNK
+            for start in range(0, len(todo), step):  # a transaction per chunk, not per folder
                 with self.write() as w:
-                    self._refresh_many(w, todo[start:start + 200])
-                done = min(start + 200, len(todo))
+                    self._refresh_many(w, todo[start:start + step])
+                done = min(start + step, len(todo))
                 if progress is not None and len(todo) >= 200:
                     progress(done, len(todo))
         # The stamp this walk answers for: taken before it, so a change during the walk is seen next time.
