@@ -545,7 +545,7 @@ class Index:
 
         - the conversations folder's mtime is not the one recorded at the last walk: a folder was made,
           removed, renamed or copied in (by chatcli or by hand). Only names can have changed, so the walk
-          is of names (one ``scandir``, no ``stat``: 0.25 s at 100,000 conversations, load 6): new folders are read,
+          is of names (one ``listdir``, no ``stat``: 0.1 s at 100,000 conversations, load 4): new folders are read,
           vanished ones forgotten;
         - the last full walk is ``WALK_EVERY_S`` old: changes inside a folder that no chatcli of this
           version told the index of (a hand edit, another version's write, a state file deleted by hand)
