@@ -678,6 +678,7 @@ class Index:
         from chatcli.core.files.migrations import FormatError
         from chatcli.core.files.store import ConversationDir, StoreError
 
+        cids = list(dict.fromkeys(cids))  # once each: a second read would index its messages twice
         if not cids:
             return
         marks = ",".join("?" * len(cids))
