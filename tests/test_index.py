@@ -270,19 +270,28 @@ def _age_last_walk(index: Index) -> None:
         w.execute("UPDATE info SET value = value - ? WHERE key='walked_at'", (int((WALK_EVERY_S + 1) * 1e9),))
 
 
+def _count_walks(store: ConversationStore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The list that each listing of the conversations folder (a walk: ``scandir`` or ``listdir``) adds to.
+    Both are every module's: only the folder's own listings are counted."""
+    walks: list[str] = []
+    for name in ("scandir", "listdir"):
+        real = getattr(os, name)
+
+        def counting(path: object, _real: Callable[[object], object] = real, _name: str = name) -> object:
+            if str(path) == str(store.root):
+                walks.append(_name)
+            return _real(path)
+
+        monkeypatch.setattr(os, name, counting)
+    return walks
+
+
 def test_an_unchanged_store_is_not_walked(chatcli_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """ls and search at 10,000 conversations: no stat per folder when the stamps say nothing changed."""
     store = _store()
     convs = [_conv(store, f"t{i}", f"question {i}", "answer") for i in range(3)]
     index = _settle(store)
-    walks: list[str] = []
-    real_scandir = os.scandir
-    def counting(path: object) -> object:
-        if str(path) == str(store.root):  # os.scandir is every module's: count the walks of the folder only
-            walks.append(str(path))
-        return real_scandir(path)  # type: ignore[call-overload]
-
-    monkeypatch.setattr(os, "scandir", counting)
+    walks = _count_walks(store, monkeypatch)
     assert index.reconcile() == 0 and walks == []
     _say(convs[0], 2, "a new turn by chatcli", "told the index itself")  # no walk needed to find it
     assert index.reconcile() == 0 and walks == []
@@ -295,6 +304,43 @@ def test_an_unchanged_store_is_not_walked(chatcli_home: Path, monkeypatch: pytes
     _age_last_walk(index)
     assert index.reconcile() == 0 and len(walks) == 2  # the periodic walk
     assert index.reconcile(full=True) == 0 and len(walks) == 3
+
+
+@pytest.mark.parametrize(("sub_second", "inside", "outside"), [
+    (123_456_789, 30_000_000, 80_000_000),  # ext4, tmpfs, xfs: stamps to the ns, the kernel's tick behind them
+    (300_000_000, 150_000_000, 250_000_000),  # a file system whose stamps end in zeros: 100 ms steps
+    (0, 1_500_000_000, 2_500_000_000),  # whole seconds (FAT: 2 s)
+], ids=["fine", "100ms", "coarse"])
+def test_a_change_in_the_tick_a_walk_saw_is_found_and_a_settled_folder_is_not_walked(
+        chatcli_home: Path, monkeypatch: pytest.MonkeyPatch, sub_second: int, inside: int, outside: int) -> None:
+    """The conversations folder's mtime is trusted only once the file system's clock has moved past it: a
+    folder copied in by hand in the same tick as a walk leaves the mtime the walk saw (simulated by
+    setting it back), and must still be found; once the window has passed, an unchanged folder is not
+    walked again (`ls` after `ls`: 0.2 s of names at 100,000). Each wrong rule fails one half: trusting a
+    fine stamp at once misses the copy; the old 2 s for every file system walks again."""
+    store = _store()
+    conv = _conv(store, "t", "hello", "world")
+    index = _settle(store)
+    stamp = (time.time_ns() // 1_000_000_000 + 10) * 1_000_000_000 + sub_second  # a change's, as stamped
+    clock = [0]
+    monkeypatch.setattr(time, "time_ns", lambda: clock[0])
+
+    def copy_in(name: str) -> None:
+        shutil.copytree(conv.path, store.root / name)
+        os.utime(store.root, ns=(stamp, stamp))  # the folder's mtime as the tick the walk saw left it
+
+    def walk(at: int) -> str:
+        clock[0] = stamp + at
+        index.reconcile()
+        return "" if index.last_walk is None else index.last_walk.kind
+
+    copy_in("copied1")
+    assert walk(inside) == "names" and index.ids() == {conv.id, "copied1"}
+    copy_in("copied2")  # in the same tick: nothing the mtime shows
+    assert walk(inside + 1_000_000) == "names" and index.ids() == {conv.id, "copied1", "copied2"}
+    assert walk(outside) == "names"  # the last walk was inside the window: once more, now outside it
+    assert walk(outside + 1_000_000) == ""  # settled: trusted
+    assert walk(outside + 2_000_000_000) == ""
 
 
 def test_a_hand_edit_is_reindexed_at_the_next_walk(chatcli_home: Path) -> None:
@@ -497,8 +543,13 @@ def test_a_restarted_server_looks_only_at_what_changed_since_its_save(chatcli_ho
     first.refresh()
     first.save()
     checked: list[str] = []
-    real = PrefixIndex._check
-    monkeypatch.setattr(PrefixIndex, "_check", lambda self, cid, tx: checked.append(cid) or real(self, cid, tx))
+    real = PrefixIndex._check_many
+
+    def counting(self: PrefixIndex, items: list[tuple[str, str]]) -> None:
+        checked.extend(cid for cid, _ in items)
+        real(self, items)
+
+    monkeypatch.setattr(PrefixIndex, "_check_many", counting)
     second = prefix()
     second.refresh()
     assert checked == [] and len(second) == 4

@@ -205,8 +205,13 @@ def test_a_reply_reindex_does_not_wait_for_another_process_holding_the_index(
     stamp = idx._rows.stamp(conv.id)
     assert stamp is not None and stamp[0] != conv.transcript_path.stat().st_size  # not re-indexed yet
     checked: list[str] = []
-    real = PrefixIndex._check
-    monkeypatch.setattr(PrefixIndex, "_check", lambda self, cid, tx: checked.append(cid) or real(self, cid, tx))
+    real = PrefixIndex._check_many
+
+    def counting(self: PrefixIndex, items: list[tuple[str, str]]) -> None:
+        checked.extend(cid for cid, _ in items)
+        real(self, items)
+
+    monkeypatch.setattr(PrefixIndex, "_check_many", counting)
     idx.refresh()
     stamp = idx._rows.stamp(conv.id)
     assert conv.id in checked and idx._pending == set()
@@ -299,3 +304,80 @@ def test_an_index_that_cannot_get_the_counts_still_lists(chatcli_home: Path, mon
     ro = _store().index
     assert ro is not None and ro.count() == (3, 0) and len(ro.rows(limit=50)) == 3
     assert not ro.db().in_transaction
+
+
+KILLED_BUILD = r"""
+import os, signal
+from chatcli.config.settings import get_paths
+from chatcli.core.files.store import ConversationStore
+
+def progress(done: int, total: int) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)  # after the first transaction, before the others
+
+index = ConversationStore(get_paths().conversations_dir).index
+index.reconcile(progress=progress)
+"""
+
+
+def _dump(index: Index) -> dict[str, object]:
+    """Everything a build writes, but the change numbers (they count the writes, which differ)."""
+    db = index.db()
+    cols = [r[1] for r in db.execute("PRAGMA table_info(convs)") if r[1] not in ("seq", "open_pid")]
+    return {"convs": sorted(db.execute(f"SELECT {', '.join(cols)} FROM convs").fetchall()),
+            "hits": sorted(db.execute("SELECT text, reasoning, conv, mid, role, ts FROM hits").fetchall()),
+            "files": sorted(db.execute("SELECT * FROM files").fetchall()),
+            "inodes": sorted(db.execute("SELECT * FROM inodes").fetchall()),
+            "info": sorted(db.execute("SELECT key, value FROM info WHERE key IN "
+                                      "('state_total', 'n_ok', 'n_warm')").fetchall())}
+
+
+def test_a_bulk_build_killed_part_way_is_completed_by_the_next_process(chatcli_home: Path) -> None:
+    """A first build of many folders runs in batches with rare checkpoints (``BULK_FOLDERS``): killed
+    after its first batch, it leaves the batch it committed and no walk stamp, so the next process walks every
+    folder and reads the rest. The result equals a build in one go, the state files' shared inodes and
+    an unreadable folder included."""
+    import signal
+    import subprocess
+    import sys
+
+    store = _store()
+    base = _conv(store, "t", "hello", "world")
+    base.state_path.write_bytes(b"\0" * 4096)  # a state file: 99 copies keep their own, 300 share it
+    ids = _copies(base, 1199, "a")
+    assert 1200 >= index_mod.BULK_FOLDERS
+    for cid in ids[:300]:
+        (store.root / cid / "state.kv").unlink()
+        os.link(base.state_path, store.root / cid / "state.kv")
+    for cid in ids[300:1100]:
+        (store.root / cid / "state.kv").unlink()
+    (store.root / ids[700] / "meta.json").write_text("{not json", "utf-8")
+    assert store.index is not None
+    store.index.close()
+    index_path = get_paths().data_dir / "index.sqlite"
+
+    def delete_index() -> None:
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{index_path}{suffix}").unlink(missing_ok=True)
+
+    delete_index()
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", KILLED_BUILD], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    db = sqlite3.connect(index_path)
+    assert db.execute("SELECT COUNT(*) FROM convs").fetchone()[0] == index_mod.REFRESH_CHUNK < 1200
+    db.close()
+    index = _store().index
+    assert index is not None
+    index.reconcile()
+    assert index.last_walk is not None and index.last_walk.reread == 1200 - index_mod.REFRESH_CHUNK
+    completed = _dump(index)
+    index.close()
+    delete_index()
+    fresh = _store().index
+    assert fresh is not None
+    fresh.reconcile()
+    assert fresh.last_walk is not None and fresh.last_walk.reread == 1200
+    assert _dump(fresh) == completed
+    assert fresh.count() == (1199, 400) and fresh.state_total() == 4096 * 100  # 99 copies and the shared one
+    assert len(fresh.problems()) == 1 and ids[700] in fresh.problems()[0]

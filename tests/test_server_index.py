@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from chatcli.core.files.index import PrefixPut
 from chatcli.core.files.store import ConversationStore
 from chatcli.server.index import PrefixIndex
 
@@ -27,9 +28,9 @@ def test_refresh_follows_the_store_and_rereads_only_changed_transcripts(
     reread: list[str] = []
     real = PrefixIndex._index_dir
 
-    def spy(self: PrefixIndex, conv: object, size: int, mtime: int) -> None:
+    def spy(self: PrefixIndex, conv: object, size: int, mtime: int) -> PrefixPut:
         reread.append(conv.id)  # type: ignore[attr-defined]
-        real(self, conv, size, mtime)  # type: ignore[arg-type]
+        return real(self, conv, size, mtime)  # type: ignore[arg-type]
 
     monkeypatch.setattr(PrefixIndex, "_index_dir", spy)
     idx.refresh(save=False)

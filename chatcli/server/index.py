@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from chatcli.core.files.fsutil import atomic_write_text
-from chatcli.core.files.index import Index, IndexUnavailable, PrefixRows
+from chatcli.core.files.index import Index, IndexUnavailable, PrefixPut, PrefixRows
 from chatcli.core.files.migrations import FormatError
 from chatcli.core.files.store import ConversationDir, ConversationStore, StoreError
 from chatcli.core.template import Message
@@ -48,6 +48,7 @@ LOOKUP_LIMIT = 32  # entries a lookup returns per owner: the candidates a reques
 UPDATE_WAIT_S = 0.05  # the longest a reply's re-index waits for another process's write (then: retried later)
 BUILD_NOTICE = 2000  # a refresh that checks this many conversations says so in the log (a first start)
 BUILD_EVERY_S = 5.0  # ... and how far it got, this often
+BUILD_CHUNK = 512  # conversations per transaction in such a build (``_chunks``)
 RECONCILE_EVERY = 60.0  # seconds between two looks at every folder (~30 ms at 10,000 conversations)
 REPL_OWNER = "repl"  # the owner of conversations not made through the API
 
@@ -272,7 +273,9 @@ class PrefixIndex:
 
     def _chunks(self, cids: list[str], size: int = 64) -> Iterator[list[str]]:
         # One transaction per chunk: fewer commits than one per conversation, and other processes' writes
-        # wait at most one chunk's reading of transcripts (not a whole first build's).
+        # wait at most one chunk's reading of transcripts (not a whole first build's). A big build uses
+        # BUILD_CHUNK: each commit writes the pages its rows dirtied, and the keys' index is in hash order,
+        # so a chunk dirties about a page per key: bigger chunks write each page fewer times.
         for i in range(0, len(cids), size):
             yield cids[i:i + size]
 
@@ -300,13 +303,15 @@ class PrefixIndex:
         if big:
             log.info("indexing %d conversations for the server …", len(candidates))
         next_say = started + BUILD_EVERY_S
-        for n, chunk in enumerate(self._chunks(candidates)):
-            if big and time.monotonic() >= next_say:
-                log.info("indexing conversations for the server: %d/%d", n * 64, len(candidates))
-                next_say += BUILD_EVERY_S
-            with self._rows.write():
-                for cid in chunk:
-                    self._check(cid, f"{self.store.root}{os.sep}{cid}{os.sep}{self._transcript}")
+        root = f"{self.store.root}{os.sep}"
+        with self._rows.bulk(big):
+            size = BUILD_CHUNK if big else 64
+            for n, chunk in enumerate(self._chunks(candidates, size)):
+                if big and time.monotonic() >= next_say:
+                    log.info("indexing conversations for the server: %d/%d", n * size, len(candidates))
+                    next_say += BUILD_EVERY_S
+                with self._rows.write():
+                    self._check_many([(cid, f"{root}{cid}{os.sep}{self._transcript}") for cid in chunk])
         if len(candidates) >= BUILD_NOTICE:
             log.info("indexed %d conversations for the server in %.1f s", len(candidates), time.monotonic() - started)
         # Worth saving only when something was looked at (nothing indexed yet: no number to keep).
@@ -314,26 +319,35 @@ class PrefixIndex:
         self._seq = seq
         self._pending.difference_update(candidates)
 
-    def _check(self, cid: str, transcript: str) -> None:
-        try:
-            st = os.stat(transcript)
-        except OSError:
-            self._drop(cid)
-            return
-        old = self._rows.stamp(cid)
-        if old is not None and old[0] == st.st_size and old[1] == st.st_mtime_ns:
-            # Changed all the same (the index says so): its metadata, which names its owner. Who may match
-            # it follows at once (a conversation shared with, or taken from, the API). Its state file too
-            # (evicted or written back): the order a lookup gives its candidates in.
+    def _check_many(self, items: list[tuple[str, str]]) -> None:
+        """Re-index those of these (conversation, transcript path) whose transcript is not the one their row
+        was built from; forget those without one. The rows' stamps are read in one query and the new rows
+        written together (``PrefixRows.put_many``): a first build at 10,000 ran seven statements each."""
+        stamps = self._rows.stamps([cid for cid, _ in items])
+        puts: list[PrefixPut] = []
+        for cid, transcript in items:
             try:
-                owner = owner_of(self.store.dir(cid).read_meta())
-            except (StoreError, FormatError, OSError):
-                return
-            if owner == old[2]:
-                if self._warm(cid) != old[3]:
-                    self._rows.set_warm(cid, not old[3])
-                return
-        self._index_dir(self.store.dir(cid), st.st_size, st.st_mtime_ns)
+                st = os.stat(transcript)
+            except OSError:
+                self._drop(cid)
+                continue
+            old = stamps.get(cid)
+            if old is not None and old[0] == st.st_size and old[1] == st.st_mtime_ns:
+                # Changed all the same (the index says so): its metadata, which names its owner. Who may
+                # match it follows at once (a conversation shared with, or taken from, the API). Its state
+                # file too (evicted or written back): the order a lookup gives its candidates in.
+                try:
+                    owner = owner_of(self.store.dir(cid).read_meta())
+                except (StoreError, FormatError, OSError):
+                    continue
+                if owner == old[2]:
+                    if self._warm(cid) != old[3]:
+                        self._rows.set_warm(cid, not old[3])
+                    continue
+            puts.append(self._index_dir(self.store.dir(cid), st.st_size, st.st_mtime_ns))
+        if puts:
+            self._rows.put_many(puts)
+            self._dirty = True
 
     def _warm(self, cid: str) -> bool:
         try:
@@ -356,8 +370,7 @@ class PrefixIndex:
                     self._drop(cid)
         for chunk in self._chunks(list(ids)):
             with self._rows.write():
-                for cid in chunk:
-                    self._check(cid, ids[cid])
+                self._check_many([(cid, ids[cid]) for cid in chunk])
 
     def update(self, conv: Conversation) -> None:
         """Re-index a conversation this process just wrote (no need to read the transcript back)."""
@@ -379,21 +392,26 @@ class PrefixIndex:
         except sqlite3.Error:
             self._lost()  # read back from its transcript at the next refresh
 
-    def _index_dir(self, conv_dir: ConversationDir, size: int, mtime: int) -> None:
+    def _index_dir(self, conv_dir: ConversationDir, size: int, mtime: int) -> PrefixPut:
+        """The conversation's row, read from its files."""
         try:
             meta = conv_dir.read_meta()
             r = replay_events(conv_dir.read_transcript().events)
-            self._set(conv_dir.id, size, mtime, Shape.of_replay(r), meta)
+            return self._put_args(conv_dir.id, size, mtime, Shape.of_replay(r), meta)
         except (StoreError, FormatError, OSError, ValueError, TypeError, AttributeError) as exc:
             # One unusable folder (a newer chatcli's, wrongly typed metadata, an unreadable transcript) is
             # left out, as `chatcli ls` leaves it out, and said once: it is remembered with no boundaries,
             # so it is read again only when its transcript changes.
             log.warning("conversation %s skipped: %s", conv_dir.id, str(exc).splitlines()[0] if str(exc) else
                         type(exc).__name__)
-            self._rows.put(conv_dir.id, size, mtime, "", None, None, 0.0, 0, "", False, [])
-            self._dirty = True
+            return (conv_dir.id, size, mtime, "", None, None, 0.0, 0, "", False, [])
 
     def _set(self, cid: str, size: int, mtime: int, sh: Shape, meta: dict[str, Any]) -> None:
+        self._rows.put(*self._put_args(cid, size, mtime, sh, meta))
+        self._dirty = True
+
+    def _put_args(self, cid: str, size: int, mtime: int, sh: Shape, meta: dict[str, Any]) -> PrefixPut:
+        """What ``PrefixRows.put`` stores for the conversation: its stamp, persona, owner and boundaries."""
         model = {k: v for k, v in dict(meta.get("model") or {}).items() if k != "path"}
         n_ctx = int(dict(meta.get("params") or {}).get("n_ctx", 0) or 0)
         updated = float(meta.get("updated", 0) or 0)
@@ -413,9 +431,8 @@ class PrefixIndex:
                     json.dumps({"messages": messages, "name": name, "hash": phash}, ensure_ascii=False),
                     json.dumps(messages, ensure_ascii=False))
             doc, persona_key = docs[0], (docs[1] if entries else None)
-        self._rows.put(cid, size, mtime, root, doc, persona_key, updated, len(sh.active), owner_of(meta),
-                       self._warm(cid), entries)
-        self._dirty = True
+        return (cid, size, mtime, root, doc, persona_key, updated, len(sh.active), owner_of(meta), self._warm(cid),
+                entries)
 
     def _drop(self, cid: str) -> None:
         if self._rows.drop(cid):

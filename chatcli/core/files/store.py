@@ -19,6 +19,7 @@ import shutil
 import sqlite3
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -96,26 +97,27 @@ class ConversationDir:
             if msg not in self.index.notices:
                 self.index.notices.append(msg)
 
-    @property
+    @cached_property  # each a Path made once (a first build reads every folder's)
     def meta_path(self) -> Path:
         return self.path / "meta.json"
 
-    @property
+    @cached_property
     def transcript_path(self) -> Path:
         return self.path / "transcript.jsonl"
 
-    @property
+    @cached_property
     def state_path(self) -> Path:
         return self.path / "state.kv"
 
     # -- metadata ------------------------------------------------------------------------------------
 
-    def read_meta(self) -> dict[str, Any]:
+    def read_meta(self, *, check_state: bool = True) -> dict[str, Any]:
         """The metadata, upgraded to the current format.
 
         Also refuses (``FormatError``) a conversation whose state file is of a newer format, so that every
         path that opens a conversation stops here, before anything is written; the transcript's lines are
-        checked as they are read.
+        checked as they are read. ``check_state=False``: the caller knows there is no state file (it just
+        listed the folder).
         """
         try:
             meta = json.loads(self.meta_path.read_text("utf-8"))
@@ -132,7 +134,8 @@ class ConversationDir:
             raise
         except ValueError:
             raise StoreError(f"{where}: unsupported metadata format {meta.get('format')!r}") from None
-        records.check_format(self.state_path)
+        if check_state:
+            records.check_format(self.state_path)
         return migrations.upgrade_meta(meta)
 
     def write_meta(self, meta: dict[str, Any]) -> None:
@@ -156,11 +159,12 @@ class ConversationDir:
         """The counts the writer derived from the transcript, tied to the transcript it derived them from."""
         return {"exchanges": exchanges, "in_context": in_context, "transcript": stamp}
 
-    def cached_counts(self, meta: dict[str, Any]) -> tuple[int, int] | None:
+    def cached_counts(self, meta: dict[str, Any], stamp: list[int] | None = None) -> tuple[int, int] | None:
         """(exchanges, in context) from the metadata's summary if the transcript is still the one it was
-        computed from; None otherwise (the caller replays the transcript, which is the truth)."""
+        computed from (``stamp``: its stamp, when the caller just took it); None otherwise (the caller
+        replays the transcript, which is the truth)."""
         s = meta.get("summary")
-        if not isinstance(s, dict) or s.get("transcript") != self.transcript_stamp():
+        if not isinstance(s, dict) or s.get("transcript") != (self.transcript_stamp() if stamp is None else stamp):
             return None
         ex, ic = s.get("exchanges"), s.get("in_context")
         if type(ex) is not int or type(ic) is not int or not 0 <= ic <= ex:  # bool is not a count
