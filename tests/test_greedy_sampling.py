@@ -1,7 +1,7 @@
-"""Greedy sampling in numpy (``_sample_greedy``) picks exactly the token llama.cpp's greedy chain picks: the
-same logit bias, the same repeat penalty over the same window, the first maximum, NaN handed to the chain.
-On the real engine, with logits made to be hard (ties, -inf, NaN, penalties that reorder the top) and over a
-whole generated reply."""
+"""The logit bias and repeat penalty applied in numpy (``_LogitPlan``) give exactly the token llama.cpp's
+chain gives: greedy (the first maximum, NaN handed to the chain) and seeded sampling (the rest of the chain on
+the candidates numpy made). On the real engine, with logits made to be hard (ties, -inf, NaN, penalties that
+reorder the top) and over whole generated replies."""
 
 from __future__ import annotations
 
@@ -24,9 +24,15 @@ def chain_token(engine: Engine, s: Sampling) -> int:
 
 
 def numpy_token(engine: Engine, s: Sampling) -> int:
-    plan = llamacpp._GreedyPlan.of(s, engine.n_vocab)
+    plan = llamacpp._LogitPlan.of(s, engine.n_vocab)
     assert plan is not None
-    return engine._sample_greedy(plan, s, 0)
+    if plan.greedy:
+        return engine._sample_greedy(plan, s, 0)
+    rest = engine._make_sampler(s, 0, pre_applied=True)
+    try:
+        return engine._sample_candidates(rest, plan.apply(engine._current_logits(), engine.tokens))
+    finally:
+        llama_cpp.llama_sampler_free(rest)
 
 
 def hard_logits(rng: np.random.Generator, n: int, window: list[int]) -> np.ndarray:
@@ -39,13 +45,17 @@ def hard_logits(rng: np.random.Generator, n: int, window: list[int]) -> np.ndarr
         x[window[:4]] = top + np.array([0.5, 0.4, -0.1, 0.2], dtype=np.float32)[: len(window[:4])]
     elif kind == 3:
         x[rng.choice(n, 100, replace=False)] = -np.inf
-    elif kind == 4:  # all non-positive: the penalty multiplies
-        x = -np.abs(x)
+    elif kind == 4:  # all negative, the window's tokens on top: the penalty multiplies, and that decides
+        x = -np.abs(x) - 1
+        x[window[:3]] = np.array([-0.5, -0.6, -0.55], dtype=np.float32)[: len(window[:3])]
+        x[rng.integers(0, n)] = -0.53
     return x
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("repeat", [1.0, 1.1, 1.5])
-def test_numpy_greedy_equals_the_chain_on_hard_logits(engine: Engine, repeat: float) -> None:
+def test_numpy_bias_and_penalty_equal_the_chain_on_hard_logits(engine: Engine, repeat: float,
+                                                                temperature: float) -> None:
     rng = np.random.default_rng(7)
     engine.clear()
     engine.eval(engine.tokenize(PROMPT))
@@ -55,7 +65,8 @@ def test_numpy_greedy_equals_the_chain_on_hard_logits(engine: Engine, repeat: fl
                                                              strict=True))
         if i % 3 == 0:
             bias += ((int(window[-1]), float("-inf")), (int(window[-1]), 1.0))  # duplicates add in order
-        s = Sampling(temperature=0.0, repeat_penalty=repeat, repeat_last_n=64 if i % 4 else 8, logit_bias=bias)
+        s = Sampling(temperature=temperature, top_k=(0, 40)[i % 2], top_p=(1.0, 0.9)[i % 3 == 1], min_p=0.05 * (i % 2),
+                     repeat_penalty=repeat, repeat_last_n=64 if i % 4 else 8, logit_bias=bias)
         engine.set_logits(hard_logits(rng, engine.n_vocab, window))
         assert numpy_token(engine, s) == chain_token(engine, s), i
 
@@ -71,8 +82,9 @@ def test_a_nan_goes_to_the_chain(engine: Engine) -> None:
     assert numpy_token(engine, s) == chain_token(engine, s) == 9
 
 
-def test_a_whole_greedy_reply_is_the_chains(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    s = Sampling(temperature=0.0, repeat_penalty=1.3, repeat_last_n=32, logit_bias=((13, -2.5), (30, 1.5)))
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_whole_reply_is_the_chains(engine: Engine, monkeypatch: pytest.MonkeyPatch, temperature: float) -> None:
+    s = Sampling(temperature=temperature, repeat_penalty=1.3, repeat_last_n=32, logit_bias=((13, -2.5), (30, 1.5)))
     prompt = engine.tokenize(PROMPT)
 
     def reply() -> list[int]:
@@ -81,6 +93,6 @@ def test_a_whole_greedy_reply_is_the_chains(engine: Engine, monkeypatch: pytest.
         return [ev.token for ev in engine.generate(s, seed=1, max_tokens=64)]
 
     fast = reply()
-    monkeypatch.setattr(llamacpp._GreedyPlan, "of", classmethod(lambda cls, s, n: None))
+    monkeypatch.setattr(llamacpp._LogitPlan, "of", classmethod(lambda cls, s, n: None))
     assert fast == reply()
     assert len(set(fast)) > 5  # a reply, not one token repeated

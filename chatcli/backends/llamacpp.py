@@ -265,20 +265,27 @@ def json_gbnf(schema: Mapping[str, Any] | None = None, vocab: ctypes.c_void_p | 
 
 
 @dataclass(frozen=True)
-class _GreedyPlan:
-    """What greedy sampling applies to the logits before taking the maximum, in float32 as llama.cpp does."""
+class _LogitPlan:
+    """The logit bias and repeat penalty of llama.cpp's sampling chain, applied in numpy (float32, the chain's
+    order) before the rest of the chain, or before greedy's maximum.
+
+    Why: ``llama_sampler_sample`` copies 49k candidates, and the penalty step looks every one of them up in a
+    hash map: 135 us a token for greedy, 210-310 us with the default repeat penalty, where numpy takes 10-20 us
+    (issue #22). The choice is the chain's (tests/test_greedy_sampling.py)."""
 
     bias_ids: np.ndarray
     bias_values: np.ndarray
     repeat: np.float32
     last_n: int
+    greedy: bool
 
     @classmethod
-    def of(cls, s: Sampling, n_vocab: int) -> _GreedyPlan | None:
-        """The plan for ``s``, or None where llama.cpp's chain must sample: not greedy, a grammar, or frequency
-        or presence penalties (their ``count * freq + present`` may be fused into one rounding in the C build;
-        numpy rounds each operation). Token ids out of the vocabulary are the chain's error to raise."""
-        if s.temperature > 0 or s.grammar or s.frequency_penalty or s.presence_penalty:
+    def of(cls, s: Sampling, n_vocab: int) -> _LogitPlan | None:
+        """The plan for ``s``, or None where llama.cpp's chain does it all: a grammar, frequency or presence
+        penalties (their ``count * freq + present`` may be fused into one rounding in the C build; numpy
+        rounds each operation), token ids out of the vocabulary (the chain's error to raise), or nothing for
+        numpy to do before a sampling chain."""
+        if s.grammar or s.frequency_penalty or s.presence_penalty:
             return None
         if any(not 0 <= t < n_vocab for t, _ in s.logit_bias):
             return None
@@ -286,8 +293,27 @@ class _GreedyPlan:
         repeat = np.float32(s.repeat_penalty or 1.0)
         if repeat == np.float32(1.0):
             last_n = 0  # llama.cpp's "disabled" penalties sampler
+        greedy = s.temperature <= 0
+        if not greedy and not last_n and not s.logit_bias:
+            return None  # the chain's own fill costs what numpy's would
         return cls(np.asarray([t for t, _ in s.logit_bias], dtype=np.int64),
-                   np.asarray([b for _, b in s.logit_bias], dtype=np.float32), repeat, last_n)
+                   np.asarray([b for _, b in s.logit_bias], dtype=np.float32), repeat, last_n, greedy)
+
+    def apply(self, logits: np.ndarray, tokens: list[int]) -> np.ndarray:
+        """``logits`` (never modified) with the bias added and the penalty applied over ``tokens``' window."""
+        window = tokens[-self.last_n:] if self.last_n else []
+        if not self.bias_ids.size and not window:
+            return logits
+        x = logits.copy()  # the context's buffer and kept logits stay as computed
+        if self.bias_ids.size:
+            np.add.at(x, self.bias_ids, self.bias_values)  # in order, duplicates too, as the C loop adds
+        if window:
+            ids = np.unique(np.asarray(window, dtype=np.int32))
+            v = x[ids]
+            # float32 throughout, as the C code: multiply the non-positive, divide the positive, once per token
+            # however often it occurs in the window.
+            x[ids] = np.where(v <= 0, v * self.repeat, v / self.repeat)
+        return x
 
 
 def _apply_threads(ctx: ctypes.c_void_p, want: int, applied: int) -> int:
@@ -697,9 +723,15 @@ class Engine:
         res = result if result is not None else GenerationResult()
         if not self.has_logits:
             self.ensure_logits()
-        chain = self._make_sampler(sampling, seed)
-        greedy = _GreedyPlan.of(sampling, self.n_vocab)
-        sample = (lambda: self._sample_greedy(greedy, sampling, seed)) if greedy else (lambda: self._sample(chain))
+        plan = _LogitPlan.of(sampling, self.n_vocab)
+        # With a plan, numpy does the bias and the penalty, the chain the rest (nothing, for greedy).
+        chain = self._make_sampler(sampling, seed, pre_applied=plan is not None)
+        if plan is None:
+            sample: Callable[[], int] = lambda: self._sample(chain)
+        elif plan.greedy:
+            sample = lambda: self._sample_greedy(plan, sampling, seed)
+        else:
+            sample = lambda: self._sample_candidates(chain, plan.apply(self._current_logits(), self.tokens))
         group = self._group
         if group is not None:
             group.scheduler.join()
@@ -745,23 +777,10 @@ class Engine:
         assert self._logits is not None
         return self._logits
 
-    def _sample_greedy(self, plan: _GreedyPlan, sampling: Sampling, seed: int) -> int:
-        """llama.cpp's greedy chain (logit bias, repeat penalty, first maximum) in numpy, which picks the same
-        token: the chain fills 49k candidates, and its penalty step looks every one of them up in a hash map,
-        ~0.1-0.3 ms a token, where this costs ~0.02 ms (issue #22)."""
-        x = self._current_logits()
-        window = self.tokens[-plan.last_n:] if plan.last_n else []
-        if plan.bias_ids.size or window:
-            x = x.copy()  # the context's buffer and kept logits stay as computed
-            if plan.bias_ids.size:
-                np.add.at(x, plan.bias_ids, plan.bias_values)  # in order, duplicates too, as the C loop adds
-            if window:
-                ids = np.unique(np.asarray(window, dtype=np.int32))
-                v = x[ids]
-                # float32 throughout, as the C code: multiply the non-positive, divide the positive, once per
-                # token however often it occurs (frequency and presence penalties take the C path).
-                x[ids] = np.where(v <= 0, v * plan.repeat, v / plan.repeat)
-        tok = int(np.argmax(x))  # the first maximum, as the C loop's strict ">" keeps
+    def _sample_greedy(self, plan: _LogitPlan, sampling: Sampling, seed: int) -> int:
+        """llama.cpp's greedy chain in numpy: the same token (the first maximum, as the C loop's strict ">")."""
+        x = plan.apply(self._current_logits(), self.tokens)
+        tok = int(np.argmax(x))
         if np.isnan(x[tok]):
             # argmax stops at a NaN, the C loop steps over it: let llama.cpp choose (no state to carry over:
             # a fresh chain's penalty window is filled from the token list, greedy has no random state).
@@ -781,9 +800,14 @@ class Engine:
         # After a rollback or a restore from disk the right logits are the ones we kept, which the
         # context's buffer knows nothing about.
         assert self._logits is not None
+        return self._sample_candidates(chain, self._logits)
+
+    def _sample_candidates(self, chain: ctypes.c_void_p, logits: np.ndarray) -> int:
+        """Apply ``chain`` to the candidates ``logits`` make (id i, logit i, p 0, unsorted: what
+        ``llama_sampler_sample`` builds from the context's buffer) and accept its choice."""
         cand = self._candidates
         cand["id"] = self._ids
-        cand["logit"] = self._logits
+        cand["logit"] = logits
         cand["p"] = 0.0
         arr = llama_cpp.llama_token_data_array(
             data=cand.ctypes.data_as(llama_cpp.llama_token_data_p),
@@ -796,15 +820,19 @@ class Engine:
         llama_cpp.llama_sampler_accept(chain, tok)
         return tok
 
-    def _make_sampler(self, s: Sampling, seed: int) -> ctypes.c_void_p:
+    def _make_sampler(self, s: Sampling, seed: int, *, pre_applied: bool = False) -> ctypes.c_void_p:
+        """llama.cpp's chain for ``s``; ``pre_applied``: without the logit bias and the penalties (a
+        ``_LogitPlan`` applies them before the chain)."""
         sparams = llama_cpp.llama_sampler_chain_default_params()
         chain = llama_cpp.llama_sampler_chain_init(sparams)
         try:
-            self._add_constraints(chain, s)
+            if not pre_applied:
+                self._add_constraints(chain, s)
         except BaseException:
             llama_cpp.llama_sampler_free(chain)
             raise
-        penalized = (s.repeat_penalty and s.repeat_penalty != 1.0) or s.frequency_penalty or s.presence_penalty
+        penalized = not pre_applied and (
+            (s.repeat_penalty and s.repeat_penalty != 1.0) or s.frequency_penalty or s.presence_penalty)
         if penalized:
             pen = llama_cpp.llama_sampler_init_penalties(self.n_vocab, s.repeat_last_n, s.repeat_penalty or 1.0,
                                                          s.frequency_penalty, s.presence_penalty)
