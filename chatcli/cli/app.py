@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Callable
 
@@ -128,11 +129,9 @@ def _build_session(settings: Settings, paths: Paths, explicit: set[str], *, mode
     from chatcli.models.resolve import resolve_model
     from chatcli.session import Session
 
+    if not quiet:
+        _warm_front_end(markdown=not settings.plain and _interactive())
     # The console (rich: ~0.1 s to import) only for the spinner: `serve` and a pipe load without it.
-    if not quiet and not settings.plain and _interactive():
-        from chatcli.repl.markdown import warm_in_background
-
-        warm_in_background()  # the REPL's first frame need not import the Markdown parser
     if settings.server:
         if quiet or not sys.stderr.isatty():
             return Session.build_remote(settings, paths, explicit=explicit, chat_template=chat_template)
@@ -145,6 +144,27 @@ def _build_session(settings: Settings, paths: Paths, explicit: set[str], *, mode
         with err_console().status(f"loading {ref.path.name} …"):
             session = Session.build(settings, paths, model=ref, explicit=explicit, chat_template=chat_template)
     return session
+
+
+def _warm_front_end(*, markdown: bool) -> None:
+    """Import the REPL's modules (rich, prompt_toolkit, the loop: ~0.1 s) on a thread while the model loads
+    (in llama.cpp's C code, the GIL released) instead of after it; in a terminal, also render Markdown once
+    (``markdown.warm_up``). Started once ``chatcli.session`` is imported: the main thread is then inside no
+    import, so when it needs a module this thread is importing it just waits for it (no deadlock)."""
+
+    def warm() -> None:
+        try:
+            import chatcli.repl.loop
+            import chatcli.repl.terminal  # noqa: F401
+
+            if markdown:
+                from chatcli.repl.markdown import warm_up
+
+                warm_up()
+        except Exception:  # imported again where it is needed, which then says what is wrong
+            pass
+
+    threading.Thread(target=warm, name="chatcli-warm", daemon=True).start()
 
 
 def _renderer(settings: Settings, interactive: bool) -> Renderer:
@@ -345,15 +365,14 @@ def serve(
                  max_queue=max_queue, max_tokens=max_tokens, reserve=reserve, kv_type=kv_type,
                  state_budget=state_budget, chat_template=chat_template, thinking=thinking)
     with user_errors():
-        # Found, not imported: importing FastAPI takes ~0.4 s, which chatcli.server.run does in a thread
-        # while the model loads (imported here, it came before the model and added to `serve`'s start).
+        # Found, not imported: the HTTP layer is imported by chatcli.server.run while the model loads.
         from importlib.util import find_spec
 
-        for name in ("fastapi", "uvicorn"):
+        for name in ("starlette", "uvicorn", "pydantic"):
             if find_spec(name) is None:
                 raise CliError(f"chatcli serve needs the 'serve' extra ({name} is missing): "
                                "pip install 'chatcli[serve]'")
-        from chatcli.server.run import ApiKeysError, api_keys, listen_problem
+        from chatcli.server.run import ApiKeysError, api_keys
         from chatcli.server.run import serve as run_server
 
         settings, paths, explicit = _settings(flags)
@@ -361,16 +380,8 @@ def serve(
             all_keys = api_keys(settings, keys[1:])  # before the model loads: a bad key file is said at once
         except ApiKeysError as exc:
             raise CliError(str(exc)) from None
-        problem = listen_problem(settings.host, settings.port)  # before the model loads, not after
-        if problem:
-            raise CliError(problem)
-        session = _build_session(settings, paths, explicit, quiet=True)
-        for n in session.notices:
-            print(f"warning: {n}", file=sys.stderr)
-        try:
-            code = run_server(settings, paths, session, all_keys)
-        finally:
-            session.close()
+        # The port is taken first (in use: one line), then the model loads on a thread while the server starts.
+        code = run_server(settings, paths, lambda: _build_session(settings, paths, explicit, quiet=True), all_keys)
     raise typer.Exit(code)
 
 
