@@ -222,8 +222,6 @@ def talk(
     Examples: chatcli talk --persona alice · chatcli talk -m ~/models/qwen.gguf --n-ctx 8192 ·
     echo 'Name a colour' | chatcli talk --temperature 0
     """
-    from chatcli.repl.loop import open_events
-
     flags = dict(model=model, n_ctx=n_ctx, threads=threads, seed=seed, temperature=temperature, top_p=top_p,
                  top_k=top_k, repeat_penalty=repeat_penalty, max_tokens=max_tokens, reserve=reserve, plain=plain,
                  persona=persona, kv_type=kv_type, state_budget=state_budget, server=server,
@@ -235,6 +233,8 @@ def talk(
         get_persona(settings.persona, paths.personas_dir)  # fail fast, before loading a model
         interactive = _interactive()
         session = _build_session(settings, paths, explicit)
+        from chatcli.repl.loop import open_events  # imported while the model loaded (_warm_front_end)
+
         renderer = _renderer(settings, interactive)
         for n in session.notices:
             renderer.notice(n, "warn")
@@ -281,7 +281,6 @@ def _open(settings: Settings, paths: Paths, explicit: set[str], conv_id: str | N
           n_ctx_flag: int | None, *, show_history: bool = True,
           kv_type_flag: str | None = None) -> tuple[Session, Conversation, Renderer, bool]:
     """Resume a conversation with the session's resume policy (``Session.open``) and show how it went."""
-    from chatcli.repl.loop import open_events
     from chatcli.session import Session
     from chatcli.units import format_size
 
@@ -289,6 +288,8 @@ def _open(settings: Settings, paths: Paths, explicit: set[str], conv_id: str | N
         settings, paths, conv_id, explicit=explicit, model=model_flag, n_ctx=n_ctx_flag, kv_type=kv_type_flag,
         build=lambda s, model_path, template: _build_session(s, paths, explicit, model_path=model_path,
                                                              chat_template=template))
+    from chatcli.repl.loop import open_events  # imported while the model loaded (_warm_front_end)
+
     interactive = _interactive()
     renderer = _renderer(settings, interactive)
     conv, report = open_events(opening, renderer)
