@@ -155,13 +155,14 @@ def serve(settings: Settings, paths: Paths, build: Callable[[], Session], keys: 
     warning = exposure_warning(settings.host, keys[0] if keys else None)
     if warning:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
+    # Before the loading thread starts: the service logs while it is built (a first index build says so).
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     loading = Loading(lambda: _service(build, settings))
     try:
         import uvicorn
 
         from chatcli.server.app import ServerLimits, create_app
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
         app = create_app(None, api_keys=keys, limits=ServerLimits(max_queue=settings.max_queue))
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
                                 lifespan="off")
