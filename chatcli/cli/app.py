@@ -5,6 +5,7 @@ No chat logic lives here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -129,28 +130,30 @@ def _build_session(settings: Settings, paths: Paths, explicit: set[str], *, mode
     from chatcli.models.resolve import resolve_model
     from chatcli.session import Session
 
-    if not quiet:
-        _warm_front_end(markdown=not settings.plain and _interactive())
     # The console (rich: ~0.1 s to import) only for the spinner: `serve` and a pipe load without it.
+    console = err_console() if not quiet and sys.stderr.isatty() else None
+    build: Callable[[], Session]
     if settings.server:
-        if quiet or not sys.stderr.isatty():
-            return Session.build_remote(settings, paths, explicit=explicit, chat_template=chat_template)
-        with err_console().status(f"connecting to {settings.server} …"):
-            return Session.build_remote(settings, paths, explicit=explicit, chat_template=chat_template)
-    ref = resolve_model(model_path or settings.model)
-    if quiet or not sys.stderr.isatty():
-        session = Session.build(settings, paths, model=ref, explicit=explicit, chat_template=chat_template)
+        label = f"connecting to {settings.server} …"
+        build = lambda: Session.build_remote(settings, paths, explicit=explicit, chat_template=chat_template)
     else:
-        with err_console().status(f"loading {ref.path.name} …"):
-            session = Session.build(settings, paths, model=ref, explicit=explicit, chat_template=chat_template)
+        ref = resolve_model(model_path or settings.model)
+        label = f"loading {ref.path.name} …"
+        build = lambda: Session.build(settings, paths, model=ref, explicit=explicit, chat_template=chat_template)
+    with console.status(label) if console is not None else contextlib.nullcontext():
+        # Started once the spinner runs: the main thread imports nothing more until the model is loaded.
+        if not quiet:
+            _warm_front_end(markdown=not settings.plain and _interactive())
+        session = build()
     return session
 
 
 def _warm_front_end(*, markdown: bool) -> None:
     """Import the REPL's modules (rich, prompt_toolkit, the loop: ~0.1 s) on a thread while the model loads
     (in llama.cpp's C code, the GIL released) instead of after it; in a terminal, also render Markdown once
-    (``markdown.warm_up``). Started once ``chatcli.session`` is imported: the main thread is then inside no
-    import, so when it needs a module this thread is importing it just waits for it (no deadlock)."""
+    (``markdown.warm_up``). Started once the main thread has imported all it needs until the model is
+    loaded; when it later needs a module this thread is importing, it waits for it, inside no import of
+    its own (so the two never wait for each other)."""
 
     def warm() -> None:
         try:
