@@ -143,31 +143,41 @@ def _build_session(settings: Settings, paths: Paths, explicit: set[str], *, mode
     with console.status(label) if console is not None else contextlib.nullcontext():
         # Started once the spinner runs: the main thread imports nothing more until the model is loaded.
         if not quiet:
-            _warm_front_end(markdown=not settings.plain and _interactive())
+            _warm_front_end()
         session = build()
     return session
 
 
-def _warm_front_end(*, markdown: bool) -> None:
+def _warm_front_end() -> None:
     """Import the REPL's modules (rich, prompt_toolkit, the loop: ~0.1 s) on a thread while the model loads
-    (in llama.cpp's C code, the GIL released) instead of after it; in a terminal, also render Markdown once
-    (``markdown.warm_up``). Started once the main thread has imported all it needs until the model is
-    loaded; when it later needs a module this thread is importing, it waits for it, inside no import of
-    its own (so the two never wait for each other)."""
+    (in llama.cpp's C code, the GIL released) instead of after it. Started once the main thread has
+    imported all it needs until the model is loaded; when it later needs a module this thread is
+    importing, it waits for it, inside no import of its own (so the two never wait for each other)."""
 
     def warm() -> None:
         try:
             import chatcli.repl.loop
             import chatcli.repl.terminal  # noqa: F401
-
-            if markdown:
-                from chatcli.repl.markdown import warm_up
-
-                warm_up()
         except Exception:  # imported again where it is needed, which then says what is wrong
             pass
 
     threading.Thread(target=warm, name="chatcli-warm", daemon=True).start()
+
+
+def _warm_markdown() -> None:
+    """Render Markdown once on a thread (``markdown.warm_up``) while the first prompt waits for the user:
+    the first reply's first frame would otherwise import the parser and a lexer (~40 ms) between two
+    decodes. Not while the model loads, nor while the prompt is first drawn (0.5 s later): neither needs
+    it, and next to them it delayed them."""
+
+    def warm() -> None:
+        from chatcli.repl.markdown import warm_up
+
+        warm_up()
+
+    timer = threading.Timer(0.5, warm)
+    timer.name, timer.daemon = "chatcli-warm-markdown", True
+    timer.start()
 
 
 def _renderer(settings: Settings, interactive: bool) -> Renderer:
@@ -194,6 +204,8 @@ def _run_repl(session: Session, conv: Conversation, renderer: Renderer, interact
             stdin.reconfigure(errors="replace")  # non-UTF-8 bytes become U+FFFD instead of a crash
         factory = lambda repl: LineIO(stdin)
     repl = Repl(session, conv, renderer, factory)
+    if interactive and not renderer.plain:
+        _warm_markdown()
     code = repl.run()
     # A script piping messages must be able to tell that one was refused (too long, a bad command):
     # each said so on stderr as it happened; the exit status says it once more.
