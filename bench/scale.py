@@ -198,12 +198,13 @@ def serve(tree: Path, home: Path, conv: str) -> tuple[float, float]:
     env = environment(tree, home)
     messages = json.loads(subprocess.run([*CHATCLI, "export", conv, "--format", "json"], capture_output=True,
                                          text=True, env=env, check=True, cwd=tree).stdout)
-    t = time.perf_counter()
     # The target is a REPL conversation: an API client now reaches one only with --repl-conversations
     # (main at 1c16758 had neither the rule nor the flag). Without it the request would start a new
-    # conversation and evaluate the whole history: not what this column compares.
+    # conversation and evaluate the whole history: not what this column compares. Asked before the clock
+    # starts: this `serve --help` process is no part of the server's start.
     repl = ["--repl-conversations"] if "repl-conversations" in subprocess.run(
         [*CHATCLI, "serve", "--help"], capture_output=True, text=True, env=env, cwd=tree).stdout else []
+    t = time.perf_counter()
     proc = subprocess.Popen([*CHATCLI, "serve", "--port", str(port), "--max-tokens", "4", *repl], env=env, cwd=tree,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

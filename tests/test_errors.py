@@ -78,7 +78,7 @@ def test_a_message_too_long_is_a_refusal_not_an_engine_failure() -> None:
 
 
 def test_the_server_answers_each_kind_with_its_status() -> None:
-    pytest.importorskip("fastapi")
+    pytest.importorskip("starlette")
     from chatcli.server.errors import from_error
     from chatcli.server.history import HistoryError
 

@@ -203,7 +203,7 @@ def test_serve_continues_and_regenerates_after_a_restart(arch_fixtures: ArchFixt
     """SIGKILL between turns, then: the next message evaluates only itself, a regenerate evaluates nothing,
     and the replies are those of a server that was never restarted (no 500 on any memory kind)."""
     pytest.importorskip("openai")
-    pytest.importorskip("fastapi")
+    pytest.importorskip("starlette")
     model = arch_fixtures.path(arch)
     srv, ref = Serve(tmp_path / "srv", model), Serve(tmp_path / "ref", model)
     try:

@@ -173,7 +173,7 @@ def test_the_http_service_over_a_remote_server_honours_response_format(server: L
     """The HTTP app's request path (ChatService._sampling: ``json_grammar``, then ``generate``) over the
     remote backend. ``chatcli serve`` itself refuses ``--server`` (``Session.local_model``, which the service
     reads for the model's name only): the session is given the bundled file's ModelRef for that name."""
-    pytest.importorskip("fastapi")
+    pytest.importorskip("starlette")
     from starlette.testclient import TestClient
 
     from chatcli.models.resolve import resolve_model

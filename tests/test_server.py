@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
+pytest.importorskip("starlette")
 
 from chatcli.core.files.store import ConversationDir  # noqa: E402
 from chatcli.core.kv import records as sf  # noqa: E402  (after the importorskips)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("fastapi")
+pytest.importorskip("starlette")
 
 from chatcli.core.kv import budget
 from chatcli.core.template import Message

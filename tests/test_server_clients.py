@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
+pytest.importorskip("starlette")
 
 from starlette.testclient import TestClient  # noqa: E402
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-pytest.importorskip("fastapi")
+pytest.importorskip("starlette")
 
 from chatcli.core.kv import budget
 from chatcli.core.template import Message

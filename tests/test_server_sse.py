@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("fastapi")
+pytest.importorskip("starlette")
 
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from chatcli.server.app import create_app
 from chatcli.server.bridge import END, WINDOW, Run

@@ -108,7 +108,7 @@ def _chat(service: Any, messages: list[dict[str, Any]]) -> Any:
 
 @pytest.mark.parametrize("client", ["strips-reasoning", "reasoning_content"])
 def test_serve_keeps_the_cache_when_the_client_strips_reasoning(sess: Session, client: str) -> None:
-    pytest.importorskip("fastapi")
+    pytest.importorskip("starlette")
     from chatcli.server.service import ChatService
 
     sess.engine.clear()
@@ -180,7 +180,7 @@ def test_cli_chat_template_is_remembered_and_a_bad_file_is_one_line(tmp_path: Pa
 def test_http_reasoning_content_in_message_and_stream(tmp_path: Path) -> None:
     """`chatcli serve --chat-template FILE --thinking` over HTTP: the reply's reasoning in
     ``message.reasoning_content`` and in the stream's ``delta.reasoning_content``, the answer in ``content``."""
-    pytest.importorskip("fastapi")
+    pytest.importorskip("starlette")
     import json
     import os
     import subprocess

@@ -100,7 +100,7 @@ def _chat(service: Any, messages: list[dict[str, Any]]) -> Any:
 
 
 def test_serve_continues_with_reasoning_stripped(sess: Session) -> None:
-    pytest.importorskip("fastapi")
+    pytest.importorskip("starlette")
     from chatcli.server.service import ChatService
 
     sess.engine.clear()

@@ -15,10 +15,12 @@ decoded together; the cells computed there are copied back, so each engine's own
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import ctypes
 import json
 import os
+import sys
 import threading
 import time
 import typing
@@ -136,7 +138,8 @@ class _SharedBatch:
         # One token per sibling per decode; llama.cpp reserves an output row per sequence (the scratch too).
         cp.n_batch = cp.n_ubatch = max(8, cap + 1)
         cp.n_outputs_max = 0  # = n_batch
-        ctx = llama_cpp.llama_init_from_model(o._model, cp)
+        with _loading():
+            ctx = llama_cpp.llama_init_from_model(o._model, cp)
         if not ctx:
             raise BackendError(f"llama.cpp could not create the batch context: {_last_error() or 'unknown error'}")
         self._ctx = ctx
@@ -335,6 +338,36 @@ def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
 llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
 _BACKEND_READY = False
 
+# Loading a model or making a context, llama.cpp logs ~2,000 lines (the bundled model), each one a call into
+# Python (``_log_callback``) that must take the GIL. A process that starts up meanwhile on another thread
+# (`serve` imports its HTTP layer while the model loads, the REPL its Markdown parser) holds the GIL for up
+# to the interpreter's switch interval (5 ms) at a time, so each line waited for it: measured, the load took
+# 2-30x as long next to a thread running Python (0.13 s alone). A shorter interval while llama.cpp loads lets
+# each callback in at once; the other thread's Python runs at the same speed, switched more often.
+_LOADING_SWITCH_S = 0.00005
+_loading_lock = threading.Lock()
+_loading_depth = 0
+_switch_before = 0.0
+
+
+@contextlib.contextmanager
+def _loading() -> Iterator[None]:
+    """Around a llama.cpp call that logs a lot: the short switch interval above (nested and concurrent
+    uses keep it until the last ends; then the one before is restored)."""
+    global _loading_depth, _switch_before
+    with _loading_lock:
+        if _loading_depth == 0:
+            _switch_before = sys.getswitchinterval()
+            sys.setswitchinterval(min(_switch_before, _LOADING_SWITCH_S))
+        _loading_depth += 1
+    try:
+        yield
+    finally:
+        with _loading_lock:
+            _loading_depth -= 1
+            if _loading_depth == 0:
+                sys.setswitchinterval(_switch_before)
+
 
 def _last_error() -> str:
     for line in reversed(_LOG):
@@ -389,7 +422,8 @@ class Engine:
 
             self._progress_cb = llama_cpp.llama_progress_callback(_cb)
             mparams.progress_callback = self._progress_cb
-        model = llama_cpp.llama_model_load_from_file(self.model_path.encode(), mparams)
+        with _loading():
+            model = llama_cpp.llama_model_load_from_file(self.model_path.encode(), mparams)
         if not model:
             raise BackendError(f"llama.cpp could not load the model {self.model_path}: {_last_error() or 'unknown error'}")
         if llama_cpp.llama_model_is_diffusion(model):
@@ -422,7 +456,8 @@ class Engine:
         cparams.no_perf = True
         # Set from a signal handler (Ctrl-C) and checked between tokens: a decode is never cut in half.
         self._cancel_flag = threading.Event()
-        ctx = llama_cpp.llama_init_from_model(model, cparams)
+        with _loading():
+            ctx = llama_cpp.llama_init_from_model(model, cparams)
         if not ctx:
             llama_cpp.llama_model_free(model)
             raise BackendError(f"llama.cpp could not create a context of {n_ctx} tokens (KV {kv_type}): "
@@ -527,7 +562,8 @@ class Engine:
         continues as its restored copy would. Other memory kinds take turns (one decode at a time).
         Close siblings before the engine that owns the model; calls on one sibling must not overlap.
         """
-        ctx = llama_cpp.llama_init_from_model(self._model, self._cparams)
+        with _loading():
+            ctx = llama_cpp.llama_init_from_model(self._model, self._cparams)
         if not ctx:
             raise BackendError(f"llama.cpp could not create another context: {_last_error() or 'unknown error'}")
         other = copy.copy(self)

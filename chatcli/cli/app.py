@@ -5,9 +5,11 @@ No chat logic lives here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Callable
 
@@ -129,22 +131,53 @@ def _build_session(settings: Settings, paths: Paths, explicit: set[str], *, mode
     from chatcli.session import Session
 
     # The console (rich: ~0.1 s to import) only for the spinner: `serve` and a pipe load without it.
-    if not quiet and not settings.plain and _interactive():
-        from chatcli.repl.markdown import warm_in_background
-
-        warm_in_background()  # the REPL's first frame need not import the Markdown parser
+    console = err_console() if not quiet and sys.stderr.isatty() else None
+    build: Callable[[], Session]
     if settings.server:
-        if quiet or not sys.stderr.isatty():
-            return Session.build_remote(settings, paths, explicit=explicit, chat_template=chat_template)
-        with err_console().status(f"connecting to {settings.server} …"):
-            return Session.build_remote(settings, paths, explicit=explicit, chat_template=chat_template)
-    ref = resolve_model(model_path or settings.model)
-    if quiet or not sys.stderr.isatty():
-        session = Session.build(settings, paths, model=ref, explicit=explicit, chat_template=chat_template)
+        label = f"connecting to {settings.server} …"
+        build = lambda: Session.build_remote(settings, paths, explicit=explicit, chat_template=chat_template)
     else:
-        with err_console().status(f"loading {ref.path.name} …"):
-            session = Session.build(settings, paths, model=ref, explicit=explicit, chat_template=chat_template)
+        ref = resolve_model(model_path or settings.model)
+        label = f"loading {ref.path.name} …"
+        build = lambda: Session.build(settings, paths, model=ref, explicit=explicit, chat_template=chat_template)
+    with console.status(label) if console is not None else contextlib.nullcontext():
+        # Started once the spinner runs: the main thread imports nothing more until the model is loaded.
+        if not quiet:
+            _warm_front_end()
+        session = build()
     return session
+
+
+def _warm_front_end() -> None:
+    """Import the REPL's modules (rich, prompt_toolkit, the loop: ~0.1 s) on a thread while the model loads
+    (in llama.cpp's C code, the GIL released) instead of after it. Started once the main thread has
+    imported all it needs until the model is loaded; when it later needs a module this thread is
+    importing, it waits for it, inside no import of its own (so the two never wait for each other)."""
+
+    def warm() -> None:
+        try:
+            import chatcli.repl.loop
+            import chatcli.repl.terminal  # noqa: F401
+        except Exception:  # imported again where it is needed, which then says what is wrong
+            pass
+
+    threading.Thread(target=warm, name="chatcli-warm", daemon=True).start()
+
+
+def _warm_markdown() -> None:
+    """Render Markdown once on a thread (``markdown.warm_up``) while the first prompt waits for the user:
+    the first reply's first frame would otherwise import the parser and a lexer (~40 ms) between two
+    decodes. Not while the model loads, nor while the prompt is first drawn (0.5 s later): neither needs
+    it, and next to them it delayed them."""
+
+    def warm() -> None:
+        from chatcli.repl.markdown import warm_up
+
+        warm_up()
+
+    timer = threading.Timer(0.5, warm)
+    timer.name, timer.daemon = "chatcli-warm-markdown", True
+    timer.start()
 
 
 def _renderer(settings: Settings, interactive: bool) -> Renderer:
@@ -171,6 +204,8 @@ def _run_repl(session: Session, conv: Conversation, renderer: Renderer, interact
             stdin.reconfigure(errors="replace")  # non-UTF-8 bytes become U+FFFD instead of a crash
         factory = lambda repl: LineIO(stdin)
     repl = Repl(session, conv, renderer, factory)
+    if interactive and not renderer.plain:
+        _warm_markdown()
     code = repl.run()
     # A script piping messages must be able to tell that one was refused (too long, a bad command):
     # each said so on stderr as it happened; the exit status says it once more.
@@ -202,8 +237,6 @@ def talk(
     Examples: chatcli talk --persona alice · chatcli talk -m ~/models/qwen.gguf --n-ctx 8192 ·
     echo 'Name a colour' | chatcli talk --temperature 0
     """
-    from chatcli.repl.loop import open_events
-
     flags = dict(model=model, n_ctx=n_ctx, threads=threads, seed=seed, temperature=temperature, top_p=top_p,
                  top_k=top_k, repeat_penalty=repeat_penalty, max_tokens=max_tokens, reserve=reserve, plain=plain,
                  persona=persona, kv_type=kv_type, state_budget=state_budget, server=server,
@@ -215,6 +248,8 @@ def talk(
         get_persona(settings.persona, paths.personas_dir)  # fail fast, before loading a model
         interactive = _interactive()
         session = _build_session(settings, paths, explicit)
+        from chatcli.repl.loop import open_events  # imported while the model loaded (_warm_front_end)
+
         renderer = _renderer(settings, interactive)
         for n in session.notices:
             renderer.notice(n, "warn")
@@ -261,7 +296,6 @@ def _open(settings: Settings, paths: Paths, explicit: set[str], conv_id: str | N
           n_ctx_flag: int | None, *, show_history: bool = True,
           kv_type_flag: str | None = None) -> tuple[Session, Conversation, Renderer, bool]:
     """Resume a conversation with the session's resume policy (``Session.open``) and show how it went."""
-    from chatcli.repl.loop import open_events
     from chatcli.session import Session
     from chatcli.units import format_size
 
@@ -269,6 +303,8 @@ def _open(settings: Settings, paths: Paths, explicit: set[str], conv_id: str | N
         settings, paths, conv_id, explicit=explicit, model=model_flag, n_ctx=n_ctx_flag, kv_type=kv_type_flag,
         build=lambda s, model_path, template: _build_session(s, paths, explicit, model_path=model_path,
                                                              chat_template=template))
+    from chatcli.repl.loop import open_events  # imported while the model loaded (_warm_front_end)
+
     interactive = _interactive()
     renderer = _renderer(settings, interactive)
     conv, report = open_events(opening, renderer)
@@ -345,15 +381,14 @@ def serve(
                  max_queue=max_queue, max_tokens=max_tokens, reserve=reserve, kv_type=kv_type,
                  state_budget=state_budget, chat_template=chat_template, thinking=thinking)
     with user_errors():
-        # Found, not imported: importing FastAPI takes ~0.4 s, which chatcli.server.run does in a thread
-        # while the model loads (imported here, it came before the model and added to `serve`'s start).
+        # Found, not imported: the HTTP layer is imported by chatcli.server.run while the model loads.
         from importlib.util import find_spec
 
-        for name in ("fastapi", "uvicorn"):
+        for name in ("starlette", "uvicorn", "pydantic"):
             if find_spec(name) is None:
                 raise CliError(f"chatcli serve needs the 'serve' extra ({name} is missing): "
                                "pip install 'chatcli[serve]'")
-        from chatcli.server.run import ApiKeysError, api_keys, listen_problem
+        from chatcli.server.run import ApiKeysError, api_keys
         from chatcli.server.run import serve as run_server
 
         settings, paths, explicit = _settings(flags)
@@ -361,16 +396,8 @@ def serve(
             all_keys = api_keys(settings, keys[1:])  # before the model loads: a bad key file is said at once
         except ApiKeysError as exc:
             raise CliError(str(exc)) from None
-        problem = listen_problem(settings.host, settings.port)  # before the model loads, not after
-        if problem:
-            raise CliError(problem)
-        session = _build_session(settings, paths, explicit, quiet=True)
-        for n in session.notices:
-            print(f"warning: {n}", file=sys.stderr)
-        try:
-            code = run_server(settings, paths, session, all_keys)
-        finally:
-            session.close()
+        # The port is taken first (in use: one line), then the model loads on a thread while the server starts.
+        code = run_server(settings, paths, lambda: _build_session(settings, paths, explicit, quiet=True), all_keys)
     raise typer.Exit(code)
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import re
-import threading
 from collections.abc import Callable
 
 from rich.console import Console
@@ -131,12 +130,8 @@ class StreamingMarkdown:
         return self._frozen + tail
 
 
-def warm_in_background() -> None:
-    """Import the Markdown parser and a code lexer while the model loads: the first reply's first frame
-    would otherwise pay ~40 ms for them between two decodes."""
-
-    def warm() -> None:
-        console = Console(file=io.StringIO(), width=80, force_terminal=True)
-        render_lines(console, "# t\n\n- a\n\n`x`\n\n```python\nx = 1\n```\n\n| a |\n|---|\n| 1 |", 80)
-
-    threading.Thread(target=warm, name="chatcli-warm", daemon=True).start()
+def warm_up() -> None:
+    """Import the Markdown parser and a code lexer (the CLI does it while the model loads): the first
+    reply's first frame would otherwise pay ~40 ms for them between two decodes."""
+    console = Console(file=io.StringIO(), width=80, force_terminal=True)
+    render_lines(console, "# t\n\n- a\n\n`x`\n\n```python\nx = 1\n```\n\n| a |\n|---|\n| 1 |", 80)

@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from chatcli.errors import ChatcliError
 from chatcli.server.bridge import END, Run
@@ -45,13 +45,29 @@ class ServerLimits:
 
 @dataclass
 class Routes:
-    """What the endpoints share: the service, the limits, and the requests in flight."""
+    """What the endpoints share: the service, the limits, and the requests in flight. The service is None
+    while the model loads (``app.UntilLoaded`` answers every request meanwhile)."""
 
-    service: ChatService
+    _service: ChatService | None
     limits: ServerLimits
     runs: set[Run] = field(default_factory=set)  # requests whose worker is still running
     stopping: threading.Event = field(default_factory=threading.Event)
     admitted: int = 0  # chat requests between arrival and response (the event loop's thread only: no lock)
+
+    @property
+    def ready(self) -> bool:
+        return self._service is not None
+
+    @property
+    def service(self) -> ChatService:
+        if self._service is None:  # not reached: the gate answers 503 until loaded
+            raise RuntimeError("the model is still loading")
+        return self._service
+
+    def loaded(self, service: ChatService) -> None:
+        """The model is loaded: from now on requests are served (set from the loading thread: one
+        attribute store, which the event loop's next request reads)."""
+        self._service = service
 
     @property
     def capacity(self) -> int:
@@ -66,15 +82,15 @@ class Routes:
 
     # -- endpoints --------------------------------------------------------------------------------------------
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self, _request: Request) -> Response:
         s = self.service
-        return {"status": "ok", "model": s.model_id, "model_name": s.model_name,
-                "conversations_indexed": len(s.index)}
+        return JSONResponse({"status": "ok", "model": s.model_id, "model_name": s.model_name,
+                             "conversations_indexed": len(s.index)})
 
-    async def models(self) -> dict[str, Any]:
+    async def models(self, _request: Request) -> Response:
         s = self.service
-        return {"object": "list", "data": [
-            {"id": s.model_id, "object": "model", "created": 0, "owned_by": "chatcli", "name": s.model_name}]}
+        return JSONResponse({"object": "list", "data": [
+            {"id": s.model_id, "object": "model", "created": 0, "owned_by": "chatcli", "name": s.model_name}]})
 
     async def chat_completions(self, request: Request) -> Response:
         rid = "chatcmpl-" + secrets.token_hex(12)

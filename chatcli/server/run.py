@@ -1,4 +1,5 @@
-"""Start ``chatcli serve``: load the model once, build the service and the app, run uvicorn until stopped."""
+"""Start ``chatcli serve``: listen, load the model on a thread while the HTTP layer is imported and uvicorn
+starts (503 ``Loading model`` until it is loaded), then serve until stopped."""
 
 from __future__ import annotations
 
@@ -13,24 +14,13 @@ from types import FrameType
 
 from chatcli.config.settings import Paths, Settings
 from chatcli.errors import ChatcliError
+
+# Imported here, before the loading thread starts, and not only for their types: the session imports
+# llama_cpp and numpy (~0.2 s of Python holding the GIL), which the load needs first; the model then loads
+# in llama.cpp's C code with the GIL released while the main thread imports the HTTP layer. Everything the
+# loading thread runs is imported before it starts, so the two threads never import the same modules.
+from chatcli.server.service import ChatService
 from chatcli.session import Session
-
-
-def _import_http_layer() -> None:
-    try:
-        import uvicorn  # noqa: F401
-
-        import chatcli.server.app  # noqa: F401
-    except Exception:  # imported again by serve(), which then says what is wrong
-        pass
-
-
-# `chatcli serve` imports this module before it loads the model, and the model loads in llama.cpp's C code
-# with the GIL released: the HTTP layer's own imports (pydantic building the schemas' classes, ~0.3 s, a
-# third of `serve` until /health at 10,000 conversations) run meanwhile in a thread instead of after it.
-# Everything they import besides that layer (the session, the core) is already imported above.
-_http_layer = threading.Thread(target=_import_http_layer, name="chatcli-serve-imports", daemon=True)
-_http_layer.start()
 
 
 def _server_class(on_exit: Callable[[], None]) -> type:
@@ -103,58 +93,121 @@ def url_host(host: str) -> str:
     return f"[{bare}]" if ":" in bare else bare
 
 
-def listen_problem(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be listened on (in use, not allowed, no such address), or None: checked
-    before the model loads, so a port in use is said at once instead of after the loading. The test
-    socket is bound as the server's will be, then closed."""
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` and listening: done first, so a port in use (not allowed, no such
+    address) is one line before anything loads, and clients that connect while the model loads wait in
+    the backlog for the server's 503 instead of being refused."""
     family, bare = bind_address(host)
-    try:
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((bare, port))
-    except OSError as exc:
-        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
-    return None
-
-
-def serve(settings: Settings, paths: Paths, session: Session, keys: Sequence[str] = ()) -> int:
-    import uvicorn
-
-    _http_layer.join()
-    from chatcli.server.app import ServerLimits, create_app
-    from chatcli.server.service import ChatService
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    service = ChatService(session, parallel=settings.parallel, repl_access=settings.api_repl_access)
-    app = create_app(service, api_keys=keys, limits=ServerLimits(max_queue=settings.max_queue))
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
-                            lifespan="off")
-    server = _server_class(app.state.stop_requests)(config)
-    # Bind here, so a port in use is one clear error line (OSError) instead of uvicorn's exit.
-    family, bare = bind_address(settings.host)
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((bare, settings.port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((bare, port))
+        sock.listen(2048)  # uvicorn's default backlog
     except OSError as exc:
         sock.close()
-        raise OSError(exc.errno, f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}") from None
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+class Loading:
+    """The session and the service, built on a thread: the model loads in llama.cpp's C code with the GIL
+    released, so the main thread's start-up (the HTTP layer's imports, uvicorn) runs meanwhile. ``then``
+    runs a callback once it is done, on the loading thread (at once if it already is)."""
+
+    def __init__(self, build: Callable[[], ChatService]) -> None:
+        self._build = build
+        self._lock = threading.Lock()
+        self._done = False
+        self._then: Callable[[], None] | None = None
+        self.service: ChatService | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="chatcli-serve-load", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.service = self._build()
+        except BaseException as exc:  # raised by ``serve`` on the main thread, as if it had loaded there
+            self.error = exc
+        with self._lock:
+            self._done = True
+            then = self._then
+        if then is not None:
+            then()
+
+    def then(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._done:
+                self._then = callback
+                return
+        callback()
+
+    def wait(self) -> ChatService | None:
+        """Wait for the end: the service, or None when the build failed (``error``)."""
+        self._thread.join()
+        return self.service
+
+
+def serve(settings: Settings, paths: Paths, build: Callable[[], Session], keys: Sequence[str] = ()) -> int:
+    """Run the server until it is stopped; ``build`` loads the session (on the loading thread), which is
+    closed here. A session that fails to load stops the server and its error is raised here."""
+    sock = listen_socket(settings.host, settings.port)
     warning = exposure_warning(settings.host, keys[0] if keys else None)
     if warning:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
-    eng = session.engine
+    # Before the loading thread starts: the service logs while it is built (a first index build says so).
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    loading = Loading(lambda: _service(build, settings))
+    try:
+        import uvicorn
+
+        from chatcli.server.app import ServerLimits, create_app
+
+        app = create_app(None, api_keys=keys, limits=ServerLimits(max_queue=settings.max_queue))
+        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
+                                lifespan="off")
+        server = _server_class(app.state.stop_requests)(config)
+
+        def loaded() -> None:
+            if loading.service is None or server.should_exit:
+                server.should_exit = True  # a failed load ends the server; its error is raised below
+                return
+            app.state.loaded(loading.service)
+            _banner(settings, loading.service, keys)
+
+        loading.then(loaded)
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        service = loading.wait()
+        if service is not None:
+            try:
+                service.close()
+            finally:
+                service.session.close()
+    if loading.error is not None:
+        raise loading.error
+    print("chatcli serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _service(build: Callable[[], Session], settings: Settings) -> ChatService:
+    """The loading thread's work: the session (the model), its notices said, and the service over it."""
+    session = build()
+    try:
+        for n in session.notices:
+            print(f"warning: {n}", file=sys.stderr, flush=True)
+        return ChatService(session, parallel=settings.parallel, repl_access=settings.api_repl_access)
+    except BaseException:
+        session.close()
+        raise
+
+
+def _banner(settings: Settings, service: ChatService, keys: Sequence[str]) -> None:
+    eng = service.session.engine
     n_indexed = len(service.index)
     url = f"http://{url_host(settings.host)}:{settings.port}/v1"
     print(f"chatcli serve: {url} · model {service.model_id} ({service.model_name}) · "
           f"n_ctx {eng.n_ctx} · {settings.parallel} resident · {n_indexed} conversation{'' if n_indexed == 1 else 's'} indexed"
           + (f" · API key required ({len(keys)} client{'' if len(keys) == 1 else 's'})" if keys else ""),
           file=sys.stderr, flush=True)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        service.close()
-        sock.close()
-    print("chatcli serve: stopped", file=sys.stderr, flush=True)
-    return 0
-
-
