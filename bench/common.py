@@ -10,7 +10,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -247,3 +247,17 @@ def read_llama_state(path: Path, n_ctx: int) -> Any:
     scores = np.zeros(tuple(head["scores_shape"]), dtype=np.single)
     return LlamaState(input_ids=ids, scores=scores, n_tokens=n, llama_state=blob,
                       llama_state_size=int(head["llama_state_size"]), seed=int(head["seed"]))
+
+
+def compute_runner() -> Callable[..., Any]:
+    """``COMPUTE.run`` of the chatcli being measured, or a plain call for a tree from before it had one.
+
+    A harness that decodes with llama_cpp in the process chatcli decodes in must do it on chatcli's compute
+    thread: a second thread starting OpenMP teams makes libgomp throttle the spinning of both
+    (chatcli/backends/compute.py), and the comparison would be between two slowed loops.
+    """
+    try:
+        from chatcli.backends.compute import COMPUTE
+    except ImportError:
+        return lambda fn, *args: fn(*args)
+    return COMPUTE.run

@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import PARAGRAPHS
+from bench.common import PARAGRAPHS, compute_runner
 
 SYSTEM = "You are a helpful gardening assistant. Answer briefly."
 
@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                                n_threads_batch=o.threads, flash_attn=False, logits_all=la, verbose=False, seed=1)
            for la in (True, False)}
 
+    on_compute = compute_runner()  # llama_cpp's evaluations on chatcli's compute thread, as its own are
+
     def count(s: str) -> int:
         return len(eng.tokenize(s, add_special=False))
 
@@ -232,12 +234,13 @@ def main(argv: list[str] | None = None) -> int:
                     m.reset()  # type: ignore[no-untyped-call]
                     cur = []
                 if len(keep) > len(cur):
-                    m.eval(keep[len(cur):])  # untimed: the cached prefix (the last reply, as its server evaluated it)
+                    # untimed: the cached prefix (the last reply, as its server evaluated it)
+                    on_compute(m.eval, keep[len(cur):])
                 t1 = time.perf_counter()
                 c1 = time.process_time()
-                m.eval(prompt[len(keep):])
+                on_compute(m.eval, prompt[len(keep):])
                 te = time.perf_counter() - t1
-                m.sample(temp=0.0)
+                on_compute(functools.partial(m.sample, temp=0.0))
                 cmp["llama_cpp eval (logits_all)" if la else "llama_cpp eval (last logits)"] = te
                 cmp[("llama_cpp eval+sample (logits_all)" if la else "llama_cpp eval+sample (last logits)")] = (
                     time.perf_counter() - t1)

@@ -25,6 +25,7 @@ from bench.common import (  # noqa: E402
     NEXT_MSG,
     PARAGRAPHS,
     build_session,
+    compute_runner,
     dir_bytes,
     drain,
     emit,
@@ -416,6 +417,11 @@ def throughput(a: dict[str, Any]) -> dict[str, Any]:
                                 "<|im_start|>assistant\n1, 2, 3, 4, 5,", add_special=False)
     greedy = Sampling(temperature=0.0, repeat_penalty=1.0)
 
+    on_compute = compute_runner()  # the bare loop decodes on the engine's compute thread too
+
+    def bare_decode() -> int:
+        return int(on_compute(llama_cpp.llama_decode, ctx, batch))
+
     def bare_eval(tokens: list[int], start: int = 0) -> None:
         done = 0
         while done < len(tokens):
@@ -427,7 +433,7 @@ def throughput(a: dict[str, Any]) -> dict[str, Any]:
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = 0
                 batch.logits[i] = i == len(part) - 1 and done + len(part) == len(tokens)
-            if llama_cpp.llama_decode(ctx, batch) != 0:
+            if bare_decode() != 0:
                 raise RuntimeError("bare llama_decode failed")
             done += len(part)
 
@@ -501,7 +507,7 @@ def throughput(a: dict[str, Any]) -> dict[str, Any]:
             batch.n_seq_id[0] = 1
             batch.seq_id[0][0] = 0
             batch.logits[0] = True
-            if llama_cpp.llama_decode(ctx, batch) != 0:
+            if bare_decode() != 0:
                 raise RuntimeError("bare llama_decode failed")
             pos += 1
             w2, c2 = clocks()
