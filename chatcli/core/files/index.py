@@ -786,19 +786,11 @@ class Index:
     @staticmethod
     def _stat_files_at(folder: Path) -> list[tuple[int, int, int]]:
         """(dev, ino, size) of the conversation's state file and the base files it links."""
-        out: dict[tuple[int, int], int] = {}
-        names = ["state.kv"]
         try:
-            names += [n for n in os.listdir(folder) if n.startswith("state.base-") and n.endswith(".kv")]
+            names = os.listdir(folder)
         except OSError:
             return []
-        for n in names:
-            try:
-                st = os.stat(folder / n)
-            except OSError:
-                continue
-            out[(st.st_dev, st.st_ino)] = st.st_size
-        return [(d, i, s) for (d, i), s in out.items()]
+        return Index._stat_files_in(folder, names)
 
     @staticmethod
     def _stat_files_in(folder: Path, names: Iterable[str]) -> list[tuple[int, int, int]]:
