@@ -711,12 +711,9 @@ class Engine:
 
     def logits(self) -> np.ndarray:
         """The logits for the token after ``tokens`` (a copy)."""
-        if self._logits is not None:
-            return self._logits.copy()
-        if self._ctx_logits:
-            ptr = llama_cpp.llama_get_logits_ith(self._ctx, -1)
-            return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
-        raise BackendError("no logits for the current position")
+        if not self.has_logits:
+            raise BackendError("no logits for the current position")
+        return self._current_logits().copy()
 
     @property
     def has_logits(self) -> bool:
@@ -806,7 +803,7 @@ class Engine:
         self._ctx_logits = False
 
     def _current_logits(self) -> np.ndarray:
-        """The logits to sample from, without a copy: the context's buffer, else the ones kept."""
+        """The logits for the token after ``tokens``, without a copy: the ones kept, else the context's buffer."""
         if self._logits is None and self._ctx_logits:
             ptr = llama_cpp.llama_get_logits_ith(self._ctx, -1)
             return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
