@@ -566,6 +566,35 @@ def test_sigterm_mid_stream_records_the_reply_and_exits_cleanly(tmp_path: Path) 
     assert sf.scan(srv.conv(cid).state_path).live()[2] == last.p1
 
 
+def test_sigterm_while_starting_exits_cleanly(tmp_path: Path) -> None:
+    # The socket listens before the HTTP layer is imported and while the model loads: a SIGTERM there
+    # used to kill the process with 143 (no handler yet). Sent the moment the port accepts.
+    home = tmp_path / "early"
+    home.mkdir()
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATCLI_")}
+    env.update(CHATCLI_HOME=str(home), PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    log = home / "server.log"
+    with log.open("ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "chatcli", "serve", "--port", str(port), "--threads", "2"],
+                                env=env, stdout=out, stderr=out, cwd=str(home))
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(90)
+    finally:
+        stop_process(proc)
+    text = log.read_text()
+    assert rc == 0 and "Traceback" not in text and "chatcli serve: stopped" in text, (rc, text[-2000:])
+    assert "http://127.0.0.1" not in text  # stopped before it served: the banner was never printed
+
+
 # -- other front ends --------------------------------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ from types import FrameType
 
 from chatcli.config.settings import Paths, Settings
 from chatcli.errors import ChatcliError
+from chatcli.server import early_stop
 
 # Imported here, before the loading thread starts, and not only for their types: the session imports
 # llama_cpp and numpy (~0.2 s of Python holding the GIL), which the load needs first; the model then loads
@@ -151,6 +152,14 @@ class Loading:
 def serve(settings: Settings, paths: Paths, build: Callable[[], Session], keys: Sequence[str] = ()) -> int:
     """Run the server until it is stopped; ``build`` loads the session (on the loading thread), which is
     closed here. A session that fails to load stops the server and its error is raised here."""
+    previous = early_stop.install()  # again, for callers that did not come through the entry point
+    try:
+        return _serve(settings, paths, build, keys)
+    finally:
+        early_stop.restore(previous)
+
+
+def _serve(settings: Settings, paths: Paths, build: Callable[[], Session], keys: Sequence[str]) -> int:
     sock = listen_socket(settings.host, settings.port)
     warning = exposure_warning(settings.host, keys[0] if keys else None)
     if warning:
@@ -167,6 +176,11 @@ def serve(settings: Settings, paths: Paths, build: Callable[[], Session], keys: 
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
                                 lifespan="off")
         server = _server_class(app.state.stop_requests)(config)
+
+        def stop_early() -> None:
+            server.should_exit = True  # uvicorn stops before or right after its start-up
+
+        early_stop.on_stop(stop_early)
 
         def loaded() -> None:
             if loading.service is None or server.should_exit:
