@@ -114,3 +114,52 @@ def test_an_error_in_a_run_reaches_every_caller_of_that_batch() -> None:
         t.join()
     assert errors == ["decode failed", "decode failed"]
     assert sched.stats.largest == 2
+
+
+def test_requests_that_come_while_the_model_is_busy_join_the_leaders_batch() -> None:
+    # A sibling evaluates its prompt (holds the model's lock): the first step's caller becomes the leader,
+    # the others come meanwhile. All three go into one decode once the model is free, not 1 then 2.
+    model = threading.Lock()
+    run = Recorder()
+    sched: BatchScheduler[int, int] = BatchScheduler(run, gather=0.0, lock=model)  # no gathering: the lock does it
+    out: dict[int, int] = {}
+
+    def member(i: int) -> None:
+        out[i] = sched.submit(i)
+
+    for _ in range(3):
+        sched.join()
+    model.acquire()  # the prompt
+    th = [threading.Thread(target=member, args=(i,)) for i in range(3)]
+    th[0].start()
+    time.sleep(0.05)  # the leader now waits for the model
+    th[1].start()
+    th[2].start()
+    time.sleep(0.05)
+    assert run.batches == []
+    model.release()
+    for t in th:
+        t.join()
+    assert out == {0: 0, 1: 10, 2: 20}
+    assert run.batches == [[0, 1, 2]]
+    for _ in range(3):
+        sched.leave()
+
+
+def test_a_leader_interrupted_waiting_for_the_model_takes_its_request_back() -> None:
+    class Interrupting:
+        """A lock whose acquisition is interrupted (a KeyboardInterrupt while waiting for the model)."""
+
+        def __enter__(self) -> None:
+            raise KeyboardInterrupt
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    run = Recorder()
+    sched: BatchScheduler[int, int] = BatchScheduler(run, gather=0.0, lock=Interrupting())
+    with pytest.raises(KeyboardInterrupt):
+        sched.submit(1)
+    sched._lock = threading.Lock()  # the model is free again: the next request runs alone
+    assert sched.submit(2) == 20
+    assert run.batches == [[2]]  # the interrupted request was never decoded

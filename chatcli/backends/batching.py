@@ -6,15 +6,21 @@ thread calls ``submit`` with its next token and blocks; one of them (the leader)
 pending at that moment and runs them together, the others wait for their result. The leader waits a
 little (``gather``) for members that have joined but not yet submitted, so that N conversations in lock
 step share one decode instead of taking turns; a slow consumer only misses a round, it never blocks one.
+
+The model may be busy with something else (a prompt being evaluated in a sibling's own context): the leader
+takes the model's lock first and the batch only then, so every request that arrived while it waited goes
+into that one decode. A batch taken before the lock split the round: those who came during the wait
+missed it and decoded alone after the next prompt, a whole prompt's evaluation later.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import ContextManager, Generic, TypeVar
 
 Req = TypeVar("Req")
 Res = TypeVar("Res")
@@ -48,11 +54,14 @@ class BatchScheduler(Generic[Req, Res]):
         run: decodes a batch; returns one result per request, in order (an exception fails every request
             of that batch).
         gather: how long a leader waits for joined callers that have not submitted yet (default 4 ms).
+        lock: the model's lock, held around ``run`` (taken before the batch is); ``run`` must not take it.
     """
 
-    def __init__(self, run: Callable[[list[Req]], list[Res]], *, gather: float = 0.004) -> None:
+    def __init__(self, run: Callable[[list[Req]], list[Res]], *, gather: float = 0.004,
+                 lock: ContextManager[object] | None = None) -> None:
         self._run = run
         self.gather = gather
+        self._lock: ContextManager[object] = lock if lock is not None else contextlib.nullcontext()
         self._cond = threading.Condition()
         self._pending: list[_Ticket[Req, Res]] = []
         self._first = 0.0  # when the oldest pending request arrived
@@ -88,9 +97,8 @@ class BatchScheduler(Generic[Req, Res]):
                     self._cond.wait(self._wait_time())
                 if ticket.done:
                     break
-                batch, self._pending = self._pending, []
-                self._running = True
-            self._lead(batch)
+                self._running = True  # this caller leads the next batch; the others wait for it
+            self._lead(ticket)
         if ticket.error is not None:
             raise ticket.error
         return ticket.result  # type: ignore[return-value]  # set with done when no error
@@ -105,15 +113,26 @@ class BatchScheduler(Generic[Req, Res]):
             return None  # woken by the running batch's end or by a new request
         return max(0.0, self.gather - (time.monotonic() - self._first))
 
-    def _lead(self, batch: list[_Ticket[Req, Res]]) -> None:
+    def _lead(self, own: _Ticket[Req, Res]) -> None:
         results: list[Res] = []
         error: BaseException | None = None
+        batch: list[_Ticket[Req, Res]] = []
         try:
-            results = self._run([t.request for t in batch])
+            with self._lock:
+                with self._cond:  # only now: the requests that came while the model was busy go in too
+                    batch, self._pending = self._pending, []
+                results = self._run([t.request for t in batch])
             if len(results) != len(batch):
                 error = RuntimeError(f"a batch of {len(batch)} gave {len(results)} results")
         except BaseException as exc:  # every caller of the batch gets it, the leader included
             error = exc
+        if not batch and error is not None:  # interrupted waiting for the lock: nothing was taken or run
+            with self._cond:
+                # This caller raises: its request must not be decoded by a later batch behind its back.
+                self._pending = [t for t in self._pending if t is not own]
+                self._running = False
+                self._cond.notify_all()
+            raise error
         with self._cond:
             for i, t in enumerate(batch):
                 if error is None:

@@ -119,7 +119,10 @@ class _SharedBatch:
         self._mem: Any = None
         self._batch: Any = None
         self._applied_threads = owner.n_threads
-        self.scheduler: BatchScheduler[_Step, np.ndarray | None] = BatchScheduler(self._run)
+        # The scheduler holds the model's decode lock around ``_run`` (taken before the batch is: steps that
+        # come while a sibling evaluates its prompt join the same decode).
+        self.scheduler: BatchScheduler[_Step, np.ndarray | None] = BatchScheduler(
+            self._run, lock=owner._decode_lock)
 
     def add(self, member: Engine) -> int:
         self.members.append(member)
@@ -196,6 +199,7 @@ class _SharedBatch:
                 raise
 
     def _run(self, steps: list[_Step]) -> list[np.ndarray | None]:
+        """Decode ``steps`` in one batch; called by the scheduler with the model's decode lock held."""
         o = self.owner
         b = self._batch
         b.n_tokens = len(steps)
@@ -205,20 +209,19 @@ class _SharedBatch:
             b.n_seq_id[i] = 1
             b.seq_id[i][0] = s.seq
             b.logits[i] = s.logits
-        with o._decode_lock:
-            self._applied_threads = _apply_threads(self._ctx, o._decode_threads(), self._applied_threads)
-            rc = COMPUTE.run(llama_cpp.llama_decode, self._ctx, b)
-            if rc != 0:
-                for s in steps:
-                    llama_cpp.llama_memory_seq_rm(self._mem, s.seq, s.pos, -1)
-                raise BackendError(f"llama_decode failed ({rc}): {_last_error() or 'no detail'}")
-            out: list[np.ndarray | None] = []
-            for i, s in enumerate(steps):
-                if s.logits:
-                    ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
-                    out.append(np.ctypeslib.as_array(ptr, shape=(o.n_vocab,)).copy())
-                else:
-                    out.append(None)
+        self._applied_threads = _apply_threads(self._ctx, o._decode_threads(), self._applied_threads)
+        rc = COMPUTE.run(llama_cpp.llama_decode, self._ctx, b)
+        if rc != 0:
+            for s in steps:
+                llama_cpp.llama_memory_seq_rm(self._mem, s.seq, s.pos, -1)
+            raise BackendError(f"llama_decode failed ({rc}): {_last_error() or 'no detail'}")
+        out: list[np.ndarray | None] = []
+        for i, s in enumerate(steps):
+            if s.logits:
+                ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
+                out.append(np.ctypeslib.as_array(ptr, shape=(o.n_vocab,)).copy())
+            else:
+                out.append(None)
         return out
 
     def seq_pos_max(self, seq: int) -> int:
