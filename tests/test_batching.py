@@ -1,5 +1,5 @@
 """The batch scheduler's policy, without a model: concurrent submissions share one run, one run at a time,
-a caller that does not submit only delays a round by the gather time, errors reach every caller."""
+a caller that does not submit only delays a round by the gather window, errors reach every caller."""
 
 from __future__ import annotations
 
@@ -163,3 +163,36 @@ def test_a_leader_interrupted_waiting_for_the_model_takes_its_request_back() -> 
     sched._lock = threading.Lock()  # the model is free again: the next request runs alone
     assert sched.submit(2) == 20
     assert run.batches == [[2]]  # the interrupted request was never decoded
+
+
+def late_member(patience: float) -> list[int]:
+    """Two members; one submits 20 ms after it got its result (sampling slowly), the decode takes 0.4 s."""
+    run = Recorder(delay=0.4)
+    sched: BatchScheduler[int, int] = BatchScheduler(run, gather=0.004, patience=patience)
+    start = threading.Barrier(2)
+
+    def member(i: int, lag: float) -> None:
+        sched.join()
+        try:
+            start.wait()
+            for s in range(5):
+                time.sleep(lag)
+                sched.submit(i * 100 + s)
+        finally:
+            sched.leave()
+
+    th = [threading.Thread(target=member, args=(0, 0.0)), threading.Thread(target=member, args=(1, 0.02))]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    return [len(b) for b in run.batches]
+
+
+def test_a_member_late_by_less_than_a_quarter_decode_is_waited_for() -> None:
+    # The first round has no decode to measure yet (the 4 ms gather: the late member misses it, and so
+    # its last step is alone too); from then on the window is 0.1 s and every round holds both members.
+    sizes = late_member(0.25)
+    assert sizes == [1, 2, 2, 2, 2, 1]
+    # Without patience the late member misses round after round (the same policy as before: 4 ms).
+    assert len(late_member(0.0)) >= 7  # 1, 2, 1, 2, ...: every other round split
