@@ -5,6 +5,7 @@ fresh engine continue identically (tokens, bit-identical logits); undo/regen aft
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -121,6 +122,48 @@ def test_a_batched_conversation_resumed_fresh_continues_exactly_as_in_memory(
         assert mem[1] == res[1] and len(mem[1]) > 0
         assert np.array_equal(mem[0], res[0])  # bit-identical, not close
         assert np.array_equal(mem[2], res[2])
+        assert np.array_equal(mem[2], res[2])
+
+
+def test_batched_replies_while_a_sibling_evaluates_its_prompt_resume_exactly(
+        trio: list[Engine], model_path: Path) -> None:
+    # The scheduler takes the model's lock before its batch: steps that come while the third context
+    # evaluates a long prompt (several n_batch chunks, each a decode of its own context) wait for it and
+    # go in together. What those two generations saved must still be exactly what was computed.
+    prompt_all(trio)
+    a, b, c = trio
+    c.clear()
+    long_prompt = c.tokenize(" ".join(["The river runs past the old mill and under the stone bridge."] * 60))
+    assert len(long_prompt) > 2 * c.n_batch // 2  # more than one decode's worth at the test's n_batch
+    errors: list[BaseException] = []
+
+    def evaluate() -> None:
+        try:
+            time.sleep(0.05)  # the two generations are under way
+            c.eval(long_prompt[: c.n_ctx - 8])
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    th = threading.Thread(target=evaluate)
+    th.start()
+    out = together([a, b], 24)
+    th.join()
+    assert not errors
+    assert c.n_past == min(len(long_prompt), c.n_ctx - 8) and c.seq_pos_max() == c.n_past - 1
+    group = a._group
+    assert group is not None and group.scheduler.stats.largest == 2
+    for i, eng in enumerate([a, b]):
+        assert len(out[i]) > 0 and not eng._in_batch and eng.seq_pos_max() == eng.n_past - 1
+        eng.ensure_logits()
+        n, saved_logits = eng.n_past, eng.logits()
+        resumed = fresh(model_path, eng, n, saved_logits)
+        try:
+            mem = continue_alone(eng)
+            res = continue_alone(resumed)
+        finally:
+            resumed.close()
+        assert mem[1] == res[1] and len(mem[1]) > 0
+        assert np.array_equal(mem[0], res[0])
         assert np.array_equal(mem[2], res[2])
 
 
