@@ -5,6 +5,10 @@ reorder the top) and over whole generated replies."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import llama_cpp
 import numpy as np
 import pytest
@@ -96,3 +100,26 @@ def test_a_whole_reply_is_the_chains(engine: Engine, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(llamacpp._LogitPlan, "of", classmethod(lambda cls, s, n: None))
     assert fast == reply()
     assert len(set(fast)) > 5  # a reply, not one token repeated
+
+
+_NO_IMPORTS = """
+import sys
+from chatcli.backends.llamacpp import Engine, Sampling
+eng = Engine(sys.argv[1], n_ctx=512, n_threads=1)
+eng.eval(eng.tokenize(sys.argv[2]))
+before = set(sys.modules)
+for t in (0.0, 0.8):
+    for _ in eng.generate(Sampling(temperature=t, repeat_penalty=1.1), seed=1, max_tokens=8):
+        pass
+print(sorted(set(sys.modules) - before))
+"""
+
+
+def test_a_reply_imports_nothing_between_its_decodes(model_path: Path) -> None:
+    """The token loop with the default repeat penalty loads no module on its first tokens (numpy 2's
+    ``np.unique`` imported ``numpy.ma``, 15-20 ms between the first reply's first decodes). A fresh process:
+    this one has imported everything already."""
+    out = subprocess.run([sys.executable, "-c", _NO_IMPORTS, str(model_path), PROMPT], capture_output=True,
+                         text=True, timeout=120, cwd=str(Path(__file__).resolve().parents[1]))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

@@ -122,3 +122,37 @@ def test_the_live_ticker_stays_idle_while_text_streams_and_ticks_for_a_spinner(
     assert any(t < spans["text"] for t in ticks)
     assert not [t for t in ticks if spans["text"] + 0.02 < t < spans["end"]]
     assert "Counting: 0," in out.getvalue()
+
+
+@pytest.mark.parametrize("delay", [0.0, 30.0], ids=["running", "not-started"])
+def test_an_operation_streams_only_once_the_markdown_warm_up_is_over(monkeypatch: pytest.MonkeyPatch,
+                                                                      delay: float) -> None:
+    """The warm-up the CLI starts at the first prompt never runs beside a message's evaluation or its
+    reply's decodes: the renderer waits for it (its thread running) or runs it (not started yet) before it
+    takes the first event, and no warm-up thread is left."""
+    from chatcli.repl import markdown
+
+    spans: list[tuple[float, float, str]] = []
+
+    def slow_warm_up() -> None:
+        t0 = time.monotonic()
+        time.sleep(0.3)
+        spans.append((t0, time.monotonic(), threading.current_thread().name))
+
+    monkeypatch.setattr(markdown, "warm_up", slow_warm_up)
+    renderer = Renderer(Console(file=io.StringIO(), width=60, height=20, force_terminal=True))
+    renderer.warm = markdown.WarmUp(delay)
+    time.sleep(0.05)  # "running": the thread has begun it
+    seen: dict[str, Any] = {}
+
+    def events() -> Iterator[Any]:
+        seen["first"] = time.monotonic()
+        yield ReplyStart(0, 0)
+        yield ReplyText("hello")
+        yield ReplyEnd(ActiveMessage(1, "assistant", "hello", [1], 0, 0), TurnStats())
+
+    renderer.stream(events())
+    assert len(spans) == 1 and spans[0][1] <= seen["first"]
+    assert spans[0][2] == ("chatcli-warm-markdown" if delay == 0.0 else "MainThread")
+    time.sleep(0.05)
+    assert not [t for t in threading.enumerate() if t.name == "chatcli-warm-markdown"]  # cancelled or ended

@@ -75,3 +75,18 @@ def test_load_cells_from_a_mapped_view_is_bit_identical(engine: Engine, tmp_path
     assert engine.tokens == toks[:-1]
     engine.eval(toks[-1:])
     assert np.array_equal(engine.logits(), want)
+
+
+def test_a_record_made_from_parts_and_appended_unjoined_is_the_joined_ones_bytes(tmp_path: Path) -> None:
+    """The write path of a turn's cells copies each record once and never joins the records (megabytes
+    each): the file holds exactly what encoding the joined payload and appending one joined blob wrote."""
+    toks, kv = [5, 6, 7], bytes(range(256)) * 40
+    parts = sf.encode_record_parts(sf.CELLS, 0, 3, sf.cells_parts(toks, kv), flags=sf.NOT_A_POINT)
+    assert parts == sf.encode_record(sf.CELLS, 0, 3, sf.cells_payload(toks, kv), flags=sf.NOT_A_POINT)
+    recs = [parts, sf.encode_record(sf.LOGITS, 3, 3, b"\0" * 40), sf.encode_record(sf.TRUNCATE, 3, 3, b"")]
+    a, b = tmp_path / "a.kv", tmp_path / "b.kv"
+    sf.StateWriter(a).append(recs)
+    from chatcli.core.files.fsutil import append_durably
+
+    append_durably(b, b"".join(recs))
+    assert a.read_bytes() == b.read_bytes() and sf.StateWriter(a).append([]) == 0 and a.stat().st_size == b.stat().st_size

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 # OMP_WAIT_POLICY / GOMP_SPINCOUNT, read by libgomp when it loads, still apply.
 import llama_cpp  # the only import of llama_cpp in chatcli
 import numpy as np
+import numpy.ctypeslib  # loaded on first use: the first reply's first logits would import it between decodes
 
 from chatcli.backends.batching import BatchScheduler
 from chatcli.backends.compute import COMPUTE
@@ -327,7 +328,10 @@ class _LogitPlan:
         if self.bias_ids.size:
             np.add.at(x, self.bias_ids, self.bias_values)  # in order, duplicates too, as the C loop adds
         if window:
-            ids = np.unique(np.asarray(window, dtype=np.int32))
+            # Each id once, in any order (the update below is per id). Not ``np.unique``: numpy 2 imports
+            # ``numpy.ma`` on its first call (15-20 ms between the first reply's first two decodes), and a
+            # set of a 64-token window costs a third of its 12 us.
+            ids = np.fromiter(set(window), dtype=np.int64)
             v = x[ids]
             # float32 throughout, as the C code: multiply the non-positive, divide the positive, once per token
             # however often it occurs in the window.

@@ -164,20 +164,14 @@ def _warm_front_end() -> None:
     threading.Thread(target=warm, name="chatcli-warm", daemon=True).start()
 
 
-def _warm_markdown() -> None:
-    """Render Markdown once on a thread (``markdown.warm_up``) while the first prompt waits for the user:
+def _warm_markdown(renderer: Renderer) -> None:
+    """Render Markdown once on a thread (``markdown.WarmUp``) while the first prompt waits for the user:
     the first reply's first frame would otherwise import the parser and a lexer (~40 ms) between two
     decodes. Not while the model loads, nor while the prompt is first drawn (0.5 s later): neither needs
-    it, and next to them it delayed them."""
+    it, and next to them it delayed them. The renderer finishes it before it streams anything."""
+    from chatcli.repl.markdown import WarmUp
 
-    def warm() -> None:
-        from chatcli.repl.markdown import warm_up
-
-        warm_up()
-
-    timer = threading.Timer(0.5, warm)
-    timer.name, timer.daemon = "chatcli-warm-markdown", True
-    timer.start()
+    renderer.warm = WarmUp(0.5)
 
 
 def _renderer(settings: Settings, interactive: bool) -> Renderer:
@@ -205,7 +199,7 @@ def _run_repl(session: Session, conv: Conversation, renderer: Renderer, interact
         factory = lambda repl: LineIO(stdin)
     repl = Repl(session, conv, renderer, factory)
     if interactive and not renderer.plain:
-        _warm_markdown()
+        _warm_markdown(renderer)
     code = repl.run()
     # A script piping messages must be able to tell that one was refused (too long, a bad command):
     # each said so on stderr as it happened; the exit status says it once more.

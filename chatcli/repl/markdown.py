@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import re
+import threading
 from collections.abc import Callable
 
 from rich.console import Console
@@ -135,3 +136,40 @@ def warm_up() -> None:
     reply's first frame would otherwise pay ~40 ms for them between two decodes."""
     console = Console(file=io.StringIO(), width=80, force_terminal=True)
     render_lines(console, "# t\n\n- a\n\n`x`\n\n```python\nx = 1\n```\n\n| a |\n|---|\n| 1 |", 80)
+
+
+class WarmUp:
+    """``warm_up`` on a thread ``delay`` seconds from now (while the first prompt waits for the user), and
+    over before the first operation streams (``finish``).
+
+    A message typed or pasted within the delay, or while the thread still runs, would otherwise have its
+    prompt evaluated or its first tokens decoded next to the warm-up: on two cores a third busy thread holds
+    up a decode's whole thread team at every barrier, which costs more than the warm-up itself. ``finish``
+    runs it in the caller if the thread has not started it, else waits for the thread.
+    """
+
+    def __init__(self, delay: float) -> None:
+        self._lock = threading.Lock()
+        self._claimed = False
+        self._over = threading.Event()
+        self._timer = threading.Timer(delay, self._run)
+        self._timer.name, self._timer.daemon = "chatcli-warm-markdown", True
+        self._timer.start()
+
+    def _run(self) -> None:
+        with self._lock:
+            if self._claimed:
+                return
+            self._claimed = True
+        try:
+            warm_up()
+        except Exception:  # the first frame renders (and imports) again, which then says what is wrong
+            pass
+        finally:
+            self._over.set()
+
+    def finish(self) -> None:
+        """Return once the warm-up is over (run here if its thread had not begun it)."""
+        self._timer.cancel()
+        self._run()
+        self._over.wait()

@@ -28,7 +28,7 @@ from rich.text import Text
 
 from chatcli.core.events import Event, Notice, Progress, ReplyEnd, ReplyStart, ReplyText, TurnStats
 from chatcli.core.transcript import ActiveMessage
-from chatcli.repl.markdown import StreamingMarkdown, render_lines
+from chatcli.repl.markdown import StreamingMarkdown, WarmUp, render_lines
 from chatcli.units import format_size
 
 # Prose is hard to read in very wide lines: replies are laid out at most this wide.
@@ -239,6 +239,9 @@ class Renderer:
         self._err = err
         self.max_width = max_width
         self.show_reasoning = show_reasoning  # a reply's reasoning in full (dim), not folded to one line
+        # The Markdown warm-up the CLI started (``markdown.WarmUp``): over before an operation streams, so
+        # its prompt and its decodes never share the CPU with it.
+        self.warm: WarmUp | None = None
 
     @property
     def err(self) -> TextIO:
@@ -251,6 +254,9 @@ class Renderer:
         """Render one operation's events; returns the reply's end event (if there was a reply)."""
         if self.plain:
             return self._stream_plain(iter(events))
+        if self.warm is not None:
+            self.warm.finish()  # before the events start: iterating them evaluates the message
+            self.warm = None
         end: ReplyEnd | None = None
         it = iter(events)
         with Live(_Waiting(label + "…"), console=self.console, auto_refresh=False, transient=True,

@@ -14,7 +14,7 @@ import os
 import stat
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -207,20 +207,22 @@ def append_line_durably(path: Path, line: str) -> None:
     append_durably(path, (line.rstrip("\n") + "\n").encode("utf-8"))
 
 
-def append_durably(path: Path, data: bytes) -> None:
-    """Append ``data`` and fsync it, all or nothing as far as the process can tell.
+def append_durably(path: Path, data: bytes | Sequence[bytes]) -> None:
+    """Append ``data`` (or the buffers of a sequence, in order, one write each rather than joined: a state
+    record is megabytes) and fsync it, all or nothing as far as the process can tell.
 
     If a write fails part-way (ENOSPC, EIO), the bytes already written are cut off again, so the next append
     (once there is room) does not land after half a record and spoil it too.
     """
+    views = [memoryview(b) for b in ((data,) if isinstance(data, bytes) else data) if len(b)]
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
         start = os.fstat(fd).st_size  # one writer per file (the conversation's lock): the end stays here
         try:
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
+            for view in views:
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
             os.fsync(fd)
         except OSError:
             try:

@@ -358,8 +358,8 @@ class CellLog:
         memory a SNAPSHOT of everything up to p1 (which is then a point of its own)."""
         eng = self.eng
         if self._whole:
-            return sf.encode_record(sf.SNAPSHOT, 0, p1, sf.cells_payload(eng.tokens[:p1], eng.save_cells(0, p1)))
-        return sf.encode_record(sf.CELLS, p0, p1, sf.cells_payload(eng.tokens[p0:p1], eng.save_cells(p0, p1)))
+            return sf.encode_record_parts(sf.SNAPSHOT, 0, p1, sf.cells_parts(eng.tokens[:p1], eng.save_cells(0, p1)))
+        return sf.encode_record_parts(sf.CELLS, p0, p1, sf.cells_parts(eng.tokens[p0:p1], eng.save_cells(p0, p1)))
 
     def _user_records(self, p0: int, tokens: list[int], saved: bytes | None = None) -> list[bytes]:
         p1 = p0 + len(tokens)
