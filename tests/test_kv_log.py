@@ -224,3 +224,49 @@ def test_failed_state_write_is_reported_by_the_operation_that_hit_it(
     conv, _, _ = open_conv(sess, conv.id)
     assert list(conv.engine.tokens) == conv.r.tokens()
     conv.close()
+
+
+def test_the_first_tokens_save_is_written_at_once_and_fsynced_with_the_reply(sess: Any, golden: dict[str, Any]) -> None:
+    # The user message's cells are written right after the reply's first token (so a killed process finds
+    # them) but not fsynced there: the fsync (5-28 ms) sat between the first two decodes. The reply's own
+    # append fsyncs the file, which covers them.
+    cid = install(golden)
+    conv, _, _ = open_conv(sess, cid)
+    seen: list[tuple[str, int]] = []  # ("write" | "fsync", ReplyText events seen so far), state.kv only
+    texts = 0
+
+    def is_state(fd: int) -> bool:
+        try:
+            return os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == "state.kv"
+        except OSError:
+            return False
+
+    real_write, real_fsync = os.write, os.fsync
+
+    def write(fd: int, data: Any) -> int:
+        if is_state(fd):
+            seen.append(("write", texts))
+        return real_write(fd, data)
+
+    def fsync(fd: Any) -> None:
+        if isinstance(fd, int) and is_state(fd):
+            seen.append(("fsync", texts))
+        real_fsync(fd)
+
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(os, "write", write)
+            mp.setattr(os, "fsync", fsync)
+            for ev in conv.send(MSGS[2]):
+                if type(ev).__name__ == "ReplyText":
+                    texts += 1
+                    if texts == 2:
+                        # Written (a kill now keeps the message's cells) but not fsynced yet.
+                        assert ("write", 1) in seen and ("fsync", 1) not in seen, seen
+        assert texts > 2
+        last_write = max(i for i, (what, _) in enumerate(seen) if what == "write")
+        assert any(what == "fsync" for what, _ in seen[last_write:]), seen  # the end is durable
+        saved = state_tokens(conv.dir.state_path)
+        assert saved == sess.engine.tokens
+    finally:
+        conv.close()

@@ -207,9 +207,11 @@ def append_line_durably(path: Path, line: str) -> None:
     append_durably(path, (line.rstrip("\n") + "\n").encode("utf-8"))
 
 
-def append_durably(path: Path, data: bytes | Sequence[bytes]) -> None:
+def append_durably(path: Path, data: bytes | Sequence[bytes], *, sync: bool = True) -> None:
     """Append ``data`` (or the buffers of a sequence, in order, one write each rather than joined: a state
-    record is megabytes) and fsync it, all or nothing as far as the process can tell.
+    record is megabytes) and fsync it, all or nothing as far as the process can tell. ``sync=False`` skips
+    the fsync: the bytes survive the process being killed (they are in the OS's cache), not an OS crash,
+    until the next synced append of the same file, whose fsync covers them too.
 
     If a write fails part-way (ENOSPC, EIO), the bytes already written are cut off again, so the next append
     (once there is room) does not land after half a record and spoil it too.
@@ -223,7 +225,8 @@ def append_durably(path: Path, data: bytes | Sequence[bytes]) -> None:
                 while view:
                     n = os.write(fd, view)
                     view = view[n:]
-            os.fsync(fd)
+            if sync:
+                os.fsync(fd)
         except OSError:
             try:
                 os.ftruncate(fd, start)

@@ -636,13 +636,14 @@ def stored_crc(path: Path, rec: Record) -> int:
 
 
 class StateWriter:
-    """Appends records to a state file; each append is flushed and fsynced before it counts."""
+    """Appends records to a state file; each append is written whole (or not at all) and, unless
+    ``sync=False``, fsynced before it counts."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def append(self, records: list[bytes]) -> int:
-        append_durably(self.path, records)  # a failed append leaves no partial record behind
+    def append(self, records: list[bytes], *, sync: bool = True) -> int:
+        append_durably(self.path, records, sync=sync)  # a failed append leaves no partial record behind
         return sum(len(r) for r in records)
 
     def cut(self, valid_bytes: int) -> None:
