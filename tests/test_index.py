@@ -343,6 +343,114 @@ def test_a_change_in_the_tick_a_walk_saw_is_found_and_a_settled_folder_is_not_wa
     assert walk(outside + 2_000_000_000) == ""
 
 
+
+def _fine(store: ConversationStore) -> Index:
+    index = store.index
+    assert index is not None
+    if not index.fine_stamps():
+        pytest.skip("this file system's stamps are coarse: own changes are walked as before (tested below)")
+    return index
+
+
+def test_chatcli_s_own_new_and_removed_folders_need_no_walk(chatcli_home: Path) -> None:
+    """A process that makes or removes a conversation folder records it and the stamp it leaves, so the
+    next `ls` (another process) does not walk the names: 0.2 s at 100,000 conversations. Without the rule
+    each of these reconciles walks."""
+    maker = _store()
+    first = _conv(maker, "first", "x", "y")
+    _fine(maker)
+    reader = _settle(_store())
+    walks = reader.walks()
+    conv = _conv(maker, "new", "made by chatcli", "ok")
+    assert reader.reconcile() == 0 and reader.last_walk is None
+    assert conv.id in reader.ids() and _ids(run_search("made", _store())[0]) == [conv.id]
+    forked = _conv(maker, "second", "again", "ok")
+    maker.remove(conv)
+    assert reader.reconcile() == 0 and reader.last_walk is None
+    assert reader.ids() == {first.id, forked.id} and [r["id"] for r in _ls_json()] == [forked.id, first.id]
+    assert reader.walks() == walks  # the `ls` process did not walk either
+
+
+def test_an_outside_change_around_an_own_change_is_still_found(chatcli_home: Path) -> None:
+    """The own-change rule records the folder's stamp only when nothing else can have changed its names: a
+    copy by hand before it (the stamp had already moved), during it (one subfolder too many), or right
+    after it (in the same tick: the stamp moves anyway, as ``fine_stamps`` showed) is found by the next
+    walk. Dropping any one of the checks fails one part."""
+    maker = _store()
+    src = _conv(maker, "src", "copied by hand", "ok")
+    index = _fine(maker)
+    reader = _settle(_store())
+    shutil.copytree(src.path, maker.root / "before1")  # by hand, then chatcli makes one
+    made = _conv(maker, "made", "x", "y")
+    assert reader.reconcile() == 1 and reader.last_walk is not None and reader.last_walk.kind == "names"
+    assert reader.ids() == {src.id, "before1", made.id}
+    reader = _settle(_store())
+
+    def make_and_copy() -> None:
+        os.mkdir(maker.root / "made2")
+        shutil.copytree(src.path, maker.root / "during1")  # by hand, in the same microseconds
+
+    index.own_change("made2", make_and_copy, links=1)
+    assert reader.reconcile() >= 1 and reader.last_walk is not None
+    assert {"made2", "during1"} <= reader.ids()
+    reader = _settle(_store())
+    made3 = _conv(maker, "made3", "x", "y")
+    shutil.copytree(src.path, maker.root / "after1")  # right after: same tick, the stamp still moves
+    assert reader.reconcile() == 1 and reader.last_walk is not None and "after1" in reader.ids()
+    assert made3.id in reader.ids()
+
+
+def test_an_own_change_with_coarse_stamps_or_no_index_is_walked(chatcli_home: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a copy right after the change could leave the stamp as it was (coarse stamps), or the index
+    cannot be written (locked), the change is made all the same and the next `ls` walks to find it."""
+    maker = _store()
+    _conv(maker, "first", "x", "y")
+    index = maker.index
+    assert index is not None
+    reader = _settle(_store())
+    monkeypatch.setattr(index, "fine_stamps", lambda: False)
+    made = _conv(maker, "coarse", "x", "y")
+    assert made.id in reader.ids()  # the row was read: search and `ls` show it at once ...
+    assert reader.reconcile() == 0 and reader.last_walk is not None  # ... but the names are walked
+    reader = _settle(_store())
+
+    def locked(timeout: float | None = None) -> object:
+        raise sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(index, "write", locked)
+    made2 = _conv(maker, "locked", "x", "y")
+    assert reader.reconcile() == 1 and made2.id in reader.ids()
+
+
+@pytest.mark.parametrize("grain", [4_000_000, 1_000_000, 1_000_000_000])
+@pytest.mark.parametrize("ticks", ["within", "across"])
+def test_coarse_stamps_are_not_taken_for_fine_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   grain: int, ticks: str) -> None:
+    """``fine_stamps`` on a file system whose stamps are the kernel's coarse clock (a 4 ms or 1 ms tick)
+    or whole seconds, simulated: every change within one tick (the mtime cut to the grain: stamps stay
+    equal), or every change in a tick of its own (a loaded machine at worst: each stamp a grain past the
+    last). Without the rule that a stamp may move by no more than the time between the changes, the
+    second would pass."""
+    from chatcli.core.files import index as index_module
+
+    real = os.stat
+    seen: dict[int, int] = {}
+
+    def coarse(path: object, *args: object, **kw: object) -> object:
+        st = real(path, *args, **kw)  # type: ignore[arg-type]
+        if ticks == "within":
+            mtime = st.st_mtime_ns // grain * grain
+        else:
+            mtime = seen.setdefault(st.st_mtime_ns, (st.st_mtime_ns // grain + len(seen)) * grain)
+        fields = list(st)
+        return os.stat_result((*fields[:8], int(mtime // 1_000_000_000), fields[9]),
+                              {"st_mtime_ns": mtime, "st_dev": st.st_dev, "st_nlink": st.st_nlink})
+
+    monkeypatch.setattr(os, "stat", coarse)
+    assert index_module._probe_fine_stamps(tmp_path, tmp_path) is False
+    assert list(tmp_path.iterdir()) == []  # the probe's folder is gone
+
 def test_a_hand_edit_is_reindexed_at_the_next_walk(chatcli_home: Path) -> None:
     """Inside a folder a hand edit moves no stamp the index looks at without walking: it is found at the
     next walk (the conversations folder changes, WALK_EVERY_S passes), and a search never shows a

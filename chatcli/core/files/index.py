@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from operator import itemgetter
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from chatcli.errors import ChatcliError
 
@@ -53,6 +53,8 @@ CHECKED_ROWS = 100  # the rows `ls` shows that are checked against their files (
 COARSE_RACY_NS = 2_000_000_000
 # ... and for fine-grained ones, whose stamps come from the kernel's coarse clock (a tick: 10 ms at HZ=100).
 FINE_RACY_NS = 50_000_000
+_PROBE_MAX_NS = 500_000  # a ``fine_stamps`` sample slower than this (preempted) is taken again
+_T = TypeVar("_T")
 _ID_RE = re.compile(r"^[a-z0-9]{1,32}$")  # the store's rule for a conversation folder (store._ID_RE)
 
 _SCHEMA = """
@@ -257,6 +259,48 @@ def _mtime(path: Path) -> int:
         return 0
 
 
+def _probe_fine_stamps(where: Path, root: Path) -> bool:
+    """``Index.fine_stamps``, measured in a temporary folder in ``where`` (on ``root``'s file system)."""
+    import tempfile
+
+    try:
+        if os.stat(where).st_dev != os.stat(root).st_dev:
+            return False
+        probe = tempfile.mkdtemp(prefix=".stamps-", dir=where)
+    except OSError:
+        return False
+    sub = os.path.join(probe, "x")
+    try:
+        good = 0
+        for _ in range(20):
+            # Primed first: the first change after a stat may take the coarse clock's time (it moves the
+            # stamp anyway); the floor it leaves makes the next ones fine.
+            os.stat(probe)
+            os.mkdir(sub)
+            os.stat(probe)
+            t0 = time.perf_counter_ns()
+            os.rmdir(sub)
+            last = os.stat(probe).st_mtime_ns
+            os.mkdir(sub)
+            now = os.stat(probe).st_mtime_ns
+            t1 = time.perf_counter_ns()
+            os.rmdir(sub)
+            if now == last:
+                return False  # a change after a stat left the stamp as it was: coarse
+            if t1 - t0 <= _PROBE_MAX_NS and 0 < now - last <= t1 - t0:
+                good += 1
+                if good == 3:
+                    return True
+        return False
+    except OSError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(sub)
+        with contextlib.suppress(OSError):
+            os.rmdir(probe)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -343,6 +387,7 @@ class Index:
         self.rebuilt = False  # this process created the index afresh: reconcile reads every folder
         self.last_walk: Walk | None = None  # what the last ``reconcile`` walked (None: no walk was needed)
         self._lock = threading.RLock()
+        self._fine: bool | None = None  # ``fine_stamps``, once measured
 
     # -- the connection ------------------------------------------------------------------------------
 
@@ -971,6 +1016,77 @@ class Index:
     def note_close(self, conv: ConversationDir) -> None:
         with self.write() as w:
             w.execute("UPDATE convs SET open_pid=NULL WHERE id=? AND open_pid=?", (conv.id, os.getpid()))
+
+    def own_change(self, cid: str, change: Callable[[], _T], *, links: int) -> _T:
+        """Run ``change``, chatcli's own creation (``links`` +1) or removal (-1) of folder ``cid``, so that the
+        next ``reconcile`` need not walk the names it changed (0.2 s at 100,000 conversations).
+
+        The conversations folder's mtime moves with the change, and a walk of its names would follow.
+        Instead the folder's row is read here and the new mtime recorded as a walk's would be, but only when
+        the index can show that nothing else changed the folder's names. All of it holds the index's write
+        lock, so another chatcli's change waits its turn; an outside one (a copy by hand) cannot be held
+        off, so it must show:
+        - before: the mtime is the one the last walk (or own change) recorded: nothing changed it since;
+        - during: the subfolder count (``st_nlink``, where the file system keeps one: not btrfs, nor ext4
+          past 65,000 subfolders) moved by this change's folder alone;
+        - after: the stamp is one that any later change moves, even in the same clock tick
+          (``fine_stamps``). With the kernel's coarse stamps a copy right after the change would leave the
+          mtime as it is: there nothing is recorded, and the next `ls` walks the names as before.
+        The one change none of these shows is an outside one in the microseconds between this change and
+        the ``stat`` after it that leaves the subfolder count as it was (a rename, or one folder added
+        and one removed) on a file system that keeps no count: the periodic full walk finds it.
+        Whatever the index cannot do (locked, damaged), the change is still made: the next walk finds it."""
+        try:
+            tx = self.write()
+            w = tx.__enter__()
+        except (sqlite3.Error, IndexUnavailable):
+            return change()
+        made = False
+        try:
+            got = w.execute("SELECT value FROM info WHERE key='root_mtime'").fetchone()
+            recorded = got[0] if got is not None else None
+            before = self._root_stat()
+            result = change()
+            made = True
+            after = self._root_stat()
+            self._refresh_many(w, [cid])  # the new folder's row, or the removed one's forgotten
+            if links < 0:
+                self._prune_removed(w)
+            if (before is not None and after is not None and recorded == before.st_mtime_ns
+                    and after.st_mtime_ns != before.st_mtime_ns
+                    and (before.st_nlink < 2 or after.st_nlink - before.st_nlink == links)
+                    and self.fine_stamps()):
+                w.execute("INSERT OR REPLACE INTO info VALUES('root_mtime', ?)", (after.st_mtime_ns,))
+                w.execute("INSERT INTO info VALUES('own_changes', 1) ON CONFLICT(key) DO UPDATE SET value = value + 1")
+        except BaseException as exc:
+            with contextlib.suppress(sqlite3.Error):
+                tx.__exit__(type(exc), exc, exc.__traceback__)  # rolled back: no stamp recorded
+            if made and isinstance(exc, sqlite3.Error):
+                return result  # the change was made; the index missed it, and the next walk reads it
+            raise
+        with contextlib.suppress(sqlite3.Error):
+            tx.__exit__(None, None, None)  # not committed: the stamp is not recorded either
+        return result
+
+    def _root_stat(self) -> os.stat_result | None:
+        try:
+            return os.stat(self.root)
+        except OSError:
+            return None
+
+    def fine_stamps(self) -> bool:
+        """Whether a change to a folder after a ``stat`` of it always gets a new mtime, even within one tick
+        of the kernel's clock: Linux's multigrain stamps (6.13 on: ext4, xfs, btrfs, tmpfs), or a clock as
+        fine as the stamps. Measured once per process, in a folder made for it beside the index (on the
+        conversations folder's file system): changes a few microseconds apart, a ``stat`` between them,
+        must get stamps that differ by no more than the time between them, three times. Coarse stamps
+        cannot pass: theirs stay equal (False at once) or jump by a whole tick (1 ms at least, more than a
+        sample may take: ``_PROBE_MAX_NS``)."""
+        if self._fine is None:
+            if not self.root.is_dir():
+                return False  # nothing to measure yet: asked again once the folder exists
+            self._fine = _probe_fine_stamps(self.path.parent, self.root)
+        return self._fine
 
     def note_removed(self, cid: str) -> None:
         with self.write() as w:

@@ -327,19 +327,26 @@ class ConversationStore:
 
     def create(self, meta: dict[str, Any]) -> ConversationDir:
         self._ensure_root()
+        # A summary copied from another conversation (a fork's parent) describes another transcript.
+        fresh = {k: v for k, v in meta.items() if k != "summary"}
         for _ in range(100):
             cid = new_id()
             path = self.root / cid
-            try:
-                path.mkdir(mode=0o700)
-            except FileExistsError:
-                continue
-            fsync_dir(self.root)
-            conv = self.dir(cid)
-            # A summary copied from another conversation (a fork's parent) describes another transcript.
-            fresh = {k: v for k, v in meta.items() if k != "summary"}
-            conv.write_meta({**fresh, "id": cid, "created": now(), "updated": now()})
-            return conv
+
+            def make(cid: str = cid, path: Path = path) -> ConversationDir | None:
+                try:
+                    path.mkdir(mode=0o700)
+                except FileExistsError:
+                    return None
+                fsync_dir(self.root)
+                conv = self.dir(cid)
+                conv.write_meta({**fresh, "id": cid, "created": now(), "updated": now()})
+                return conv
+
+            # Through the index: it records the new folder itself, so the next `ls` need not walk the names.
+            made = make() if self.index is None else self.index.own_change(cid, make, links=1)
+            if made is not None:
+                return made
         raise StoreError("could not allocate a conversation id")
 
     def ids(self) -> list[str]:
@@ -400,12 +407,10 @@ class ConversationStore:
     def remove(self, conv: ConversationDir) -> None:
         conv.lock()  # refuse to delete a conversation someone has open
         try:
-            shutil.rmtree(conv.path)
+            if self.index is None:
+                shutil.rmtree(conv.path)
+            else:  # the index forgets it and, where it can show nothing else changed, needs no walk for it
+                self.index.own_change(conv.id, lambda: shutil.rmtree(conv.path), links=-1)
         finally:
             conv.unlock()
         fsync_dir(self.root)
-        if self.index is not None:
-            try:
-                self.index.note_removed(conv.id)
-            except (sqlite3.Error, IndexUnavailable):
-                pass  # the next reconcile sees the folder gone
