@@ -13,7 +13,7 @@ the shared machine's load hits both; the load average is recorded with every siz
 Measured, each as a whole process where the user would wait for one:
 - `chatcli ls` into a pipe (1c16758: every row, its only form; later: the default 50 most recent), as the
   other tree left the folders and again with the index current (the walks each made are recorded), and
-  `ls --all` (a tree without `--all`: `ls` again);
+  `ls --all` (a tree without `--all`: `ls` again), and `ls` right after the same tree's `fork` made a folder;
 - the model load alone (a process that loads the bundled model as `serve` does, nothing else): the part
   of `serve` until /health that no index can change;
 - `chatcli resume ID` + one turn (4 tokens), piped;
@@ -131,8 +131,9 @@ def before_tree(work: Path, rev: str) -> Path:
 
 def index_stamp(home: Path) -> tuple[Any, ...]:
     """What the shared index says about its walks: this tree's counters (``walks_names``, ``walks_full``)
-    and the stamps any index-aware tree writes when it walks (``walked_at``, ``root_mtime``). A command that
-    changed them walked the folders; one that did not answered from the index as it was."""
+    and the stamps any index-aware tree writes when it walks (``walked_at``, ``root_mtime``), and the count
+    of folders made or removed by chatcli itself with their stamp recorded (``own_changes``). A command
+    that changed them walked the folders; one that did not answered from the index as it was."""
     import sqlite3
 
     path = home / "data" / "index.sqlite"
@@ -142,12 +143,12 @@ def index_stamp(home: Path) -> tuple[Any, ...]:
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
         try:
             got = dict(db.execute("SELECT key, value FROM info WHERE key IN "
-                                  "('walks_names', 'walks_full', 'walked_at', 'root_mtime')").fetchall())
+                                  "('walks_names', 'walks_full', 'walked_at', 'root_mtime', 'own_changes')").fetchall())
         finally:
             db.close()
     except sqlite3.Error:
         return ()
-    return tuple(got.get(k) for k in ("walks_names", "walks_full", "walked_at", "root_mtime"))
+    return tuple(got.get(k) for k in ("walks_names", "walks_full", "walked_at", "root_mtime", "own_changes"))
 
 
 def forget_server_index(home: Path) -> None:
@@ -175,14 +176,17 @@ def forget_server_index(home: Path) -> None:
 
 
 def walk_kind(before: tuple[Any, ...], after: tuple[Any, ...]) -> str:
-    """"names", "full", "walk" (a tree without the counters walked), or "" (no walk)."""
+    """"names", "full", "walk" (a tree without the counters walked), or "" (no walk: also when the only
+    change is a folder the command made or removed itself, recorded with its stamp: ``own_changes``)."""
     if before == after:
         return ""
-    if len(before) == 4 and len(after) == 4:
+    if len(before) == 5 and len(after) == 5:
         if before[0] != after[0]:
             return "names"
         if before[1] != after[1]:
             return "full"
+        if before[4] != after[4] and before[2] == after[2]:
+            return ""
     return "walk"
 
 
@@ -369,6 +373,12 @@ def main() -> None:
                 s.setdefault("ls_current_cpu", []).append(cpu)
                 s.setdefault("ls_all", []).append(run(tree, home, ["ls", "--all"] if has_all[name] else ["ls"]))
                 walks.setdefault(name + "_all", []).append(walk_kind(stamp, index_stamp(home)))
+                # `ls` right after this tree's own `fork` made a conversation folder (the folder's mtime moved:
+                # a walk of names, unless the forking process recorded what it changed).
+                run(tree, home, ["fork", targets[name][rep]])
+                stamp = index_stamp(home)
+                s.setdefault("ls_fork", []).append(run(tree, home, ["ls"]))
+                walks.setdefault(name + "_fork", []).append(walk_kind(stamp, index_stamp(home)))
                 s.setdefault("model_load", []).append(model_load(tree, home))
                 cid = targets[name][rep]
                 stamp = index_stamp(home)
@@ -381,7 +391,7 @@ def main() -> None:
                 s.setdefault("request", []).append(request)
                 s.setdefault("turn_files_ms", []).append(turn_work(tree, home, cid))
                 print(f"size {corpus.n} rep {rep} {name}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in s.items())
-                      + ", walks ls/again/all/resume/serve: " + "/".join(
+                      + ", walks ls/again/all/fork/resume/serve: " + "/".join(
                           walks[name + k][-1] or "-" for k in WALKED), flush=True)
         for name in trees:
             row[name] = {k: statistics.median(v) for k, v in samples[name].items()}
@@ -398,13 +408,13 @@ def main() -> None:
 
 
 COLUMNS = [("ls", "`chatcli ls`", "s"), ("ls_cpu", "`ls` CPU (user+sys)", "s"),
-           ("ls_current", "`ls` again", "s"), ("ls_all", "`ls --all`", "s"),
+           ("ls_current", "`ls` again", "s"), ("ls_all", "`ls --all`", "s"), ("ls_fork", "`ls` after `fork`", "s"),
            ("resume_turn", "`resume` + 1 turn", "s"), ("serve_ready", "`serve` until /health", "s"),
            ("model_load", "model load alone", "s"), ("request", "one API request", "s"),
            ("turn_files_ms", "per-turn file work", "ms")]
 
 
-WALKED = ("", "_again", "_all", "_resume", "_serve")  # the commands whose walks are recorded (``walks`` keys)
+WALKED = ("", "_again", "_all", "_fork", "_resume", "_serve")  # the commands whose walks are recorded (``walks`` keys)
 
 
 def next_run(out: Path) -> int:
@@ -443,7 +453,8 @@ def run_section(results: list[dict[str, Any]], run_no: int, command: str, trees:
         return " ".join("/".join(w or "-" for w in rep) for rep in zip(*per, strict=False))
 
     lines += ["", "Walks of the folders (`names`: one scandir; `full`: a stat per folder; `walk`: a tree without "
-              "the counters walked; `-`: none), per rep, during `ls` / `ls` again / `ls --all` / `resume` / "
+              "the counters walked; `-`: none), per rep, during `ls` / `ls` again / `ls --all` / `ls` after `fork` / "
+              "`resume` / "
               "`serve` (its start and request): " +
               "; ".join(f"{r['size']:,}: before {walked(r, 'before')}, after {walked(r, 'after')}"
                         for r in results) + ".",

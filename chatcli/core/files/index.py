@@ -53,7 +53,10 @@ CHECKED_ROWS = 100  # the rows `ls` shows that are checked against their files (
 COARSE_RACY_NS = 2_000_000_000
 # ... and for fine-grained ones, whose stamps come from the kernel's coarse clock (a tick: 10 ms at HZ=100).
 FINE_RACY_NS = 50_000_000
-_PROBE_MAX_NS = 500_000  # a ``fine_stamps`` sample slower than this (preempted) is taken again
+# A ``fine_stamps`` sample slower than this is not counted (a loaded disk, preemption): below the shortest
+# tick of a coarse clock (1 ms at HZ=1000), so a coarse stamp's jump can never fit in one.
+_PROBE_MAX_NS = 900_000
+_PROBE_BUDGET_NS = 50_000_000  # samples are taken for at most this long (then: not shown fine)
 _T = TypeVar("_T")
 _ID_RE = re.compile(r"^[a-z0-9]{1,32}$")  # the store's rule for a conversation folder (store._ID_RE)
 
@@ -272,7 +275,8 @@ def _probe_fine_stamps(where: Path, root: Path) -> bool:
     sub = os.path.join(probe, "x")
     try:
         good = 0
-        for _ in range(20):
+        until = time.perf_counter_ns() + _PROBE_BUDGET_NS
+        while time.perf_counter_ns() < until:
             # Primed first: the first change after a stat may take the coarse clock's time (it moves the
             # stamp anyway); the floor it leaves makes the next ones fine.
             os.stat(probe)
@@ -289,7 +293,7 @@ def _probe_fine_stamps(where: Path, root: Path) -> bool:
                 return False  # a change after a stat left the stamp as it was: coarse
             if t1 - t0 <= _PROBE_MAX_NS and 0 < now - last <= t1 - t0:
                 good += 1
-                if good == 3:
+                if good == 2:
                     return True
         return False
     except OSError:
@@ -1078,14 +1082,30 @@ class Index:
         """Whether a change to a folder after a ``stat`` of it always gets a new mtime, even within one tick
         of the kernel's clock: Linux's multigrain stamps (6.13 on: ext4, xfs, btrfs, tmpfs), or a clock as
         fine as the stamps. Measured once per process, in a folder made for it beside the index (on the
-        conversations folder's file system): changes a few microseconds apart, a ``stat`` between them,
-        must get stamps that differ by no more than the time between them, three times. Coarse stamps
-        cannot pass: theirs stay equal (False at once) or jump by a whole tick (1 ms at least, more than a
-        sample may take: ``_PROBE_MAX_NS``)."""
+        conversations folder's file system): two changes with a ``stat`` between them, taking less than a
+        tick of any coarse clock, must get stamps that differ by no more than the time between them,
+        twice. Coarse stamps cannot pass: theirs stay equal (False at once) or jump by a whole tick (1 ms
+        at least: more than a counted sample takes, ``_PROBE_MAX_NS``). On a disk so loaded that no
+        sample is fast enough within ``_PROBE_BUDGET_NS``, the answer is False: the next `ls` walks."""
         if self._fine is None:
             if not self.root.is_dir():
                 return False  # nothing to measure yet: asked again once the folder exists
-            self._fine = _probe_fine_stamps(self.path.parent, self.root)
+            # Once shown, kept in the index for this kernel and file system: a loaded disk may keep a later
+            # process from showing it again (its samples too slow), and each process would pay ~0.1 ms.
+            try:
+                st = os.statvfs(self.root)
+                key = f"{os.uname().release}/{os.stat(self.root).st_dev}/{st.f_fsid}"
+            except (OSError, AttributeError):
+                key = None
+            db = self.db()
+            got = db.execute("SELECT value FROM info WHERE key='fine_stamps'").fetchone()
+            if key is not None and got is not None and got[0] == key:
+                self._fine = True
+            else:
+                self._fine = _probe_fine_stamps(self.path.parent, self.root)
+                if self._fine and key is not None:
+                    with self.write() as w:
+                        w.execute("INSERT OR REPLACE INTO info VALUES('fine_stamps', ?)", (key,))
         return self._fine
 
     def note_removed(self, cid: str) -> None:
