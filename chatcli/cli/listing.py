@@ -161,19 +161,24 @@ def _tsv(rows: Sequence[Any]) -> str:
 
     where = any(r.server for r in rows)
     source = any(r.source == "api" for r in rows)
-    localtime = time.localtime
-    out = []
-    # Unpacked, not read by attribute: a named tuple's fields are descriptors (~2× slower at 100,000 rows).
+    localtime, strftime = time.localtime, time.strftime
+    sizes: dict[int, str] = {}  # most rows share a size (every cold one's is 0)
+    out: list[str] = []
+    append = out.append
+    # Unpacked, not read by attribute: a named tuple's fields are descriptors (~2× slower at 100,000 rows);
+    # one f-string a row, not a list of cells joined (0.82 → 0.44 s at 100,000, most of it localtime).
     for cid, title, persona, _model, src, server, kv_type, tokens, updated, turns, in_context, state in rows:
-        t = localtime(float(updated))
-        cells = [cid, title, persona, str(turns), str(in_context), str(tokens), format_size(state)]
+        size = sizes.get(state)
+        if size is None:
+            size = sizes[state] = format_size(state)
+        line = f"{cid}\t{title}\t{persona}\t{turns}\t{in_context}\t{tokens}\t{size}"
         if where:
-            cells.append(server.split("://", 1)[-1] if server else "local")
-        cells.append(f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d} {t.tm_hour:02d}:{t.tm_min:02d}")
-        cells.append(f"warm {kv_type}" if state > 0 else "cold")
+            line += "\t" + (server.split("://", 1)[-1] if server else "local")
+        line += "\t" + strftime("%Y-%m-%d %H:%M", localtime(float(updated))) + (
+            "\twarm " + kv_type if state > 0 else "\tcold")
         if source:
-            cells.append("api" if src == "api" else "cli")
-        out.append("\t".join(cells))
+            line += "\tapi" if src == "api" else "\tcli"
+        append(line)
     return "\n".join(out) + "\n"
 
 
@@ -264,6 +269,8 @@ def format_columns(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], wi
 
 
 def _printable(text: str) -> str:
+    if text.isprintable():  # no control character (the usual case: a test in C, not a loop per character)
+        return text
     return "".join(" " if unicodedata.category(ch) == "Cc" else ch for ch in text)
 
 
@@ -274,11 +281,18 @@ def _char_width(ch: str) -> int:
 
 
 def _width(text: str) -> int:
+    if text.isascii() and text.isprintable():  # one cell each: `ls --all` at 100,000 rows measured 2 million
+        return len(text)                       # cells a character at a time (5 s of CPU on a terminal)
     return sum(_char_width(ch) for ch in text)
 
 
 def _fit(text: str, width: int, right: bool) -> str:
     """``text`` padded to ``width`` terminal cells, or cut to ``width - 1`` cells and "…"."""
+    if text.isascii() and text.isprintable():  # one cell a character: ``_width``
+        if len(text) > width:
+            text = text[:max(width - 1, 0)] + "…"
+        pad = " " * (width - len(text))
+        return pad + text if right else text + pad
     if _width(text) > width:
         kept, used = [], 0
         for ch in text:
