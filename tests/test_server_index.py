@@ -28,9 +28,9 @@ def test_refresh_follows_the_store_and_rereads_only_changed_transcripts(
     reread: list[str] = []
     real = PrefixIndex._index_dir
 
-    def spy(self: PrefixIndex, conv: object, size: int, mtime: int) -> PrefixPut:
+    def spy(self: PrefixIndex, conv: object, size: int, mtime: int, warm: bool) -> PrefixPut:
         reread.append(conv.id)  # type: ignore[attr-defined]
-        return real(self, conv, size, mtime)  # type: ignore[arg-type]
+        return real(self, conv, size, mtime, warm)  # type: ignore[arg-type]
 
     monkeypatch.setattr(PrefixIndex, "_index_dir", spy)
     idx.refresh(save=False)

@@ -158,6 +158,7 @@ class PrefixIndex:
         self.template_source = template_source
         # The file whose size and mtime say "changed" (a name the store owns).
         self._transcript = store.dir("x").transcript_path.name
+        self._state = store.dir("x").state_path.name
         self._stamp = hashlib.sha256(json.dumps(
             {"id": model_identity, "n_ctx": n_ctx, "t": template_source}, sort_keys=True).encode()).hexdigest()[:16]
         self._dirty = False
@@ -344,15 +345,20 @@ class PrefixIndex:
                     if self._warm(cid) != old[3]:
                         self._rows.set_warm(cid, not old[3])
                     continue
-            puts.append(self._index_dir(self.store.dir(cid), st.st_size, st.st_mtime_ns))
+            # Its state file looked at once: whether it is warm, and whether its format must be checked
+            # (``read_meta`` would otherwise open it, or fail to, a third file per folder of a first build).
+            warm = self._warm(cid)
+            puts.append(self._index_dir(self.store.dir(cid), st.st_size, st.st_mtime_ns, warm))
         if puts:
             self._rows.put_many(puts)
             self._dirty = True
 
     def _warm(self, cid: str) -> bool:
+        # A stat of the path as a string: a ConversationDir and its Path joins cost more than the stat (a
+        # first build asks this of every folder).
         try:
-            return self.store.dir(cid).state_size() > 0
-        except (OSError, StoreError):
+            return os.stat(f"{self.store.root}{os.sep}{cid}{os.sep}{self._state}").st_size > 0
+        except OSError:
             return False
 
     def _refresh_all(self) -> None:
@@ -392,12 +398,12 @@ class PrefixIndex:
         except sqlite3.Error:
             self._lost()  # read back from its transcript at the next refresh
 
-    def _index_dir(self, conv_dir: ConversationDir, size: int, mtime: int) -> PrefixPut:
-        """The conversation's row, read from its files."""
+    def _index_dir(self, conv_dir: ConversationDir, size: int, mtime: int, warm: bool) -> PrefixPut:
+        """The conversation's row, read from its files (``warm``: it has a state file)."""
         try:
-            meta = conv_dir.read_meta()
+            meta = conv_dir.read_meta(check_state=warm)
             r = replay_events(conv_dir.read_transcript().events)
-            return self._put_args(conv_dir.id, size, mtime, Shape.of_replay(r), meta)
+            return self._put_args(conv_dir.id, size, mtime, Shape.of_replay(r), meta, warm)
         except (StoreError, FormatError, OSError, ValueError, TypeError, AttributeError) as exc:
             # One unusable folder (a newer chatcli's, wrongly typed metadata, an unreadable transcript) is
             # left out, as `chatcli ls` leaves it out, and said once: it is remembered with no boundaries,
@@ -410,7 +416,8 @@ class PrefixIndex:
         self._rows.put(*self._put_args(cid, size, mtime, sh, meta))
         self._dirty = True
 
-    def _put_args(self, cid: str, size: int, mtime: int, sh: Shape, meta: dict[str, Any]) -> PrefixPut:
+    def _put_args(self, cid: str, size: int, mtime: int, sh: Shape, meta: dict[str, Any],
+                  warm: bool | None = None) -> PrefixPut:
         """What ``PrefixRows.put`` stores for the conversation: its stamp, persona, owner and boundaries."""
         model = {k: v for k, v in dict(meta.get("model") or {}).items() if k != "path"}
         n_ctx = int(dict(meta.get("params") or {}).get("n_ctx", 0) or 0)
@@ -431,7 +438,8 @@ class PrefixIndex:
                     json.dumps({"messages": messages, "name": name, "hash": phash}, ensure_ascii=False),
                     json.dumps(messages, ensure_ascii=False))
             doc, persona_key = docs[0], (docs[1] if entries else None)
-        return (cid, size, mtime, root, doc, persona_key, updated, len(sh.active), owner_of(meta), self._warm(cid),
+        return (cid, size, mtime, root, doc, persona_key, updated, len(sh.active), owner_of(meta),
+                self._warm(cid) if warm is None else warm,
                 entries)
 
     def _drop(self, cid: str) -> None:
