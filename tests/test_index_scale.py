@@ -238,6 +238,40 @@ def test_ls_into_a_pipe_prints_the_same_lines_from_the_index_rows(chatcli_home: 
     assert listing._tsv(plain) == buf.getvalue()
 
 
+@pytest.mark.parametrize("which", ["all", "plain", "local", "shifted"])
+def test_ls_on_a_terminal_prints_the_same_lines_from_the_index_rows(which: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a terminal too the index's rows are formatted directly (``_screen_lines``): the same lines as the
+    general path (``_print_rows``: its screen columns), with and without the server, "from" and
+    "in_context" columns, a quantized warm row, a server named "local", a control character, a title too
+    wide to fit and one of another year."""
+    import time as time_module
+
+    from chatcli.cli import listing as listing_module
+
+    now = time_module.time()
+    rows = [Row("a1", "plain", "alice", "m", "", "", "f16", 10, now - 60, 1, 1, 0),
+            Row("b2", "tab\there, and a title far too long to fit in its column " * 2, "bob", "m", "api",
+                "http://host:8080", "q8_0", 99, 1_650_000_000.0, 3, 2, 5_000_000),
+            Row("c3", "üñí ✓ 中文", "", "m", "", "", "f16", 0, 0.0, 0, 0, 123)]
+    picked = {"all": rows, "plain": rows[:1],
+              "local": [rows[0], rows[2]._replace(server="http://local")],
+              "shifted": [rows[0], rows[2]._replace(in_context=0, turns=4)]}[which]
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for width in (60, 200):
+        buf = Tty()
+        size = os.terminal_size((width, 40))
+        monkeypatch.setattr(listing_module.shutil, "get_terminal_size", lambda *a, size=size: size)
+        with redirect_stdout(buf):
+            listing_module._print_rows([r.as_listing() for r in picked])
+        bold = not os.environ.get("NO_COLOR")
+        assert listing_module._screen_lines(picked, width, bold_header=bold) == buf.getvalue().splitlines()
+
+
 def test_all_rows_sorted_as_the_limited_query_sorts_them(chatcli_home: Path) -> None:
     """``rows()`` without a limit sorts in Python (the index walk was the slow part of `ls --all`): the
     order is the SQL one, ties on ``updated`` by id."""

@@ -46,6 +46,16 @@ def list_conversations(*, as_json: bool, limit: int | None = DEFAULT_LIMIT, grep
                 print(f"… {n_all - len(found)} older not shown (--all, or --limit N)", file=sys.stderr)
             print(_usage_line(n, n_warm, state_total), file=sys.stderr)
             return
+        if not as_json and found:
+            # A terminal: the screen's cells straight from the index's rows too (no dict per row).
+            for problem in problems:
+                print(f"warning: {problem}", file=sys.stderr)
+            lines = _screen_lines(found, shutil.get_terminal_size().columns, bold_header=not os.environ.get("NO_COLOR"))
+            sys.stdout.write("\n".join(lines) + "\n")
+            if len(found) < n_all:
+                print(f"… {n_all - len(found)} older not shown (--all, or --limit N)")
+            print(_usage_line(n, n_warm, state_total))
+            return
         rows = [r.as_listing() for r in found]
     for problem in problems:
         print(f"warning: {problem}", file=sys.stderr)
@@ -182,6 +192,42 @@ def _tsv(rows: Sequence[Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _screen_lines(rows: Sequence[Any], width: int, *, bold_header: bool) -> list[str]:
+    """The index's rows (``core.files.index.Row``) as the terminal's lines: the same as ``_print_rows``
+    shows a terminal (``_screen_columns``, ``format_columns``), without a dict per row or two copies of
+    it (`ls --all` at 100,000 on a terminal: 5.9-7.0 → 2.1-2.3 s of CPU, whole process)."""
+    from chatcli.units import format_size
+
+    this_year = datetime.now().year
+    fromtimestamp = datetime.fromtimestamp
+    where = any(r.server and str(r.server).split("://", 1)[-1] != "local" for r in rows)
+    source = any(r.source == "api" for r in rows)
+    shifted = any(r.in_context != r.turns for r in rows)
+    sizes: dict[int, str] = {}
+    cells: list[list[str]] = []
+    append = cells.append
+    for cid, title, persona, _model, src, server, kv_type, tokens, updated, turns, in_context, state in rows:
+        if state > 0:
+            size = sizes.get(state)
+            if size is None:
+                size = sizes[state] = format_size(state)
+            shown = size if kv_type == "f16" else f"{size} {kv_type}"
+        else:
+            shown = "cold"
+        when = fromtimestamp(float(updated))
+        row = [str(cid), str(title), str(persona), str(turns), *([str(in_context)] if shifted else []),
+               str(tokens), shown]
+        if where:
+            row.append(str(server).split("://", 1)[-1] if server else "local")
+        row.append(when.strftime("%m-%d %H:%M" if when.year == this_year else "%Y-%m-%d"))
+        if source:
+            row.append("api" if src == "api" else "cli")
+        append(row)
+    columns = ["id", "title", "persona", "turns", *(["in_context"] if shifted else []), "tokens", "state",
+               *(["server"] if where else []), "updated", *(["from"] if source else [])]
+    return _format_cells(cells, columns, width, bold_header=bold_header)
+
+
 def _print_rows(rows: list[dict[str, Any]]) -> None:
     from chatcli.units import format_size
 
@@ -201,9 +247,10 @@ def _print_rows(rows: list[dict[str, Any]]) -> None:
     if not sys.stdout.isatty():  # one tab-separated line per conversation, for scripts: a stable set of columns
         sys.stdout.write("".join("\t".join([str(r.get(c, "")) for c in columns]) + "\n" for r in rows))
     else:
-        for line in format_columns(*_screen_columns(rows, columns), shutil.get_terminal_size().columns,
-                                   bold_header=not os.environ.get("NO_COLOR")):
-            print(line)
+        # One write: a terminal's stdout is line-buffered, and a print a line made 100,000 writes.
+        lines = format_columns(*_screen_columns(rows, columns), shutil.get_terminal_size().columns,
+                               bold_header=not os.environ.get("NO_COLOR"))
+        sys.stdout.write("\n".join(lines) + "\n")
 
 
 def _usage_line(n: int, n_warm: int, state_total: int | None) -> str:
@@ -255,14 +302,38 @@ def format_columns(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], wi
     rest of `ls` together, and at 80 columns it wrapped cells over two lines. Here a long title is cut
     with "…" instead; control characters in user text are shown as spaces, never sent to the terminal.
     """
-    cells = [[_printable(str(r.get(c, ""))) for c in columns] for r in rows]
-    widths = [max([_width(c)] + [_width(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    return _format_cells([[str(r.get(c, "")) for c in columns] for r in rows], columns, width,
+                         bold_header=bold_header)
+
+
+def _format_cells(cells: list[list[str]], columns: Sequence[str], width: int, *, bold_header: bool) -> list[str]:
+    """``format_columns`` of the rows' cells as text (each row's cells in ``columns``' order)."""
+    cells = [[_printable(v) for v in row] for row in cells]
+    everything = "".join(map("".join, cells))
+    # Every cell ASCII and printable (the usual case): one terminal cell a character, so widths are lengths
+    # and each line one str.format, in C (100,000 rows: 0.57 → 0.32 s of CPU).
+    plain = everything.isascii() and everything.isprintable()
+    if plain:
+        widths = [max([len(c), *map(len, col)]) for c, col in zip(columns, zip(*cells, strict=True), strict=True)] \
+            if cells else [len(c) for c in columns]
+    else:
+        widths = [max([_width(c)] + [_width(row[i]) for row in cells]) for i, c in enumerate(columns)]
     if _ELASTIC in columns:
         i = columns.index(_ELASTIC)
         others = sum(w for j, w in enumerate(widths) if j != i) + len(_GAP) * (len(columns) - 1)
         widths[i] = max(min(widths[i], width - others), len(_ELASTIC))
     header = _GAP.join(_fit(c, w, c in _RIGHT) for c, w in zip(columns, widths, strict=True)).rstrip()
     lines = [f"\x1b[1m{header}\x1b[0m" if bold_header else header]
+    if plain:
+        # Only the elastic column can be narrower than its cells: cut those as ``_fit`` does, pad the rest.
+        if _ELASTIC in columns:
+            i, w = columns.index(_ELASTIC), widths[columns.index(_ELASTIC)]
+            for row in cells:
+                if len(row[i]) > w:
+                    row[i] = row[i][:max(w - 1, 0)] + "…"
+        fmt = _GAP.join(f"{{:{'>' if c in _RIGHT else '<'}{w}}}" for c, w in zip(columns, widths, strict=True))
+        lines += [fmt.format(*row).rstrip() for row in cells]
+        return lines
     for row in cells:
         lines.append(_GAP.join(_fit(v, w, c in _RIGHT) for v, c, w in zip(row, columns, widths, strict=True)).rstrip())
     return lines

@@ -53,10 +53,10 @@ CHECKED_ROWS = 100  # the rows `ls` shows that are checked against their files (
 COARSE_RACY_NS = 2_000_000_000
 # ... and for fine-grained ones, whose stamps come from the kernel's coarse clock (a tick: 10 ms at HZ=100).
 FINE_RACY_NS = 50_000_000
-# A ``fine_stamps`` sample slower than this is not counted (a loaded disk, preemption): below the shortest
-# tick of a coarse clock (1 ms at HZ=1000), so a coarse stamp's jump can never fit in one.
+# A ``fine_stamps`` sample counts when the stamp moved by less than this: below the shortest tick of a
+# coarse clock (1 ms at HZ=1000), so a coarse stamp, which stays or jumps by ticks, never does.
 _PROBE_MAX_NS = 900_000
-_PROBE_BUDGET_NS = 50_000_000  # samples are taken for at most this long (then: not shown fine)
+_PROBE_BUDGET_NS = 100_000_000  # samples are taken for at most this long (then: not shown fine)
 _T = TypeVar("_T")
 _ID_RE = re.compile(r"^[a-z0-9]{1,32}$")  # the store's rule for a conversation folder (store._ID_RE)
 
@@ -291,7 +291,9 @@ def _probe_fine_stamps(where: Path, root: Path) -> bool:
             os.rmdir(sub)
             if now == last:
                 return False  # a change after a stat left the stamp as it was: coarse
-            if t1 - t0 <= _PROBE_MAX_NS and 0 < now - last <= t1 - t0:
+            # Fine: the stamp moved by less than any coarse clock's tick (and, as any clock would, by no
+            # more than the time the two changes took).
+            if 0 < now - last < _PROBE_MAX_NS and now - last <= t1 - t0:
                 good += 1
                 if good == 2:
                     return True
@@ -1082,11 +1084,11 @@ class Index:
         """Whether a change to a folder after a ``stat`` of it always gets a new mtime, even within one tick
         of the kernel's clock: Linux's multigrain stamps (6.13 on: ext4, xfs, btrfs, tmpfs), or a clock as
         fine as the stamps. Measured once per process, in a folder made for it beside the index (on the
-        conversations folder's file system): two changes with a ``stat`` between them, taking less than a
-        tick of any coarse clock, must get stamps that differ by no more than the time between them,
-        twice. Coarse stamps cannot pass: theirs stay equal (False at once) or jump by a whole tick (1 ms
-        at least: more than a counted sample takes, ``_PROBE_MAX_NS``). On a disk so loaded that no
-        sample is fast enough within ``_PROBE_BUDGET_NS``, the answer is False: the next `ls` walks."""
+        conversations folder's file system): two changes with a ``stat`` between them must get stamps
+        that differ by less than a tick of any coarse clock (``_PROBE_MAX_NS``), twice. Coarse stamps
+        cannot pass: theirs stay equal (False at once) or jump by a whole tick (1 ms at least). On a disk
+        so loaded that no two changes come that close within ``_PROBE_BUDGET_NS``, the answer is False:
+        the next `ls` walks."""
         if self._fine is None:
             if not self.root.is_dir():
                 return False  # nothing to measure yet: asked again once the folder exists
