@@ -321,3 +321,123 @@ def test_refused_rollbacks_change_nothing(sess: Any) -> None:
         assert snapshot(empty) == before
     finally:
         empty.close()
+
+
+M4 = [*M, "And of Spain?"]
+
+
+def _kinds(path: Path) -> list[int]:
+    return [r.kind for r in sf.scan(path).records]
+
+
+def _fork(conv: Conversation, exchanges: int) -> str:
+    from chatcli.config.settings import get_paths
+    from chatcli.core.files.store import ConversationStore
+
+    return fork_conversation(ConversationStore(get_paths().conversations_dir), conv.id, exchanges)[0]
+
+
+def _continue(session: Any, cid: str, text: str) -> tuple[list[int], np.ndarray]:
+    ref, report, _ = drain(session.open_conversation(cid))
+    assert ref is not None and report is not None and report.reevaluated == 0
+    out = say(ref, text)
+    ref.close()
+    return out
+
+
+def test_redo_after_undoing_most_of_the_conversation_reads_the_undone_cells_back() -> None:
+    """/undo 3 of 4 exchanges leaves more dead bytes than live ones. That used to compact the state file,
+    dropping the undone cells, so /redo evaluated all of them again (found in the REPL: 961 tokens, ~20 s)."""
+    session = build_session()
+    conv, _, _ = drain(session.new_conversation("alice"))
+    assert conv is not None
+    for m in M4:
+        say(conv, m)
+    eng = session.engine
+    want = list(eng.tokens)
+    ref_id = _fork(conv, len(M4))  # never undone
+    before = eng.n_evaluated_total
+    undone = conv.undo(3)
+    path = conv.dir.state_path
+    # Dead bytes (the undone exchanges) outweigh the live ones: what used to trigger the compaction.
+    assert undone.reevaluated == 0 and path.stat().st_size > 2 * sf.scan(path).live_bytes()
+    stats = conv.redo()
+    assert stats.n_eval == 0 and stats.reevaluated == 0 and eng.n_evaluated_total == before
+    assert eng.tokens == want
+    toks, logits = say(conv, "And of Germany?")
+    conv.close()
+    ref_toks, ref_logits = _continue(session, ref_id, "And of Germany?")
+    assert toks == ref_toks and np.array_equal(logits, ref_logits)  # as if never undone
+    session.close()
+
+
+def test_compaction_keeps_the_alternatives_alt_can_switch_to() -> None:
+    """Regenerating a reply again and again makes dead records (the older alternatives) until a compaction
+    rewrites the state file. It used to drop every alternative's cells, so /alt evaluated the reply again;
+    the newest SPARE_ALTS other replies are now kept (SPARE records) and read back, bit-identically."""
+    from chatcli.core.conversation import SPARE_ALTS
+
+    session = build_session(temperature=0.9, seed=5, max_tokens=48)
+    conv, _, _ = drain(session.new_conversation("alice"))
+    assert conv is not None
+    say(conv, M[0])
+    eng = session.engine
+    refs: dict[int, str] = {}  # an alternative's mid -> a fork made while it was the active reply
+    path = conv.dir.state_path
+    for _ in range(30):
+        drain(conv.regen())
+        refs[conv.messages[-1].mid] = _fork(conv, 1)
+        if sf.SPARE in _kinds(path):
+            break
+    assert sf.SPARE in _kinds(path)  # a compaction ran and kept alternatives: the case under test
+    p0 = conv.messages[-1].p0
+    others = [a for a in conv.alternatives() if not a.active][-SPARE_ALTS:]
+    assert len(others) == SPARE_ALTS
+    before = eng.n_evaluated_total
+    for alt in reversed(others):
+        stats = conv.switch_alt(alt.index)
+        assert stats.n_eval == 0 and eng.n_evaluated_total == before, alt
+        assert eng.tokens[p0:] == [int(t) for t in conv.r.all[alt.mid]["tokens"]]
+    mid = others[0].mid
+    toks, logits = say(conv, M[1])
+    conv.close()
+    ref_toks, ref_logits = _continue(session, refs[mid], M[1])
+    assert toks == ref_toks and np.array_equal(logits, ref_logits)
+    session.close()
+
+
+def test_redo_and_alt_after_a_compaction_read_the_cells_back() -> None:
+    """After a compaction the live state is one snapshot: an undo or /alt cutting into it saves the part it
+    cuts (a SPARE record), and the compaction an undo triggers keeps the undone exchanges and the other
+    replies of the turn a redo brings back."""
+    session = build_session(temperature=0.9, seed=3, max_tokens=48)
+    conv, _, _ = drain(session.new_conversation("alice"))
+    assert conv is not None
+    for m in M4:
+        say(conv, m)
+    eng = session.engine
+    path = conv.dir.state_path
+    for _ in range(30):  # older alternatives nothing can switch to any more: a compaction follows
+        drain(conv.regen())
+        if _kinds(path)[1] == sf.SNAPSHOT:
+            break
+    assert _kinds(path)[1] == sf.SNAPSHOT
+    want = list(eng.tokens)
+    others = [a.mid for a in conv.alternatives() if not a.active]
+    ref_id = _fork(conv, len(M4))
+    before = eng.n_evaluated_total
+    assert conv.undo(3).reevaluated == 0
+    assert sf.SPARE in _kinds(path)
+    stats = conv.redo()
+    assert stats.n_eval == 0 and eng.n_evaluated_total == before and eng.tokens == want
+    newest = [a for a in conv.alternatives() if a.mid == others[-1]][0]
+    assert conv.switch_alt(newest.index).n_eval == 0 and eng.n_evaluated_total == before
+    back = [a for a in conv.alternatives() if a.mid == conv.r.all[conv.r.active[-1].mid]["mid"]][0]
+    assert back.active
+    conv.switch_alt([a.index for a in conv.alternatives() if a.mid not in others][0])
+    assert eng.tokens == want and eng.n_evaluated_total == before
+    toks, logits = say(conv, "And of Germany?")
+    conv.close()
+    ref_toks, ref_logits = _continue(session, ref_id, "And of Germany?")
+    assert toks == ref_toks and np.array_equal(logits, ref_logits)
+    session.close()

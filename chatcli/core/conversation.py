@@ -45,6 +45,10 @@ from chatcli.core.template import ChatTemplate, Message, ReasoningStream
 from chatcli.core.transcript import ActiveMessage, Replay, Transcript
 from chatcli.core.views import ConversationViews
 
+# A compaction of the state file keeps the cells of this many of the last turn's other replies (the newest):
+# /alt to them reads the cells back; to older ones it evaluates the reply again.
+SPARE_ALTS = 4
+
 
 class Conversation(ConversationViews):
     """One open conversation bound to the process's backend. Holds the conversation's lock until closed."""
@@ -80,6 +84,41 @@ class Conversation(ConversationViews):
         self._closing_due: list[int] = []  # a reply's closing, in the transcript, decoded by ``commit`` (held writes)
         self.log.on_saved = self._saved
         self.log.replan = lambda: rebuild.segments(len(self.r.prefix_tokens), list(self.r.active), self._closing_len)
+        self.log.reusable = self._reusable
+
+    def _reusable(self) -> list[tuple[int, list[int]]]:
+        """What /redo and /alt can put back from here, for the state log's compaction to keep
+        (``StateLog.reusable``): the last turn's other replies (the newest ``SPARE_ALTS``), each entry of the
+        redo stack in the order redo brings them back, and the other replies of the turn each entry ends
+        with. The redo stack is bounded by the context (its messages were in it with the live ones) and is
+        cleared by the next message, edit, /regen or /alt; the next compaction after that drops its cells."""
+        last = self.r.active[-1] if self.r.active else None
+        if not self.r.redo and (last is None or (last.alt == 0 and last.mid == self.r.next_mid - 1)):
+            return []  # a plain turn (its reply is the newest message, the turn's first): nothing to scan
+        seq = self.r.tokens()
+        out: list[tuple[int, list[int]]] = []
+        reply = (last.mid, last.p0) if last is not None and last.role == "assistant" else None
+        out.extend(self._other_replies(seq, reply))
+        for mids in reversed(self.r.redo):
+            p0 = len(seq)
+            reply = None
+            for m in mids:
+                if self.r.all[m]["role"] == "assistant":
+                    reply = (m, len(seq))
+                seq = seq + [int(t) for t in self.r.all[m]["tokens"]]
+            out.append((p0, seq))
+            # Once redone, this entry's last reply is the last turn's: its other replies are /alt's.
+            out.extend(self._other_replies(seq, reply if reply is not None and reply[0] == mids[-1] else None))
+        return out
+
+    def _other_replies(self, seq: list[int], reply: tuple[int, int] | None) -> list[tuple[int, list[int]]]:
+        """``_reusable``'s entries for the other replies of the turn whose reply ``(mid, p0)`` ends ``seq``."""
+        if reply is None:
+            return []
+        mid, p0 = reply
+        alts = sorted((e for e in self.r.alternatives(int(self.r.all[mid].get("turn", -1))) if int(e["mid"]) != mid),
+                      key=lambda e: int(e["mid"]))
+        return [(p0, seq[:p0] + [int(t) for t in e["tokens"]]) for e in alts[-SPARE_ALTS:]]
 
     # -- loading the backend (see opening.py for creating and opening) ---------------------------------
 

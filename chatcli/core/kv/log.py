@@ -6,7 +6,8 @@ shift — and tells its state log through a few hooks; the log decides what to s
 - ``CellLog`` (backends with ``caps.cells``, the local llama.cpp engine): the append-only state file
   (``records.py``). Each turn appends only the cells it added, plus the logits after the user message
   (so /regen samples again without evaluating anything); a rollback appends a TRUNCATE record; switching
-  back to a reply or redoing it reads its cells back; compaction and context shifts write one snapshot.
+  back to a reply or redoing it reads its cells back; compaction and context shifts write one snapshot
+  (a compaction keeps, as SPARE records, the cells ``/redo`` and ``/alt`` can still bring back).
 - ``CheckpointLog`` (backends with ``caps.checkpoint``, e.g. a remote llama-server that saves whole slots
   to its own files): after each operation the backend saves its sequence under the conversation's
   checkpoint name, and the conversation's metadata records how many tokens it holds (and their hash). On
@@ -65,6 +66,10 @@ class StateLog(Protocol):
     # How the conversation's tokens were first batched (rebuild.segments), for evaluating part of it again
     # bit-identically when a rollback finds no saved point (set by the conversation).
     replan: Callable[[], list[tuple[int, int]]] | None
+    # What ``put_back`` may be asked for next (set by the conversation): (p0, seq) pairs, each a token sequence
+    # from position 0 whose part from p0 on /redo or /alt can bring back. A compaction keeps the saved cells
+    # of those parts (SPARE records) instead of dropping them with the other dead records.
+    reusable: Callable[[], list[tuple[int, list[int]]]] | None
 
     @property
     def turn_logits(self) -> tuple[int, Logits] | None: ...
@@ -159,6 +164,7 @@ class CellLog:
         self.meta_changed = False
         self.on_saved: Callable[[], None] | None = None
         self.replan: Callable[[], list[tuple[int, int]]] | None = None
+        self.reusable: Callable[[], list[tuple[int, list[int]]]] | None = None
         self._needs_snapshot = False
         # A user message's records not written yet (see user_evaluated's ``defer``), with the record itself
         # where it had to be read out at once.
@@ -430,9 +436,10 @@ class CellLog:
         eng = self.eng
         again = 0
         if self._cuts or to in (0, eng.n_past):
+            spare = self._cut_part(to) if persist and self._cuts and self.eng.caps.memory == "attention" else []
             eng.truncate(to)
             if persist:
-                self._append([sf.encode_record(sf.TRUNCATE, to, to, b"")], None)
+                self._append([*spare, sf.encode_record(sf.TRUNCATE, to, to, b"")], None)
         else:
             want = eng.tokens[:to]
             at = self._rewind(to, exact=False)
@@ -454,6 +461,19 @@ class CellLog:
         elif self._turn_logits and self._turn_logits[0] > to:
             self._turn_logits = None
         return again
+
+    def _cut_part(self, to: int) -> list[bytes]:
+        """Before cutting an attention memory back to ``to``: the cells of the live record that the cut
+        falls inside, from ``to`` to its end, as a SPARE record. Only a snapshot (compaction, context shift,
+        a rebuilt resume) holds several messages; without this, /redo or /alt to what was cut out of it
+        would evaluate it again. A record that starts at ``to`` is already there as it is. (Not on a sliding
+        window: its cells of [to, end) saved now would lack those the window dropped since.)"""
+        for ch in self.state.live()[0]:
+            rec = ch.record
+            if rec.p0 < to < ch.end <= self.eng.n_past:
+                kv = self.eng.save_cells(to, ch.end)
+                return [sf.encode_record(sf.SPARE, to, ch.end, sf.cells_payload(self.eng.tokens[to:ch.end], kv))]
+        return []
 
     def _eval(self, tokens: list[int], end: int) -> Generator[Progress, None, int]:
         """Evaluate ``tokens`` so that the backend ends at ``end``; returns how many."""
@@ -492,8 +512,9 @@ class CellLog:
     def _put_back(self, tokens: list[int]) -> Generator[Progress, None, int]:
         """Put ``tokens`` back after the current context, reusing cells the state file still holds.
 
-        A rolled-back reply's CELLS record stays in the file (dead, until compaction): switching back to it
-        or redoing it reads those cells instead of evaluating. Returns how many tokens came from the file;
+        A rolled-back reply's CELLS record stays in the file (dead; a compaction keeps it as a SPARE record
+        while /redo or /alt can still ask for it, see ``reusable``): switching back to it or redoing it reads
+        those cells instead of evaluating. Returns how many tokens came from the file;
         the rest is evaluated. Either way a record that is live again is appended.
 
         Several records may start at the same position (each alternative reply of a turn has one): the
@@ -509,7 +530,7 @@ class CellLog:
             pos = p0 + loaded
             found = False
             for rec in reversed(self.state.records):
-                if not (rec.kind == sf.CELLS and rec.p0 == pos and rec.p1 <= p0 + len(tokens)):
+                if not (rec.kind in (sf.CELLS, sf.SPARE) and rec.p0 == pos and rec.p1 <= p0 + len(tokens)):
                     continue
                 try:
                     toks, kv = sf.split_cells(sf.read_payload(self.path, rec), rec.p1 - rec.p0)
@@ -534,7 +555,7 @@ class CellLog:
         eng = self.eng
         want = [*eng.tokens, *tokens]
         for rec in reversed(self.state.records):
-            if rec.kind != sf.SNAPSHOT or rec.p0 != 0 or rec.p1 != len(want):
+            if rec.kind not in (sf.SNAPSHOT, sf.SPARE) or rec.p0 != 0 or rec.p1 != len(want):
                 continue
             try:
                 payload = sf.read_payload(self.path, rec)
@@ -567,14 +588,16 @@ class CellLog:
             # the records it keeps. Dead records are rolled-back alternatives and, on a whole-sequence
             # memory, points older than the newest WHOLE_POINTS.
             keep = self._kept_points()
+            spares = self._spares(keep)
             if not self._whole and sum(r.is_point for r in keep) > 2 * HYBRID_POINTS:
-                self._merge_old_points(keep)
+                self._merge_old_points(keep, spares)
                 return
-            live = sum(r.size for r in keep) + HEADER_BYTES
+            live = sum(r.size for r in keep) + sum(r.size for r in spares) + HEADER_BYTES
             if st.valid_bytes + st.base_bytes - live > max(live, 1 << 20):
-                self._rewrite_points(kept=keep, added=[])
+                self._rewrite_points(kept=keep, added=[], spares=spares)
             return
-        if st.bases and self._bases_shared():
+        shared = bool(st.bases) and self._bases_shared()
+        if shared:
             # A fork whose base another conversation still links: the base's dead bytes cost nothing extra
             # (the parent keeps them anyway) and a rewrite would copy what is shared, so only the fork's own
             # records are weighed.
@@ -583,8 +606,64 @@ class CellLog:
             # Plain file, or a base nobody else links any more (the parent is gone or rewrote its file):
             # the base's bytes are this conversation's alone and compact like its own.
             total, live = st.valid_bytes + st.base_bytes, st.live_bytes()
+        # What /redo and /alt can still read back is kept too, and weighs as live: the file is rewritten once
+        # the records nothing can use any more outweigh those kept.
+        spares = self._spares([c.record for c in st.live()[0]])
+        live += sum(r.size for r in spares if not (shared and r.file is not None))
         if total - live > live:
-            self._rewrite_state()
+            self._rewrite_state(spares)
+
+    def _spares(self, kept: Sequence[sf.Record]) -> list[sf.Record]:
+        """The dead records a compaction keeps: those whose cells ``put_back`` can still use (``reusable``),
+        one per distinct content, the newest. On a whole-sequence memory that is a snapshot of exactly a
+        sequence wanted; otherwise cells whose tokens are those of a wanted part at the same positions.
+
+        Bounded by what is reusable: the redo stack (cells that were in the context together with the live
+        ones, so at most one context's worth) and the alternatives the conversation names (a few)."""
+        wanted = self.reusable() if self.reusable is not None else []
+        if not wanted:
+            return []
+        ranges = not self._whole
+        kinds = (sf.CELLS, sf.SPARE) if ranges else (sf.SNAPSHOT, sf.SPARE)
+        skip = {(r.file, r.offset) for r in kept}
+        out: list[sf.Record] = []
+        seen: set[tuple[int, int, tuple[int, ...]]] = set()
+        for rec in reversed(self.state.records):
+            if rec.kind not in kinds or (rec.file, rec.offset) in skip or rec.p1 <= rec.p0:
+                continue
+            if ranges:
+                fits = any(p0 <= rec.p0 and rec.p1 <= len(seq) for p0, seq in wanted)
+            else:
+                fits = rec.p0 == 0 and any(rec.p1 == len(seq) for _p0, seq in wanted)
+            if not fits:
+                continue
+            try:
+                toks = sf.read_tokens(self.path, rec)
+            except (OSError, sf.StateFileError):
+                continue
+            key = (rec.p0, rec.p1, tuple(toks))
+            if key in seen:
+                continue  # an older copy of the same cells (an undo and a redo each append one)
+            if ranges:
+                ok = any(p0 <= rec.p0 and seq[rec.p0:rec.p1] == toks for p0, seq in wanted)
+            else:
+                ok = any(seq == toks for _p0, seq in wanted)
+            if ok:
+                seen.add(key)
+                out.append(rec)
+        out.reverse()  # file order
+        return out
+
+    def _spare_copies(self, spares: Sequence[sf.Record]) -> list[bytes]:
+        """``spares`` re-encoded as SPARE records (crc-checked copies); an unreadable one is left out: it was
+        only going to save an evaluation."""
+        out = []
+        for rec in spares:
+            try:
+                out.append(sf.encode_record(sf.SPARE, rec.p0, rec.p1, sf.read_payload(self.path, rec), rec.flags))
+            except (OSError, sf.StateFileError):
+                continue
+        return out
 
     def _bases_shared(self) -> bool:
         try:
@@ -636,7 +715,7 @@ class CellLog:
         chunks, _, _ = self.state.live()
         return [c.record for c in chunks if c.end == c.record.p1]
 
-    def _merge_old_points(self, keep: list[sf.Record]) -> None:
+    def _merge_old_points(self, keep: list[sf.Record], spares: Sequence[sf.Record] = ()) -> None:
         """Keep the newest HYBRID_POINTS points of a hybrid memory; the cells before them become one record
         (its recurrent part is today's, not the state at its end: flagged NOT_A_POINT)."""
         eng = self.eng
@@ -649,19 +728,21 @@ class CellLog:
             return
         lead = sf.encode_record(sf.CELLS, 0, cut, sf.cells_payload(eng.tokens[:cut], eng.save_cells(0, cut, point=False)),
                                 flags=sf.NOT_A_POINT)
-        self._rewrite_points(kept=keep[i:], added=[], lead=[lead])
+        self._rewrite_points(kept=keep[i:], added=[], lead=[lead], spares=spares)
 
-    def _rewrite_points(self, *, kept: list[sf.Record], added: list[bytes], lead: Sequence[bytes] = ()) -> None:
+    def _rewrite_points(self, *, kept: list[sf.Record], added: list[bytes], lead: Sequence[bytes] = (),
+                        spares: Sequence[sf.Record] = ()) -> None:
         """Rewrite the state file as ``kept`` records of the current file (copied, crc-checked), then
-        ``added`` ones, then the logits: the points survive. On any read failure the backend's end state is
-        written as one snapshot instead (the points before it are then gone: rollbacks there evaluate)."""
+        ``added`` ones, then ``spares`` (as SPARE records), then the logits: the points survive. On any read
+        failure the backend's end state is written as one snapshot instead (the points before it are then
+        gone: rollbacks there evaluate)."""
         self._pending = self._pending_reply = None
         try:
             copies = [sf.encode_record(r.kind, r.p0, r.p1, sf.read_payload(self.path, r), r.flags) for r in kept]
         except (OSError, sf.StateFileError):
             self._rewrite_state()
             return
-        recs = [self._header(), *lead, *copies, *added, *self._logits_record()]
+        recs = [self._header(), *lead, *copies, *added, *self._spare_copies(spares), *self._logits_record()]
         try:
             self.writer.rewrite(recs)
         except OSError as exc:
@@ -685,14 +766,16 @@ class CellLog:
         pos, arr = self._turn_logits
         return [sf.encode_record(sf.LOGITS, pos, pos, arr.astype("<f4").tobytes())]
 
-    def _rewrite_state(self) -> bytes | None:
-        """Write the whole live state as one snapshot (compaction, shifts, recovery); returns its cells."""
+    def _rewrite_state(self, spares: Sequence[sf.Record] = ()) -> bytes | None:
+        """Write the whole live state as one snapshot (compaction, shifts, recovery), then copies of the
+        ``spares`` records of the current file (compaction); returns the snapshot's cells."""
         self._pending = self._pending_reply = None  # the snapshot holds those cells (and the logits, below)
         eng = self.eng
         n = eng.n_past
         recs = [self._header()]
         kv = eng.save_cells(0, n)
         recs.append(sf.encode_record(sf.SNAPSHOT, 0, n, sf.cells_payload(eng.tokens, kv)))
+        recs.extend(self._spare_copies(spares))
         recs.extend(self._logits_record())
         try:
             self.writer.rewrite(recs)
@@ -741,6 +824,7 @@ class CheckpointLog:
         self.on_saved: Callable[[], None] | None = None  # its saves live on the server: nothing to budget here
         self.hold = False  # nothing is kept back: a checkpoint is the backend's own save
         self.replan: Callable[[], list[tuple[int, int]]] | None = None
+        self.reusable: Callable[[], list[tuple[int, list[int]]]] | None = None  # a checkpoint keeps no cells
         self._saved: list[int] | None = None  # the tokens of the last checkpoint this process made
         # The regenerate point's checkpoint ({"name", "tokens", "sha256", "bytes"}), when one was saved.
         regen = info.get("regen") if isinstance(info, dict) else None

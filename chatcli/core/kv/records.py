@@ -10,6 +10,8 @@ A state file is a sequence of checksummed records::
 - ``TRUNCATE`` the context was rolled back to p0 tokens.
 - ``SNAPSHOT`` like CELLS from position 0: replaces everything before it (compaction, context shift).
 - ``LOGITS``   float32 logits after position p0-1: lets /regen sample again without re-evaluating.
+- ``SPARE``    like CELLS, but never part of the state: cells a compaction kept because ``/redo`` or ``/alt``
+               can still bring them back (read back by ``CellLog.put_back``; older versions skip the kind).
 - ``BASE``     JSON ``{file, length, header_crc, last_offset, last_crc}``: the records of another state file
                (``<this file's stem>.base-<hex>.kv`` in the same folder, a hard link to a fork parent's
                ``state.kv``), bytes [0, length), count as if they stood here. Only right after the header.
@@ -61,13 +63,13 @@ BASE_FORMAT = 2  # the first format whose readers follow a BASE record
 _HDR = struct.Struct("<4sBBHiiQI")  # magic kind flags reserved p0 p1 length crc
 HEADER_SIZE = _HDR.size
 
-HEADER, CELLS, TRUNCATE, SNAPSHOT, LOGITS, BASE = 1, 2, 3, 4, 5, 6
+HEADER, CELLS, TRUNCATE, SNAPSHOT, LOGITS, BASE, SPARE = 1, 2, 3, 4, 5, 6, 7
 # Record flags (the header's flags byte; older versions ignore it). NOT_A_POINT: cells saved while the
 # sequence went on past p1, so the state that is not cells (a recurrent one) is not the state at p1 — a
 # compaction of old turns on a hybrid memory. Loadable as cells, never rewound to.
 NOT_A_POINT = 1
 KIND_NAMES = {HEADER: "header", CELLS: "cells", TRUNCATE: "truncate", SNAPSHOT: "snapshot", LOGITS: "logits",
-              BASE: "base"}
+              BASE: "base", SPARE: "spare"}
 _MAX_PAYLOAD = 1 << 36
 MAX_BASE_DEPTH = 8  # a fork of a fork of ... : deeper chains are copied instead (forking.py)
 _BASE_NAME = re.compile(r"^[A-Za-z0-9_-]+\.base-[0-9a-f]{8,32}\.kv$")
@@ -592,6 +594,21 @@ def read_payload(path: Path, rec: Record) -> bytes:
     if zlib.crc32(data[HEADER_SIZE:], zlib.crc32(head[:-4])) != crc:
         raise StateFileError("checksum mismatch")
     return data[HEADER_SIZE:]
+
+
+def read_tokens(path: Path, rec: Record) -> list[int]:
+    """The token ids at the start of a CELLS/SNAPSHOT/SPARE payload, without reading its cells (or checking
+    its crc: whoever uses the cells reads the whole record with ``read_payload``)."""
+    import numpy as np  # lazily, as in split_cells
+
+    n = rec.p1 - rec.p0
+    with (rec.file or path).open("rb") as fh:
+        fh.seek(rec.offset + HEADER_SIZE)
+        data = fh.read(4 * n)
+    if len(data) != 4 * n:
+        raise StateFileError("state file changed while reading")
+    out: list[int] = np.frombuffer(data, dtype="<i4").tolist()
+    return out
 
 
 def split_cells(payload: bytes | memoryview, n_tokens: int) -> tuple[list[int], Any]:
