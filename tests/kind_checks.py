@@ -31,7 +31,7 @@ OTHER = "say something else"
 LONG = "a rather long message about the weather and the sea, told at length so it fills the context fast"
 N_CTX = 256
 DSV4_ATOL = 1e-4
-CHECKS = ("resume", "regen", "undo", "undo_resume", "redo", "edit", "alt", "fork", "evict", "shift")
+CHECKS = ("resume", "regen", "undo", "undo_resume", "redo", "redo_compacted", "edit", "alt", "fork", "evict", "shift")
 
 
 class CheckFailed(AssertionError):
@@ -179,6 +179,25 @@ class Kind:
                f"redo evaluated {self.engine.n_evaluated_total - before} (cells not read back)")
         expect(list(self.engine.tokens) == full["tokens"], "redo: tokens differ")
         self.continues_like_control(conv, 3, "after redo")
+        conv.close()
+
+    def check_redo_compacted(self) -> None:
+        """Undo every exchange, compact the state file (as a long undo triggers), redo: the compaction kept
+        the undone cells (SPARE records), nothing is evaluated, and the conversation continues as the control."""
+        from chatcli.core.kv import records as sf
+
+        full = self.talk(M[:3])
+        conv, _ = self.open(full["id"])
+        conv.undo(3)
+        conv.log.compact()
+        kinds = [r.kind for r in sf.scan(conv.dir.state_path).records]
+        expect(sf.SPARE in kinds, f"the compaction kept no SPARE record ({kinds})")
+        before = self.engine.n_evaluated_total
+        stats = conv.redo()
+        expect(stats.n_eval == 0 and self.engine.n_evaluated_total == before,
+               f"redo after a compaction evaluated {self.engine.n_evaluated_total - before}")
+        expect(list(self.engine.tokens) == full["tokens"], "redo after a compaction: tokens differ")
+        self.continues_like_control(conv, 3, "after a compacted redo")
         conv.close()
 
     def check_edit(self) -> None:

@@ -139,6 +139,9 @@ WHOLE_POINTS = 8
 # of their cells without a usable recurrent state (NOT_A_POINT), so the file stops growing by two recurrent
 # states per turn. Rolling back further than that evaluates from the start.
 HYBRID_POINTS = 16
+# Below this many dead bytes a memory that cannot be cut back is not compacted (its records are copied, and
+# tiny files are not worth a rewrite).
+COMPACT_FLOOR = 1 << 20
 HEADER_BYTES = 512  # about what the header record takes (its JSON identity)
 PUT_BACK = "evaluating the messages brought back"  # redo, /alt: what the state file no longer had
 
@@ -593,7 +596,7 @@ class CellLog:
                 self._merge_old_points(keep, spares)
                 return
             live = sum(r.size for r in keep) + sum(r.size for r in spares) + HEADER_BYTES
-            if st.valid_bytes + st.base_bytes - live > max(live, 1 << 20):
+            if st.valid_bytes + st.base_bytes - live > max(live, COMPACT_FLOOR):
                 self._rewrite_points(kept=keep, added=[], spares=spares)
             return
         shared = bool(st.bases) and self._bases_shared()
@@ -612,6 +615,20 @@ class CellLog:
         live += sum(r.size for r in spares if not (shared and r.file is not None))
         if total - live > live:
             self._rewrite_state(spares)
+
+    def compact(self) -> None:
+        """Rewrite the state file now, as ``settle`` does once the dead records outweigh the rest: the live
+        state (the points kept, on a memory that cannot be cut back) and the SPARE records."""
+        self._flush()
+        if self._cuts:
+            self._rewrite_state(self._spares([c.record for c in self.state.live()[0]]))
+            return
+        keep = self._kept_points()
+        spares = self._spares(keep)
+        if not self._whole and sum(r.is_point for r in keep) > 2 * HYBRID_POINTS:
+            self._merge_old_points(keep, spares)
+        else:
+            self._rewrite_points(kept=keep, added=[], spares=spares)
 
     def _spares(self, kept: Sequence[sf.Record]) -> list[sf.Record]:
         """The dead records a compaction keeps: those whose cells ``put_back`` can still use (``reusable``),
