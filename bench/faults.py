@@ -1,8 +1,9 @@
 """Fault injection: SIGKILL a real ``chatcli talk`` at many points, resume it, and check what survived.
 
 Every kill point runs a fresh ``chatcli talk`` (own CHATCLI_HOME, greedy decoding) over one scripted session
-that exercises every write path: turns, ``/undo`` (which compacts the state file), long messages that force a
-context shift (``--n-ctx 512 --reserve 64``). The process is killed with SIGKILL, either
+that exercises every write path: turns, ``/undo`` (after which the next turn compacts the state file, and a
+second ``/undo`` cuts into the compacted snapshot), long messages that force a context shift (``--n-ctx 512
+--reserve 64``). The process is killed with SIGKILL, either
 
 - precisely, by a launcher (``--child`` mode of this file) that runs chatcli's own CLI entry point with a
   few standard-library calls wrapped: the Nth ``os.write`` to the transcript / state file / temp file of an
@@ -76,11 +77,15 @@ _NOTES = [
     "it has not broken down once. Please tell me in one sentence what colour the frame is.",
 ]
 
-# The session every kill point replays. /undo right after a long turn leaves more dead bytes than live ones in
-# the state file, so it is compacted; the fourth long note fills the 512-token context, so the short message
-# after it makes the oldest exchange leave the context (a shift, then a snapshot).
-SCRIPT: list[str] = [_NOTES[0], "/undo", _NOTES[1], _NOTES[2], _NOTES[3], "Thanks! What is two plus two?",
-                     "And what is the capital of Italy?"]
+# The session every kill point replays. /undo right after a long turn keeps its cells (/redo can still bring
+# them back); the short question after it clears the redo stack, so the long turn's cells are dead and
+# outweigh the live ones: the state file is compacted (one snapshot). The /undo of that question cuts into the
+# snapshot (the part cut is saved as a SPARE record first). The fourth long note fills the 512-token
+# context, so the short message after it makes the oldest exchange leave the context (a shift, then a
+# snapshot).
+SHORT_QUESTION = "What is the capital of France?"
+SCRIPT: list[str] = [_NOTES[0], "/undo", SHORT_QUESTION, "/undo", _NOTES[1], _NOTES[2], _NOTES[3],
+                     "Thanks! What is two plus two?", "And what is the capital of Italy?"]
 
 
 def talk_flags() -> list[str]:
@@ -252,6 +257,7 @@ class Outcome:
     identical: bool = False  # final transcript == the uninterrupted one (ignoring alternative indexes)
     alt_mislabelled: bool = False  # ... but a reply got another alternative index than uninterrupted
     problems: list[str] = field(default_factory=list)
+    resume_stderr: str = ""  # what the resume printed (its notices: what /redo or /alt evaluated)
 
     @property
     def ok(self) -> bool:
@@ -332,7 +338,8 @@ def completed_replies(stderr: str) -> int:
 
 
 def spans_of(events: list[dict[str, Any]], script: list[str]) -> list[tuple[int, int]]:
-    """Which events each script line produced (a message: [shift], user, assistant; /undo: truncate)."""
+    """Which events each script line produced (a message: [shift], user, assistant; /undo: truncate; /redo:
+    an activate per message brought back)."""
     spans = []
     i = 0
     for line in script:
@@ -340,6 +347,11 @@ def spans_of(events: list[dict[str, Any]], script: list[str]) -> list[tuple[int,
         if line.startswith("/undo"):
             assert events[i]["type"] == "truncate", events[i]
             i += 1
+        elif line.startswith("/redo"):
+            assert events[i]["type"] == "activate" and events[i].get("redo"), events[i]
+            i += 1
+            while i < len(events) and events[i]["type"] == "activate" and not events[i].get("redo"):
+                i += 1
         else:
             if events[i]["type"] == "shift":
                 i += 1
@@ -351,8 +363,9 @@ def spans_of(events: list[dict[str, Any]], script: list[str]) -> list[tuple[int,
     return spans
 
 
-def reference(workdir: Path, script: list[str] = SCRIPT) -> Reference:
-    """The uninterrupted session (with the hook launcher in counting mode)."""
+def reference(workdir: Path, script: list[str] = SCRIPT, *, shift: bool = True) -> Reference:
+    """The uninterrupted session (with the hook launcher in counting mode); ``shift``: it must have a context
+    shift (the script is meant to fill the context)."""
     home = workdir / "reference"
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True)
@@ -363,7 +376,7 @@ def reference(workdir: Path, script: list[str] = SCRIPT) -> Reference:
     (conv,) = conversation_dirs(home)
     events, problems = normalised_events(conv)
     assert not problems, problems
-    if not any(e["type"] == "shift" for e in events):
+    if shift and not any(e["type"] == "shift" for e in events):
         raise RuntimeError("the reference session had no context shift: the script no longer fills the context")
     return Reference(events, spans_of(events, script), json.loads(trace_file.read_text()), run.seconds)
 
@@ -526,6 +539,7 @@ def run_point(ref: Reference, point: KillPoint, workdir: Path, script: list[str]
             out.problems.append(f"{out.lost} completed turn(s) missing from the transcript")
         lines, _pending = remaining_lines(ref, script, len(events))
         res = run_resume(home, conv.name, lines)
+        out.resume_stderr = res.stderr
         if res.rc != 0 or "resumed" not in res.stderr:
             out.opened = False
             out.problems.append(f"resume failed ({res.rc}): {res.stderr.strip()[-500:]}")

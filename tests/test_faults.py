@@ -30,8 +30,12 @@ KILL_POINTS = {
     "torn-state-append": ("write:state", "torn", "message:assistant", 2, 0),
     # SIGKILL while the third reply streams, after five decodes.
     "mid-reply": ("decode", "before", "message:user", 3, 5),
-    # SIGKILL half-way through writing the compacted state file after /undo (temp file of an atomic rewrite).
-    "mid-compaction": ("write:state_tmp", "torn", "truncate:undo", 1, 0),
+    # SIGKILL half-way through writing the compacted state file (temp file of an atomic rewrite): the reply to
+    # the question after /undo made the undone turn's cells dead, and they outweigh the live ones.
+    "mid-compaction": ("write:state_tmp", "torn", "message:assistant", 2, 0),
+    # SIGKILL after the second /undo's transcript event, before its state records: the state file still holds
+    # the compacted snapshot the undo cuts into.
+    "undo-into-snapshot": ("write:state", "before", "truncate:undo", 2, 0),
     # SIGKILL after the oldest exchange left the context, before the snapshot that follows it is written.
     "after-shift": ("shift", "after", "shift:", 1, 0),
 }  # (torn transcript lines: bench/faults.py and test_torn_last_transcript_line_is_dropped_reported_and_repaired)
@@ -44,11 +48,15 @@ def test_sigkill_loses_at_most_the_reply_in_flight(name: str, fault_ref: Any, tm
         point = faults.KillPoint(f"shift #1 {phase}", {"event": "shift", "n": 1, "phase": phase})
     else:
         point = faults.point_after(fault_ref, event, phase, note, k, skip)
+    if name == "mid-compaction":
+        # The point is found by position in the session: make sure it still is a compaction (a change to
+        # what compacts when would otherwise move it silently onto another rewrite).
+        assert "(compaction)" in point.label, point.label
     out = faults.run_point(fault_ref, point, tmp_path, CRASH_SCRIPT)
     assert out.killed, point.label
     assert out.problems == [], (point.label, out.problems)
     assert out.lost == 0
-    if name in ("mid-reply", "mid-compaction"):
+    if name in ("mid-reply", "mid-compaction", "undo-into-snapshot"):
         # The state on disk was complete for everything the transcript holds: restored, not re-evaluated,
         # and the conversation continues exactly as if it had never been killed.
         assert out.intact and out.identical, point.label
@@ -63,3 +71,38 @@ def test_remaining_lines_after_a_kill(fault_ref: Any) -> None:
     first_user_only = fault_ref.line_spans[0][0] + 1
     assert faults.remaining_lines(fault_ref, script, first_user_only) == (script[1:], True)
     assert faults.remaining_lines(fault_ref, script, len(fault_ref.events)) == ([], False)
+
+
+# A compaction, then an /undo that cuts into its snapshot (saving the part cut as a SPARE record), then /redo.
+SPARE_SCRIPT = [faults.SCRIPT[0], "/undo", faults.SHORT_QUESTION, "/undo", "/redo", "And what is the capital of Italy?"]
+SPARE_POINTS = {
+    # Each phase of the compaction after the short question's reply (the undone long turn's cells are dropped).
+    **{f"compaction-{ev}-{ph}": (ev, ph, "message:assistant", 2)
+       for ev, phases in (("write:state_tmp", ("before", "torn", "after")), ("replace:state", ("before", "after")))
+       for ph in phases},
+    # Each phase of the second /undo's append (its SPARE record, then its TRUNCATE).
+    **{f"undo-append-{ph}": ("write:state", ph, "truncate:undo", 2) for ph in ("before", "torn", "after")},
+}
+
+
+@pytest.fixture(scope="module")
+def spare_ref(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return faults.reference(tmp_path_factory.mktemp("faults-spare"), SPARE_SCRIPT, shift=False)
+
+
+@pytest.mark.parametrize("name", list(SPARE_POINTS))
+def test_sigkill_in_a_compaction_or_an_undo_keeps_what_redo_reads_back(name: str, spare_ref: Any,
+                                                                        tmp_path: Path) -> None:
+    """A kill anywhere in a compaction, or in an /undo that cuts into the snapshot a compaction wrote,
+    leaves the state as before or as after it: the resume evaluates nothing, the /redo after it reads the
+    undone cells back (evaluates nothing), and the conversation continues as if never killed."""
+    event, phase, note, k = SPARE_POINTS[name]
+    point = faults.point_after(spare_ref, event, phase, note, k)
+    if name.startswith("compaction-"):
+        assert "(compaction)" in point.label, point.label
+    out = faults.run_point(spare_ref, point, tmp_path, SPARE_SCRIPT)
+    assert out.killed, point.label
+    assert out.problems == [], (point.label, out.problems)
+    assert out.lost == 0
+    assert out.intact and out.identical, point.label
+    assert "redone 1 exchange(s): 0 tokens evaluated" in out.resume_stderr, (point.label, out.resume_stderr[-800:])

@@ -204,6 +204,8 @@ class CellLog:
         logits_rec: sf.Record | None = None
         chunks: list[sf.LiveChunk] = []
         n_loaded = 0  # chunks loaded into the backend
+        cut_part: list[bytes] = []  # a SPARE record of the cells past the transcript's end (see below)
+        cut_span = (0, 0)
         # One pass over the file: it is mapped, each record's crc is checked once (in a second thread, one
         # record ahead of the loading), and the cells go to llama.cpp straight from the mapping. The
         # mapping is closed before anything below writes to the file.
@@ -231,11 +233,18 @@ class CellLog:
                         chunks = [sf.LiveChunk(pts[-1], pts[-1].p1)] if pts else []
                 for ch in chunks:
                     rec = ch.record
+                    # A rollback killed after its transcript event and before its TRUNCATE record leaves
+                    # the state longer than the transcript: a memory that is cut back loads what the
+                    # transcript still holds and cuts there, even inside a record (a snapshot of several
+                    # messages), instead of evaluating that record's part again.
+                    end = min(ch.end, len(want)) if self._cuts else ch.end
+                    if end <= rec.p0:
+                        break  # nothing more is wanted (the TRUNCATE is appended below)
                     if not ms.wait_ok(rec):
                         break  # a damaged record: the rest is re-evaluated (the reason is set below)
                     toks, kv = ms.cells(rec)
                     try:
-                        if want[rec.p0:ch.end] != toks[: ch.end - rec.p0]:
+                        if want[rec.p0:end] != toks[: end - rec.p0]:
                             report.reason = "saved state does not match the transcript"
                             break
                         try:
@@ -245,10 +254,18 @@ class CellLog:
                             break
                     finally:
                         kv.release()
-                    if ch.end < rec.p1:
-                        eng.truncate(ch.end)
+                    if end < ch.end and eng.caps.memory == "attention":
+                        # What the interrupted rollback would have saved (``_cut_part``): /redo or /alt
+                        # reads those cells back.
+                        cut_span = (end, ch.end)
+                        cut_part = [sf.encode_record(sf.SPARE, end, ch.end, sf.cells_payload(
+                            toks[end - rec.p0:ch.end - rec.p0], eng.save_cells(end, ch.end)))]
+                    if end < rec.p1:
+                        eng.truncate(end)
                     loaded_bytes += rec.size
                     n_loaded += 1
+                    if end < ch.end:
+                        break
             if n_loaded and not self._cuts and not chunks[n_loaded - 1].record.is_point:
                 # Old cells without the state at their end (the record after them failed): unusable alone.
                 eng.clear()
@@ -290,10 +307,24 @@ class CellLog:
                                 "rebuilding context from the transcript", since=t1)
             report.reevaluated = len(tail)
         # Bring the state file in line with the context (one rewrite; the common case writes nothing).
-        if not self._cuts and (tail or not usable or res.dropped_bytes or n_ok < res.live()[2]):
+        n_live = res.live()[2]
+        if not self._cuts and (tail or not usable or res.dropped_bytes or n_ok < n_live):
             self._rewrite_points(kept=[c.record for c in chunks[:n_loaded]] if usable else [], added=rebuilt)
-        elif not usable or res.dropped_bytes or n_ok < res.live()[2] or tail:
-            self._rewrite_state()
+        elif usable and not res.dropped_bytes and not tail and n_ok < n_live:
+            # The interrupted rollback's records, appended now: the rest of the file (what /redo and /alt
+            # read back among it) stays as it is.
+            self.state = res
+            sf.drop_bases(self.path, keep=res.bases)
+            self._append([*cut_part, sf.encode_record(sf.TRUNCATE, n_ok, n_ok, b"")], None)
+        elif not usable or res.dropped_bytes or n_ok < n_live or tail:
+            spares: list[sf.Record] = []
+            if usable:
+                # The rewrite keeps, as a compaction does, what /redo and /alt can still read back.
+                self.state = res
+                spares = self._spares([c.record for c in res.live()[0]])
+                if any(r.kind == sf.SPARE and (r.p0, r.p1) == cut_span for r in spares):
+                    cut_part = []  # the interrupted rollback's own SPARE record made it to the file
+            self._rewrite_state(spares, extra=cut_part)
         else:
             self.state = res
             # Links nothing refers to any more: a crash came between a rewrite and its unlinking of them.
@@ -783,9 +814,10 @@ class CellLog:
         pos, arr = self._turn_logits
         return [sf.encode_record(sf.LOGITS, pos, pos, arr.astype("<f4").tobytes())]
 
-    def _rewrite_state(self, spares: Sequence[sf.Record] = ()) -> bytes | None:
+    def _rewrite_state(self, spares: Sequence[sf.Record] = (), extra: Sequence[bytes] = ()) -> bytes | None:
         """Write the whole live state as one snapshot (compaction, shifts, recovery), then copies of the
-        ``spares`` records of the current file (compaction); returns the snapshot's cells."""
+        ``spares`` records of the current file (compaction) and the ``extra`` records (encoded SPARE
+        records: a restore's cells past the transcript's end); returns the snapshot's cells."""
         self._pending = self._pending_reply = None  # the snapshot holds those cells (and the logits, below)
         eng = self.eng
         n = eng.n_past
@@ -793,6 +825,7 @@ class CellLog:
         kv = eng.save_cells(0, n)
         recs.append(sf.encode_record(sf.SNAPSHOT, 0, n, sf.cells_payload(eng.tokens, kv)))
         recs.extend(self._spare_copies(spares))
+        recs.extend(extra)
         recs.extend(self._logits_record())
         try:
             self.writer.rewrite(recs)
