@@ -308,19 +308,19 @@ class CellLog:
             report.reevaluated = len(tail)
         # Bring the state file in line with the context (one rewrite; the common case writes nothing).
         n_live = res.live()[2]
+        if usable:
+            self.state = res  # for _spares: any rewrite below keeps, as a compaction does, what /redo and /alt read back
         if not self._cuts and (tail or not usable or res.dropped_bytes or n_ok < n_live):
-            self._rewrite_points(kept=[c.record for c in chunks[:n_loaded]] if usable else [], added=rebuilt)
+            kept = [c.record for c in chunks[:n_loaded]] if usable else []
+            self._rewrite_points(kept=kept, added=rebuilt, spares=self._spares(kept) if usable else [])
         elif usable and not res.dropped_bytes and not tail and n_ok < n_live:
             # The interrupted rollback's records, appended now: the rest of the file (what /redo and /alt
             # read back among it) stays as it is.
-            self.state = res
             sf.drop_bases(self.path, keep=res.bases)
             self._append([*cut_part, sf.encode_record(sf.TRUNCATE, n_ok, n_ok, b"")], None)
         elif not usable or res.dropped_bytes or n_ok < n_live or tail:
             spares: list[sf.Record] = []
             if usable:
-                # The rewrite keeps, as a compaction does, what /redo and /alt can still read back.
-                self.state = res
                 spares = self._spares([c.record for c in res.live()[0]])
                 if any(r.kind == sf.SPARE and (r.p0, r.p1) == cut_span for r in spares):
                     cut_part = []  # the interrupted rollback's own SPARE record made it to the file
