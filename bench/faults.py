@@ -25,7 +25,7 @@ Then ``chatcli resume ID`` is piped the rest of the script, and the checks are:
 Usage::
 
     python bench/faults.py                 # 64 kill points (stratified), prints counts, exit 1 on any failure
-    python bench/faults.py --all           # every precise kill point (198) plus --timed timed ones
+    python bench/faults.py --all           # every precise kill point (219) plus --timed timed ones
     python bench/faults.py --points 10 -v  # a quick look
 """
 

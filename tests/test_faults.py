@@ -77,11 +77,12 @@ def test_remaining_lines_after_a_kill(fault_ref: Any) -> None:
 SPARE_SCRIPT = [faults.SCRIPT[0], "/undo", faults.SHORT_QUESTION, "/undo", "/redo", "And what is the capital of Italy?"]
 SPARE_POINTS = {
     # Each phase of the compaction after the short question's reply (the undone long turn's cells are dropped).
-    **{f"compaction-{ev}-{ph}": (ev, ph, "message:assistant", 2)
+    **{f"compaction-{ev}-{ph}": (ev, ph, "message:assistant", 2, 0)
        for ev, phases in (("write:state_tmp", ("before", "torn", "after")), ("replace:state", ("before", "after")))
        for ph in phases},
-    # Each phase of the second /undo's append (its SPARE record, then its TRUNCATE).
-    **{f"undo-append-{ph}": ("write:state", ph, "truncate:undo", 2) for ph in ("before", "torn", "after")},
+    # Each phase of the second /undo's append: its SPARE record, then its TRUNCATE (one write each).
+    **{f"undo-append-{rec}-{ph}": ("write:state", ph, "truncate:undo", 2, skip)
+       for skip, rec in enumerate(("spare", "truncate")) for ph in ("before", "torn", "after")},
 }
 
 
@@ -96,8 +97,8 @@ def test_sigkill_in_a_compaction_or_an_undo_keeps_what_redo_reads_back(name: str
     """A kill anywhere in a compaction, or in an /undo that cuts into the snapshot a compaction wrote,
     leaves the state as before or as after it: the resume evaluates nothing, the /redo after it reads the
     undone cells back (evaluates nothing), and the conversation continues as if never killed."""
-    event, phase, note, k = SPARE_POINTS[name]
-    point = faults.point_after(spare_ref, event, phase, note, k)
+    event, phase, note, k, skip = SPARE_POINTS[name]
+    point = faults.point_after(spare_ref, event, phase, note, k, skip)
     if name.startswith("compaction-"):
         assert "(compaction)" in point.label, point.label
     out = faults.run_point(spare_ref, point, tmp_path, SPARE_SCRIPT)

@@ -317,12 +317,14 @@ class CellLog:
             # The interrupted rollback's records, appended now: the rest of the file (what /redo and /alt
             # read back among it) stays as it is.
             sf.drop_bases(self.path, keep=res.bases)
+            if self._has_spare(res.records, cut_span, cut_part):
+                cut_part = []  # the interrupted rollback's SPARE record made it to the file (its TRUNCATE did not)
             self._append([*cut_part, sf.encode_record(sf.TRUNCATE, n_ok, n_ok, b"")], None)
         elif not usable or res.dropped_bytes or n_ok < n_live or tail:
             spares: list[sf.Record] = []
             if usable:
                 spares = self._spares([c.record for c in res.live()[0]])
-                if any(r.kind == sf.SPARE and (r.p0, r.p1) == cut_span for r in spares):
+                if self._has_spare(spares, cut_span, cut_part):
                     cut_part = []  # the interrupted rollback's own SPARE record made it to the file
             self._rewrite_state(spares, extra=cut_part)
         else:
@@ -331,6 +333,20 @@ class CellLog:
             sf.drop_bases(self.path, keep=res.bases)
         if self._turn_logits and self._turn_logits[0] == eng.n_past:
             eng.set_logits(self._turn_logits[1])
+
+    def _has_spare(self, records: Sequence[sf.Record], span: tuple[int, int], part: list[bytes]) -> bool:
+        """Whether ``records`` hold a SPARE record of the cells ``part`` (one encoded record over ``span``)."""
+        if not part:
+            return False
+        toks = np.frombuffer(part[0], dtype="<i4", count=span[1] - span[0], offset=sf.HEADER_SIZE).tolist()
+        for rec in records:
+            if rec.kind == sf.SPARE and (rec.p0, rec.p1) == span:
+                try:
+                    if sf.read_tokens(self.path, rec) == toks:
+                        return True
+                except (OSError, sf.StateFileError):
+                    continue
+        return False
 
     def adopt_resident(self, want: list[int]) -> bool:
         """The engine already holds ``want`` at its start (the server forked its resident conversation):
