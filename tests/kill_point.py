@@ -23,14 +23,14 @@ def install(flag: Path) -> None:
 
     real = records.append_durably
 
-    def append(path: Path, data: Any) -> None:
+    def append(path: Path, data: Any, **kw: Any) -> None:
         if Path(path).name == "state.kv" and flag.exists():
             flag.write_text("reached")
             deadline = time.monotonic() + 600  # a hang guard only
             while flag.read_text() != "go" and time.monotonic() < deadline:
                 time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGKILL)
-        real(path, data)
+        real(path, data, **kw)
 
     records.append_durably = append
 
