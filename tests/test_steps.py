@@ -218,7 +218,8 @@ def test_undo_redo_and_alt_steps_report_what_they_evaluate_and_end_as_the_plain_
         seen[i] = events
     if caps.memory == "hybrid":  # the points were merged away: every rollback here rebuilds
         assert seen[0] and seen[1] and seen[2]
-        assert {e.label for e in seen[0]} == {REBUILD} and {e.label for e in seen[2]} == {REBUILD, PUT_BACK}
+        # The other reply is read back from its kept (SPARE) cells: only the rollback before it rebuilds.
+        assert {e.label for e in seen[0]} == {REBUILD} and {e.label for e in seen[2]} == {REBUILD}
     if caps.memory == "attention":
         assert not seen[0]  # an undo is a truncation
     assert not seen[4]
@@ -259,7 +260,7 @@ def test_closed_during_its_rebuild_an_undo_or_alt_still_finishes(tmp_path: Path,
     # ...and yet all of it happened: the rebuild, the reply brought back, the metadata written.
     assert ba.tokens == plain.backend.tokens and ba.kv == ba.tokens  # type: ignore[attr-defined]
     assert [m.text for m in closed.messages] == [m.text for m in plain.messages]
-    assert closed.dir.read_meta()["tokens"] == plain.dir.read_meta()["tokens"] == stats.kept + (stats.n_eval or 0)
+    assert closed.dir.read_meta()["tokens"] == plain.dir.read_meta()["tokens"] == len(plain.backend.tokens) >= (stats.kept or 0)
     cid = closed.id
     closed.close()
     ba.clear()
