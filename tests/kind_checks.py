@@ -173,12 +173,17 @@ class Kind:
         full = self.talk(M[:3])
         conv, _ = self.open(full["id"])
         conv.undo(1)
+        self._redo_reads_back(conv, full["tokens"], "redo")
+
+    def _redo_reads_back(self, conv: Any, tokens: list[int], what: str) -> None:
+        """``conv.redo()`` evaluates nothing (the undone cells are read back), ends on ``tokens`` and
+        continues as the control; closes ``conv``."""
         before = self.engine.n_evaluated_total
         stats = conv.redo()
         expect(stats.n_eval == 0 and self.engine.n_evaluated_total == before,
-               f"redo evaluated {self.engine.n_evaluated_total - before} (cells not read back)")
-        expect(list(self.engine.tokens) == full["tokens"], "redo: tokens differ")
-        self.continues_like_control(conv, 3, "after redo")
+               f"{what} evaluated {self.engine.n_evaluated_total - before} (cells not read back)")
+        expect(list(self.engine.tokens) == tokens, f"{what}: tokens differ")
+        self.continues_like_control(conv, 3, f"after {what}")
         conv.close()
 
     def check_redo_compacted(self) -> None:
@@ -192,13 +197,7 @@ class Kind:
         conv.log.compact()
         kinds = [r.kind for r in sf.scan(conv.dir.state_path).records]
         expect(sf.SPARE in kinds, f"the compaction kept no SPARE record ({kinds})")
-        before = self.engine.n_evaluated_total
-        stats = conv.redo()
-        expect(stats.n_eval == 0 and self.engine.n_evaluated_total == before,
-               f"redo after a compaction evaluated {self.engine.n_evaluated_total - before}")
-        expect(list(self.engine.tokens) == full["tokens"], "redo after a compaction: tokens differ")
-        self.continues_like_control(conv, 3, "after a compacted redo")
-        conv.close()
+        self._redo_reads_back(conv, full["tokens"], "redo after a compaction")
 
     def check_edit(self) -> None:
         from tests.drive import drain

@@ -110,19 +110,23 @@ def test_a_batched_conversation_resumed_fresh_continues_exactly_as_in_memory(
     together(trio, 20)
     assert trio[0]._group is not None and trio[0]._group.scheduler.stats.largest >= 2
     for eng in trio[:2]:
-        eng.ensure_logits()  # a batched reply that ended at end-of-turn decoded it without logits
-        n, saved_logits = eng.n_past, eng.logits()  # what the conversation saves at the reply's end
-        resumed = fresh(model_path, eng, n, saved_logits)
-        try:
-            mem = continue_alone(eng)
-            res = continue_alone(resumed)
-        finally:
-            resumed.close()
-        # Not always 12 tokens: under load the batches' composition (and so what greedy picks) varies.
-        assert mem[1] == res[1] and len(mem[1]) > 0
-        assert np.array_equal(mem[0], res[0])  # bit-identical, not close
-        assert np.array_equal(mem[2], res[2])
-        assert np.array_equal(mem[2], res[2])
+        _resumes_exactly(eng, model_path)
+
+
+def _resumes_exactly(eng: Engine, model_path: Path) -> None:
+    """A fresh context given what ``eng``'s conversation saves at its reply's end continues exactly as ``eng``."""
+    eng.ensure_logits()  # a batched reply that ended at end-of-turn decoded it without logits
+    n, saved_logits = eng.n_past, eng.logits()  # what the conversation saves at the reply's end
+    resumed = fresh(model_path, eng, n, saved_logits)
+    try:
+        mem = continue_alone(eng)
+        res = continue_alone(resumed)
+    finally:
+        resumed.close()
+    # Not always 12 tokens: under load the batches' composition (and so what greedy picks) varies.
+    assert mem[1] == res[1] and len(mem[1]) > 0
+    assert np.array_equal(mem[0], res[0])  # bit-identical, not close
+    assert np.array_equal(mem[2], res[2])
 
 
 def test_batched_replies_while_a_sibling_evaluates_its_prompt_resume_exactly(
@@ -154,17 +158,7 @@ def test_batched_replies_while_a_sibling_evaluates_its_prompt_resume_exactly(
     assert group is not None and group.scheduler.stats.largest == 2
     for i, eng in enumerate([a, b]):
         assert len(out[i]) > 0 and not eng._in_batch and eng.seq_pos_max() == eng.n_past - 1
-        eng.ensure_logits()
-        n, saved_logits = eng.n_past, eng.logits()
-        resumed = fresh(model_path, eng, n, saved_logits)
-        try:
-            mem = continue_alone(eng)
-            res = continue_alone(resumed)
-        finally:
-            resumed.close()
-        assert mem[1] == res[1] and len(mem[1]) > 0
-        assert np.array_equal(mem[0], res[0])
-        assert np.array_equal(mem[2], res[2])
+        _resumes_exactly(eng, model_path)
 
 
 def test_undo_and_regen_after_batched_replies(trio: list[Engine], model_path: Path) -> None:
