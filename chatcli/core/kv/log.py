@@ -258,8 +258,7 @@ class CellLog:
                         # What the interrupted rollback would have saved (``_cut_part``): /redo or /alt
                         # reads those cells back.
                         cut_span = (end, ch.end)
-                        cut_part = [sf.encode_record(sf.SPARE, end, ch.end, sf.cells_payload(
-                            toks[end - rec.p0:ch.end - rec.p0], eng.save_cells(end, ch.end)))]
+                        cut_part = [self._spare_record(end, ch.end, toks[end - rec.p0:ch.end - rec.p0])]
                     if end < rec.p1:
                         eng.truncate(end)
                     loaded_bytes += rec.size
@@ -521,9 +520,13 @@ class CellLog:
         for ch in self.state.live()[0]:
             rec = ch.record
             if rec.p0 < to < ch.end <= self.eng.n_past:
-                kv = self.eng.save_cells(to, ch.end)
-                return [sf.encode_record(sf.SPARE, to, ch.end, sf.cells_payload(self.eng.tokens[to:ch.end], kv))]
+                return [self._spare_record(to, ch.end, self.eng.tokens[to:ch.end])]
         return []
+
+    def _spare_record(self, p0: int, p1: int, tokens: list[int]) -> bytes:
+        """A SPARE record of the context's cells [p0, p1), which hold ``tokens``: what /redo or /alt reads back
+        after a cut (``_cut_part``, and the cut a resume finishes for an interrupted rollback)."""
+        return sf.encode_record(sf.SPARE, p0, p1, sf.cells_payload(tokens, self.eng.save_cells(p0, p1)))
 
     def _eval(self, tokens: list[int], end: int) -> Generator[Progress, None, int]:
         """Evaluate ``tokens`` so that the backend ends at ``end``; returns how many."""
