@@ -37,10 +37,13 @@ def _ls_work(store: ConversationStore) -> None:
     index.state_total()
 
 
-def test_ls_reads_the_same_from_sqlite_at_60_and_at_360_conversations(chatcli_home: Path) -> None:
+def test_ls_reads_the_same_from_sqlite_at_60_and_at_360_conversations(
+        chatcli_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`ls` flat to 100,000 when the index is current: no statement reads a row per conversation. (The
     count and the unusable rows were read by scanning every row, 0.18 s of `ls` at 100,000, and the 50
-    most recent through an index on ``updated`` alone, sorting every tie: 2,426 → 11,126 steps here.)"""
+    most recent through an index on ``updated`` alone, sorting every tie: 2,426 → 11,126 steps here.)
+    The slice of folders each call checks is as big at both sizes (both are past it, as 100,000 is)."""
+    monkeypatch.setattr(index_mod, "SLICE_FOLDERS", 20)
     base = _conv(_store(), "t", "hello", "world")  # copies: every row ties on ``updated``
     _copies(base, 59, "a")
     _settle(_store())
@@ -92,7 +95,9 @@ def test_a_moved_conversations_folder_walks_names_without_a_stat_per_folder(
         chatcli_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A folder copied in moves the conversations folder's mtime: that can only mean names changed, so
     the walk is one scandir and the new folder's own stats, the same at 20 as at 220 conversations
-    (a stat per folder before: ~0.3 s at 100,000). The periodic walk still stats every folder."""
+    (a stat per folder before: ~0.3 s at 100,000), besides the slice's, as many at both sizes. The
+    periodic walk (WALK_EVERY_S) is of names too: no stat per folder in any call but a full one."""
+    monkeypatch.setattr(index_mod, "SLICE_FOLDERS", 10)
     base = _conv(_store(), "t", "hello", "world")
     real_stat = os.stat
 
@@ -124,11 +129,11 @@ def test_a_moved_conversations_folder_walks_names_without_a_stat_per_folder(
     index = _store().index
     assert index is not None
     before = index.walks()
-    with index.write() as w:  # the last full walk is WALK_EVERY_S old: every folder stat-ed
+    with index.write() as w:  # the last walk is WALK_EVERY_S old: its names are listed again
         w.execute("UPDATE info SET value = value - ? WHERE key='walked_at'", (int((index_mod.WALK_EVERY_S + 1) * 1e9),))
     index.reconcile()
-    assert index.last_walk is not None and index.last_walk.kind == "full"
-    assert index.walks()["full"] == before.get("full", 0) + 1
+    assert index.last_walk is not None and index.last_walk.kind == "names"
+    assert index.walks()["names"] == before["names"] + 1 and index.walks().get("full") == before.get("full")
 
 
 def test_a_folder_removed_by_hand_is_forgotten_by_a_names_walk(chatcli_home: Path) -> None:
