@@ -8,8 +8,11 @@ index). The folders and transcripts stay the truth: everything here can be rebui
 How it stays true:
 - every chatcli process writes through ``ConversationDir``, which tells the index after the file is
   durable (transcript first, index after: a message is searchable as soon as its line is written);
-- ``reconcile`` compares each folder's mtime (one ``stat`` per folder: a meta.json rewrite, a state
-  rewrite or eviction, a copied or removed folder all change it) with the row and re-reads what changed;
+- ``reconcile`` compares folders' mtimes (a meta.json rewrite, a state rewrite or eviction, a copied
+  or removed folder all change it) with the rows and re-reads what changed: the names when the
+  conversations folder's own mtime moved, and ``SLICE_FOLDERS`` folders a call in rotation, so that
+  every folder is checked within ceil(n / SLICE_FOLDERS) calls at a bounded cost each (the rows ``ls``
+  shows are checked at once: ``check_rows``);
   a conversation open in a process that died (its ``open_pid`` is gone: a crash, a SIGKILL between a
   transcript line and its index row) is re-read too; the transcript's indexed bytes are checked by their
   crc32, so a hand edit anywhere in it re-indexes the whole conversation;
@@ -1110,7 +1113,8 @@ class Index:
           mtime as it is: there nothing is recorded, and the next `ls` walks the names as before.
         The one change none of these shows is an outside one in the microseconds between this change and
         the ``stat`` after it that leaves the subfolder count as it was (a rename, or one folder added
-        and one removed) on a file system that keeps no count: the periodic full walk finds it.
+        and one removed) on a file system that keeps no count: the periodic walk of names
+        (``WALK_EVERY_S``) finds it.
         Whatever the index cannot do (locked, damaged), the change is still made: the next walk finds it."""
         try:
             tx = self.write()
