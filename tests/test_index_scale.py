@@ -307,17 +307,51 @@ def test_a_big_first_server_build_says_what_it_is_doing(chatcli_home: Path, monk
         return PrefixIndex(_store(), get_paths().data_dir / "server" / "index.json", model_identity={"m": 1},
                            n_ctx=4096, template_source="t")
 
+    monkeypatch.setattr(server_index, "BUILD_CHUNK", 3)
+    seen: list[tuple[int, int] | None] = []
+    check_many = PrefixIndex._check_many
+
+    def watched(self: PrefixIndex, items: list[tuple[str, str]]) -> None:
+        seen.append(server_index.BUILDING.get())  # what the loading server's 503 says meanwhile
+        check_many(self, items)
+
+    monkeypatch.setattr(PrefixIndex, "_check_many", watched)
     with caplog.at_level(logging.INFO, logger="chatcli.server"):
         first = prefix()
         first.refresh()
         first.save()
+    assert seen == [(0, 7), (3, 7), (6, 7)] and server_index.BUILDING.get() is None
     said = [r.getMessage() for r in caplog.records]
     assert "indexing 7 conversations for the server …" in said
     assert any(m.startswith("indexed 7 conversations for the server in ") for m in said)
     caplog.clear()
+    seen.clear()
     with caplog.at_level(logging.INFO, logger="chatcli.server"):
         prefix().refresh()
     assert not [r for r in caplog.records if "index" in r.getMessage()]
+    assert seen == []  # nothing changed since: nothing read, nothing to say
+
+
+def test_the_loading_servers_503_says_how_far_a_first_index_build_got() -> None:
+    """While the first index build of a big store runs (a minute at 100,000 conversations), a client
+    polling /health sees its progress in llama-server's 503 "Loading model"; without one, those words
+    alone (as tests/test_server_loading.py checks of a real start)."""
+    pytest.importorskip("starlette")
+    from starlette.testclient import TestClient
+
+    from chatcli.server import index as server_index
+    from chatcli.server.app import create_app
+
+    with TestClient(create_app(None)) as client:
+        got = client.get("/health")
+        assert got.status_code == 503 and got.json()["error"]["message"] == "Loading model"
+        server_index.BUILDING.set((4096, 100_000))
+        try:
+            got = client.get("/health")
+        finally:
+            server_index.BUILDING.set(None)
+        assert got.status_code == 503 and got.headers["Retry-After"] == "1"
+        assert got.json()["error"]["message"] == "Loading model (indexing conversations: 4096/100000)"
 
 
 
