@@ -5,16 +5,16 @@
 
 One real conversation is made with `chatcli talk` (the bundled model), then copied into a data directory
 per tree that grows from size to size (new ids; the copies' `updated` times spread over a year; 10 % warm):
-the same corpus written into each tree's own home, so that one tree's commands (a folder the other does
-not record, a different index) never show up in the other's column. The warm copies hard-link the
-original's `state.kv` (100k real copies would take tens of GB; chatcli counts an inode once, before and
-after alike), except the conversations an operation writes to, which get their own copy. The trees take
-turns, alternating which goes first (A B B A …), so a change of the shared machine's load hits both; the
-load average is recorded with every size.
+the same corpus in each tree's own home (written once, hard-linked into the other), so that one tree's
+commands (a folder the other does not record, a different index) never show up in the other's column.
+The warm copies hard-link the original's `state.kv` (100k real copies would take tens of GB; chatcli
+counts an inode once, before and after alike), except the conversations an operation writes to, which
+get their own copy. The trees take turns, alternating which goes first (A B B A …), so a change of the
+shared machine's load hits both; the load average is recorded with every size.
 
 Measured, each as a whole process where the user would wait for one:
 - `chatcli ls` into a pipe (1c16758: every row, its only form; later: the default 50 most recent), as the
-  other tree left the folders and again with the index current (the walks each made are recorded), and
+  same tree's commands left its folders and again with the index current (the walks each made are recorded), and
   `ls --all` (a tree without `--all`: `ls` again), and `ls` right after the same tree's `fork` made a folder;
 - the model load alone (a process that loads the bundled model as `serve` does, nothing else): the part
   of `serve` until /health that no index can change;
@@ -251,8 +251,7 @@ def turn_work(tree: Path, home: Path, conv: str, n: int = 15) -> float:
 
 class Corpus:
     """Data directories (one per tree) grown alike by copies of one real conversation: the same ids,
-    metadata and transcripts in each, written into each (a hard link would let one tree's append reach the
-    other's folder; the warm copies' state files are linked, as they are never written)."""
+    metadata and transcripts in each (written into the first, linked into the others: ``_mirror``)."""
 
     def __init__(self, homes: list[Path], source: Path) -> None:
         self.roots = [home / "data" / "conversations" for home in homes]
@@ -271,21 +270,37 @@ class Corpus:
         return "b" + out  # never an id chatcli's 6-letter ids could take
 
     def add(self, count: int, *, now: float) -> None:
+        first, *others = self.roots
         for _ in range(count):
             cid = self._id()
+            d = first / cid
+            d.mkdir(mode=0o700)
             warm = self.n % 10 == 0
             updated = now - 365 * 86400 * ((self.n * 7919) % 1000) / 1000  # spread over a year
-            base = {**self.meta, "id": cid, "title": f"copy {self.n}", "updated": updated, "created": updated}
-            for root in self.roots:
-                d = root / cid
-                d.mkdir(mode=0o700)
-                (d / "transcript.jsonl").write_bytes(self.transcript)
-                st = os.stat(d / "transcript.jsonl")  # the summary ties the counts to this copy's transcript
-                meta = {**base, "summary": {**base.get("summary", {}), "transcript": [st.st_size, st.st_mtime_ns]}}
-                (d / "meta.json").write_text(json.dumps(meta))
-                if warm:
-                    os.link(self.source / "state.kv", d / "state.kv")
+            meta = {**self.meta, "id": cid, "title": f"copy {self.n}", "updated": updated, "created": updated}
+            (d / "transcript.jsonl").write_bytes(self.transcript)
+            st = os.stat(d / "transcript.jsonl")  # the summary ties the counts to this copy's transcript
+            meta["summary"] = {**meta.get("summary", {}), "transcript": [st.st_size, st.st_mtime_ns]}
+            (d / "meta.json").write_text(json.dumps(meta))
+            if warm:
+                os.link(self.source / "state.kv", d / "state.kv")
+            for root in others:
+                self._mirror(d, root / cid)
             self.n += 1
+
+    @staticmethod
+    def _mirror(src: Path, dest: Path) -> None:
+        """The copy ``src`` in another home: its files hard-linked (half the time of writing them again:
+        100,000 folders are minutes), copied where the file system cannot link. Safe because no command
+        of the run writes to a copy: chatcli rewrites meta.json and state files by renaming a new file
+        over them (which unlinks, never changes, the shared one), and appends to the transcripts of
+        conversations it continues only: the targets, which every home has as files of its own."""
+        dest.mkdir(mode=0o700)
+        for f in os.listdir(src):
+            try:
+                os.link(src / f, dest / f)
+            except OSError:
+                shutil.copy2(src / f, dest / f)
 
     def target(self) -> str:
         """A warm conversation of its own in every home (state copied, not linked): resume and serve write
