@@ -3,16 +3,18 @@
     python -m bench.scale                       # before = main at 1c16758 (git archive), after = this tree
     python -m bench.scale --before /path/to/a/tree --sizes 10,1000,10000,100000 --reps 3
 
-One real conversation is made with `chatcli talk` (the bundled model), then copied into one data directory
-that grows from size to size (new ids; the copies' `updated` times spread over a year; 10 % warm). The warm
-copies hard-link the original's `state.kv` (100k real copies would take tens of GB; chatcli counts an
-inode once, before and after alike), except the conversations an operation writes to, which get their own
-copy. Both trees run against the same directory, alternating which goes first (A B B A …), so a change of
-the shared machine's load hits both; the load average is recorded with every size.
+One real conversation is made with `chatcli talk` (the bundled model), then copied into a data directory
+per tree that grows from size to size (new ids; the copies' `updated` times spread over a year; 10 % warm):
+the same corpus in each tree's own home (written once, hard-linked into the other), so that one tree's
+commands (a folder the other does not record, a different index) never show up in the other's column.
+The warm copies hard-link the original's `state.kv` (100k real copies would take tens of GB; chatcli
+counts an inode once, before and after alike), except the conversations an operation writes to, which
+get their own copy. The trees take turns, alternating which goes first (A B B A …), so a change of the
+shared machine's load hits both; the load average is recorded with every size.
 
 Measured, each as a whole process where the user would wait for one:
 - `chatcli ls` into a pipe (1c16758: every row, its only form; later: the default 50 most recent), as the
-  other tree left the folders and again with the index current (the walks each made are recorded), and
+  same tree's commands left its folders and again with the index current (the walks each made are recorded), and
   `ls --all` (a tree without `--all`: `ls` again), and `ls` right after the same tree's `fork` made a folder;
 - the model load alone (a process that loads the bundled model as `serve` does, nothing else): the part
   of `serve` until /health that no index can change;
@@ -248,15 +250,15 @@ def turn_work(tree: Path, home: Path, conv: str, n: int = 15) -> float:
 
 
 class Corpus:
-    """A data directory grown by copies of one real conversation."""
+    """Data directories (one per tree) grown alike by copies of one real conversation: the same ids,
+    metadata and transcripts in each (written into the first, linked into the others: ``_mirror``)."""
 
-    def __init__(self, home: Path, source: Path) -> None:
-        self.root = home / "data" / "conversations"
+    def __init__(self, homes: list[Path], source: Path) -> None:
+        self.roots = [home / "data" / "conversations" for home in homes]
         self.source = source
         self.meta = json.loads((source / "meta.json").read_text())
         self.transcript = (source / "transcript.jsonl").read_bytes()
-        self.n = len([p for p in self.root.iterdir() if p.is_dir()])
-        self.targets: list[str] = []
+        self.n = len([p for p in self.roots[0].iterdir() if p.is_dir()])
         self._serial = 0
 
     def _id(self) -> str:
@@ -268,30 +270,67 @@ class Corpus:
         return "b" + out  # never an id chatcli's 6-letter ids could take
 
     def add(self, count: int, *, now: float) -> None:
+        first, *others = self.roots
         for _ in range(count):
             cid = self._id()
-            d = self.root / cid
+            d = first / cid
             d.mkdir(mode=0o700)
             warm = self.n % 10 == 0
             updated = now - 365 * 86400 * ((self.n * 7919) % 1000) / 1000  # spread over a year
             meta = {**self.meta, "id": cid, "title": f"copy {self.n}", "updated": updated, "created": updated}
-            (d / "meta.json").write_text(json.dumps(meta))
             (d / "transcript.jsonl").write_bytes(self.transcript)
             st = os.stat(d / "transcript.jsonl")  # the summary ties the counts to this copy's transcript
             meta["summary"] = {**meta.get("summary", {}), "transcript": [st.st_size, st.st_mtime_ns]}
             (d / "meta.json").write_text(json.dumps(meta))
             if warm:
                 os.link(self.source / "state.kv", d / "state.kv")
+            for root in others:
+                self._mirror(d, root / cid)
             self.n += 1
 
+    @staticmethod
+    def _mirror(src: Path, dest: Path) -> None:
+        """The copy ``src`` in another home: its files hard-linked (half the time of writing them again:
+        100,000 folders are minutes), copied where the file system cannot link. Safe because no command
+        of the run writes to a copy: chatcli rewrites meta.json and state files by renaming a new file
+        over them (which unlinks, never changes, the shared one), and appends to the transcripts of
+        conversations it continues only: the targets, which every home has as files of its own."""
+        dest.mkdir(mode=0o700)
+        for f in os.listdir(src):
+            try:
+                os.link(src / f, dest / f)
+            except OSError:
+                shutil.copy2(src / f, dest / f)
+
     def target(self) -> str:
-        """A warm conversation of its own (state copied, not linked): resume and serve write to it."""
+        """A warm conversation of its own in every home (state copied, not linked): resume and serve write
+        to it (each tree its own targets; the others' are copies like any)."""
         cid = self._id()
-        shutil.copytree(self.source, self.root / cid)
-        meta = {**self.meta, "id": cid, "title": "bench target", "updated": time.time() - 10 * 365 * 86400}
-        (self.root / cid / "meta.json").write_text(json.dumps(meta))
+        for root in self.roots:
+            shutil.copytree(self.source, root / cid)
+            meta = {**self.meta, "id": cid, "title": "bench target", "updated": time.time() - 10 * 365 * 86400}
+            (root / cid / "meta.json").write_text(json.dumps(meta))
         self.n += 1
         return cid
+
+
+# What one copy takes on disk (three small files and the folder, 4 KiB blocks) and in inodes; the check
+# before a run asks for twice that (the index files, the page cache's slack).
+COPY_BYTES = 16 << 10
+COPY_INODES = 4
+
+
+def check_space(work: Path, folders: int, homes: int) -> None:
+    """Refuse a run the disk cannot hold (100,000 folders per home: ~1.6 GB and 400,000 inodes each)."""
+    while not work.exists():  # the work directory is made as the run goes: its file system is asked
+        work = work.parent
+    st = os.statvfs(work)
+    need_bytes, need_inodes = 2 * folders * homes * COPY_BYTES, 2 * folders * homes * COPY_INODES
+    free_bytes, free_inodes = st.f_bavail * st.f_frsize, st.f_favail
+    if free_bytes < need_bytes or (st.f_files and free_inodes < need_inodes):
+        sys.exit(f"bench.scale: {work} has {free_bytes / 1e9:.1f} GB and {free_inodes:,} inodes free; "
+                 f"{folders:,} folders in each of {homes} homes need ~{need_bytes / 1e9:.1f} GB and "
+                 f"{need_inodes:,} inodes")
 
 
 def make_source(tree: Path, home: Path) -> Path:
@@ -328,40 +367,48 @@ def main() -> None:
     started = time.perf_counter()
     before = a.before.resolve() if a.before is not None else before_tree(a.work, a.before_rev)
     trees = {"before": before, "after": a.after.resolve()}
+    sizes = [int(s) for s in a.sizes.split(",")]
+    check_space(a.work, max(sizes) + 2 * a.reps * len(sizes) + 1, len(trees))
     # `ls --all` on both sides when both have it (1c16758 had only `ls`, which lists every row).
-    home = a.work / "home"
+    homes = {name: a.work / f"home-{name}" for name in trees}  # each tree its own copy of the corpus
     source_home = a.work / "source"
     source = make_source(trees["after"], source_home)
     has_all = {name: "--all" in subprocess.run([*CHATCLI, "ls", "--help"], capture_output=True, text=True,
                                                env=environment(tree, source_home), cwd=tree).stdout
                for name, tree in trees.items()}
-    (home / "data" / "conversations").mkdir(parents=True)
-    corpus = Corpus(home, source)
+    for home in homes.values():
+        (home / "data" / "conversations").mkdir(parents=True)
+    corpus = Corpus(list(homes.values()), source)
     results: list[dict[str, Any]] = []
-    for size in [int(s) for s in a.sizes.split(",")]:
+    for size in sizes:
         targets = {name: [corpus.target() for _ in range(a.reps)] for name in trees}
-        corpus.add(max(0, size - corpus.n), now=time.time())
         t = time.perf_counter()
-        run(trees["after"], home, ["ls"], timeout=3600)  # the index catches up with the new copies (not timed below)
+        corpus.add(max(0, size - corpus.n), now=time.time())
+        copying = time.perf_counter() - t
+        t = time.perf_counter()
+        # The index catches up with the new copies (not timed below).
+        run(trees["after"], homes["after"], ["ls"], timeout=3600)
         catch_up = time.perf_counter() - t
-        run(trees["before"], home, ["ls"], timeout=3600)  # both: bytecode cached, folders in the page cache
-        row: dict[str, Any] = {"size": corpus.n, "load_start": load(), "index_catch_up_s": catch_up}
+        run(trees["before"], homes["before"], ["ls"], timeout=3600)  # both: bytecode cached, folders in the page cache
+        row: dict[str, Any] = {"size": corpus.n, "load_start": load(), "index_catch_up_s": catch_up,
+                               "copying_s": copying}
         # Each server's own cache (before: server/index.json; after: rows in index.sqlite) catches up with
         # the copies once, as the index does above: a server meets 90,000 new folders at once only here.
         # That first start is recorded apart, each tree's from nothing; the timed ones are restarts, as a
         # user's are.
         row["serve_cold_s"] = {}
         for name, tree in trees.items():
-            forget_server_index(home)  # the trees share the tables: each builds its own rows from nothing
-            row["serve_cold_s"][name] = serve(tree, home, targets[name][0])[0]
+            forget_server_index(homes[name])  # each builds its rows from nothing, not from the last size's
+            row["serve_cold_s"][name] = serve(tree, homes[name], targets[name][0])[0]
         samples: dict[str, dict[str, list[float]]] = {n: {} for n in trees}
         walks: dict[str, list[str]] = {}
         for rep in range(a.reps):
             order = list(trees) if rep % 2 == 0 else list(reversed(trees))
             for name in order:
-                tree, s = trees[name], samples[name]
-                # `ls` first as the other tree's commands left the folders (a walk if they moved a stamp:
-                # recorded), then again with the index current: the two cases the goal separates.
+                tree, s, home = trees[name], samples[name], homes[name]
+                # `ls` first as this tree's commands of the last rep (or size) left its folders (a walk if
+                # they moved a stamp: recorded), then again with the index current: the two cases the goal
+                # separates.
                 stamp = index_stamp(home)
                 wall, cpu = run_cpu(tree, home, ["ls"])
                 walks.setdefault(name, []).append(walk_kind(stamp, stamp := index_stamp(home)))
@@ -434,11 +481,12 @@ def run_section(results: list[dict[str, Any]], run_no: int, command: str, trees:
     files = f"`{json_name}`" + (f", `{png_name}`" if png_name else "")
     lines = [f"## Run {run_no}: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} ({files})", "",
              f"`{command}`; before = `{trees['before'].name}`, after = `{trees['after'].name}`. Medians of the "
-             "reps, both trees against the same data directory, alternating order. Whole processes except the "
+             "reps, each tree against its own copy of the corpus (its own data directory), alternating order. "
+             "Whole processes except the "
              "last column (in-process: 2 transcript lines, meta.json and the budget check twice, as every turn "
-             "does besides the model). `ls` runs as the other tree's commands left the folders (a walk when "
-             "they moved a stamp), then `ls` again right after it (no walk unless a stamp moved less than 50 ms before; 2 s "
-             "on a file system with whole-second stamps).", "",
+             "does besides the model). `ls` runs as the same tree's commands of the rep before left its folders "
+             "(a walk when they moved a stamp), then `ls` again right after it (no walk unless a stamp moved "
+             "less than 50 ms before; 2 s on a file system with whole-second stamps).", "",
              "| conversations | " + " | ".join(f"{t} before → after" for _, t, _ in COLUMNS) + " | load (1/5/15 min) |",
              "|---:|" + "---:|" * len(COLUMNS) + "---|"]
     for r in results:
@@ -463,6 +511,8 @@ def run_section(results: list[dict[str, Any]], run_no: int, command: str, trees:
               "", "`serve` until /health the first time after the copies (its cache built from nothing; before → after): " +
               ", ".join(f"{r['size']:,}: {r['serve_cold_s']['before']:.1f} → {r['serve_cold_s']['after']:.1f} s"
                         for r in results) + ".",
+              "", "Writing the copies for each size into both homes (not timed above): " +
+              ", ".join(f"{r['size']:,}: {r.get('copying_s', 0):.1f} s" for r in results) + ".",
               "", f"Whole run: {results[-1].get('elapsed_s', 0) / 60:.1f} min.", ""]
     return "\n".join(lines)
 

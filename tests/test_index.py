@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from chatcli.config.settings import get_paths
+from chatcli.core.files import index as index_module
 from chatcli.core.files.index import WALK_EVERY_S, Index, SearchFilters, fts_query
 from chatcli.core.files.store import ConversationDir, ConversationStore
 from chatcli.core.kv.budget import total_bytes
@@ -474,10 +475,10 @@ def test_coarse_stamps_are_not_taken_for_fine_ones(tmp_path: Path, monkeypatch: 
     assert index_module._probe_fine_stamps(tmp_path, tmp_path) is False
     assert list(tmp_path.iterdir()) == []  # the probe's folder is gone
 
-def test_a_hand_edit_is_reindexed_at_the_next_walk(chatcli_home: Path) -> None:
-    """Inside a folder a hand edit moves no stamp the index looks at without walking: it is found at the
-    next walk (the conversations folder changes, WALK_EVERY_S passes), and a search never shows a
-    hit the edited transcript no longer holds (each hit's transcript is checked), nor ``ls`` a stale row."""
+def test_a_hand_edit_is_reindexed_at_the_next_walk(chatcli_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a folder a hand edit moves no stamp the index looks at without walking: it is found when
+    the slice of ``reconcile`` comes to its folder, and a search never shows a hit the edited transcript no
+    longer holds (each hit's transcript is checked), nor ``ls`` a stale row."""
     store = _store()
     conv = _conv(store, "t", "original words", "reply")
     index = _settle(store)
@@ -496,9 +497,93 @@ def test_a_hand_edit_is_reindexed_at_the_next_walk(chatcli_home: Path) -> None:
     tmp = conv2.path / "t.tmp"
     tmp.write_text(text, "utf-8")
     os.replace(tmp, conv2.transcript_path)
-    assert run_search("third", _store())[0] == []  # not walked yet: documented
+    monkeypatch.setattr(index_module, "SLICE_FOLDERS", 0)
+    assert run_search("third", _store())[0] == []  # no slice, no walk: not seen (documented)
     _age_last_walk(index)
-    assert _ids(run_search("third", _store())[0]) == [conv2.id]
+    assert run_search("third", _store())[0] == []  # a walk of names does not look inside folders
+    monkeypatch.setattr(index_module, "SLICE_FOLDERS", 2)
+    assert _ids(run_search("third", _store())[0]) == [conv2.id]  # the slice: two folders, both of them
+
+
+def _replace_keeping_stamps(path: Path, old: str, new: str) -> None:
+    """``path`` replaced by a copy with ``old`` → ``new`` (same length), renamed over it with its size and
+    mtime kept (as ``cp -p`` / ``rsync -a`` restore a file): only its folder's mtime moves."""
+    assert len(old) == len(new)
+    st = path.stat()
+    tmp = path.with_name(".edit.tmp")
+    tmp.write_bytes(path.read_bytes().replace(old.encode(), new.encode()))
+    os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(tmp, path)
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+
+def test_a_hand_edit_inside_a_shown_folder_is_seen_at_the_next_ls(
+        chatcli_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rows `ls` shows are checked against their folder's mtime: a transcript restored over the one
+    indexed with the same size and mtime (nothing but the folder's mtime shows it; not the transcript's
+    stamps, which `search` checks its hits by) is re-read by the next `ls`, and searched as it is now.
+    No slice here: only the check of the shown rows can see it."""
+    from chatcli.cli import listing
+
+    monkeypatch.setattr(index_module, "SLICE_FOLDERS", 0)
+    store = _store()
+    convs = [_conv(store, f"t{i}", f"question number {i}", "answer") for i in range(3)]
+    _settle(store)
+    _replace_keeping_stamps(convs[1].transcript_path, "question number 1", "restored backup 1")
+    assert _ids(run_search("question", _store())[0]) == sorted(c.id for c in convs)  # not seen yet
+    shown = listing._rows_from_index(_store(), listing.DEFAULT_LIMIT, None, 0)
+    assert shown is not None and convs[1].id in {r.id for r in shown[0]}
+    assert _ids(run_search("restored", _store())[0]) == [convs[1].id]
+    assert _ids(run_search("question", _store())[0]) == sorted([convs[0].id, convs[2].id])
+
+
+def test_a_hand_edit_in_an_unshown_folder_is_seen_within_the_slices_bound(
+        chatcli_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Folders `ls` does not show are checked ``SLICE_FOLDERS`` per call in rotation: a hand edit in one
+    (a meta.json saved by an editor, renamed over) is in its row within ceil(n / SLICE_FOLDERS) calls,
+    each of which stats that many folders, not every one (the periodic full walk did, 0.6-0.9 s at
+    100,000). A folder replaced by a file is forgotten the same way."""
+    monkeypatch.setattr(index_module, "SLICE_FOLDERS", 2)
+    store = _store()
+    convs = [_conv(store, f"t{i}", "hello", "world") for i in range(7)]
+    index = _settle(store)
+    index.reconcile()  # a slice checked: the cursor is at its last folder
+    shown = {r.id for r in index.rows(limit=1)}
+    cursor = index.db().execute("SELECT value FROM info WHERE key='slice_at'").fetchone()[0]
+    # The worst case: the folder the last call's slice has just checked.
+    target = store.dir(cursor) if cursor not in shown else next(c for c in convs if c.id not in shown)
+    meta = json.loads(target.meta_path.read_text("utf-8"))
+    tmp = target.path / ".meta.tmp"
+    tmp.write_text(json.dumps({**meta, "title": "retitled in an editor"}), "utf-8")
+    os.replace(tmp, target.meta_path)
+    folder_stats = [0]
+    real_stat = os.stat
+
+    def counting(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        if os.path.dirname(str(path)) == str(store.root):
+            folder_stats[0] += 1
+        return real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "stat", counting)
+    bound = -(-len(convs) // 2)
+    calls = 0
+    while calls < bound:
+        calls += 1
+        folder_stats[0] = 0
+        index.reconcile()
+        # The slice's two, and the changed folder's when it is re-read: not every folder.
+        assert index.last_walk is None and folder_stats[0] == 2 + index.last_slice[1] <= 3
+        if index.rows(ids=[target.id])[0].title == "retitled in an editor":
+            break
+    assert index.rows(ids=[target.id])[0].title == "retitled in an editor", f"not seen in {bound} calls"
+    monkeypatch.setattr(os, "stat", real_stat)
+    gone = next(c for c in convs if c.id not in shown and c.id != target.id)
+    shutil.rmtree(gone.path)
+    gone.path.write_text("not a folder", "utf-8")
+    os.utime(store.root, (time.time() - 300, time.time() - 300))  # the names walk alone would keep the id
+    for _ in range(bound):
+        index.reconcile()
+    assert gone.id not in index.ids()
 
 
 def test_the_budget_total_runs_without_rescans_and_counts_shared_inodes_once(chatcli_home: Path) -> None:

@@ -37,10 +37,13 @@ def _ls_work(store: ConversationStore) -> None:
     index.state_total()
 
 
-def test_ls_reads_the_same_from_sqlite_at_60_and_at_360_conversations(chatcli_home: Path) -> None:
+def test_ls_reads_the_same_from_sqlite_at_60_and_at_360_conversations(
+        chatcli_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`ls` flat to 100,000 when the index is current: no statement reads a row per conversation. (The
     count and the unusable rows were read by scanning every row, 0.18 s of `ls` at 100,000, and the 50
-    most recent through an index on ``updated`` alone, sorting every tie: 2,426 → 11,126 steps here.)"""
+    most recent through an index on ``updated`` alone, sorting every tie: 2,426 → 11,126 steps here.)
+    The slice of folders each call checks is as big at both sizes (both are past it, as 100,000 is)."""
+    monkeypatch.setattr(index_mod, "SLICE_FOLDERS", 20)
     base = _conv(_store(), "t", "hello", "world")  # copies: every row ties on ``updated``
     _copies(base, 59, "a")
     _settle(_store())
@@ -92,7 +95,9 @@ def test_a_moved_conversations_folder_walks_names_without_a_stat_per_folder(
         chatcli_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A folder copied in moves the conversations folder's mtime: that can only mean names changed, so
     the walk is one scandir and the new folder's own stats, the same at 20 as at 220 conversations
-    (a stat per folder before: ~0.3 s at 100,000). The periodic walk still stats every folder."""
+    (a stat per folder before: ~0.3 s at 100,000), besides the slice's, as many at both sizes. The
+    periodic walk (WALK_EVERY_S) is of names too: no stat per folder in any call but a full one."""
+    monkeypatch.setattr(index_mod, "SLICE_FOLDERS", 10)
     base = _conv(_store(), "t", "hello", "world")
     real_stat = os.stat
 
@@ -124,11 +129,11 @@ def test_a_moved_conversations_folder_walks_names_without_a_stat_per_folder(
     index = _store().index
     assert index is not None
     before = index.walks()
-    with index.write() as w:  # the last full walk is WALK_EVERY_S old: every folder stat-ed
+    with index.write() as w:  # the last walk is WALK_EVERY_S old: its names are listed again
         w.execute("UPDATE info SET value = value - ? WHERE key='walked_at'", (int((index_mod.WALK_EVERY_S + 1) * 1e9),))
     index.reconcile()
-    assert index.last_walk is not None and index.last_walk.kind == "full"
-    assert index.walks()["full"] == before.get("full", 0) + 1
+    assert index.last_walk is not None and index.last_walk.kind == "names"
+    assert index.walks()["names"] == before["names"] + 1 and index.walks().get("full") == before.get("full")
 
 
 def test_a_folder_removed_by_hand_is_forgotten_by_a_names_walk(chatcli_home: Path) -> None:
@@ -302,17 +307,51 @@ def test_a_big_first_server_build_says_what_it_is_doing(chatcli_home: Path, monk
         return PrefixIndex(_store(), get_paths().data_dir / "server" / "index.json", model_identity={"m": 1},
                            n_ctx=4096, template_source="t")
 
+    monkeypatch.setattr(server_index, "BUILD_CHUNK", 3)
+    seen: list[tuple[int, int] | None] = []
+    check_many = PrefixIndex._check_many
+
+    def watched(self: PrefixIndex, items: list[tuple[str, str]]) -> None:
+        seen.append(server_index.BUILDING.get())  # what the loading server's 503 says meanwhile
+        check_many(self, items)
+
+    monkeypatch.setattr(PrefixIndex, "_check_many", watched)
     with caplog.at_level(logging.INFO, logger="chatcli.server"):
         first = prefix()
         first.refresh()
         first.save()
+    assert seen == [(0, 7), (3, 7), (6, 7)] and server_index.BUILDING.get() is None
     said = [r.getMessage() for r in caplog.records]
     assert "indexing 7 conversations for the server …" in said
     assert any(m.startswith("indexed 7 conversations for the server in ") for m in said)
     caplog.clear()
+    seen.clear()
     with caplog.at_level(logging.INFO, logger="chatcli.server"):
         prefix().refresh()
     assert not [r for r in caplog.records if "index" in r.getMessage()]
+    assert seen == []  # nothing changed since: nothing read, nothing to say
+
+
+def test_the_loading_servers_503_says_how_far_a_first_index_build_got() -> None:
+    """While the first index build of a big store runs (a minute at 100,000 conversations), a client
+    polling /health sees its progress in llama-server's 503 "Loading model"; without one, those words
+    alone (as tests/test_server_loading.py checks of a real start)."""
+    pytest.importorskip("starlette")
+    from starlette.testclient import TestClient
+
+    from chatcli.server import index as server_index
+    from chatcli.server.app import create_app
+
+    with TestClient(create_app(None)) as client:
+        got = client.get("/health")
+        assert got.status_code == 503 and got.json()["error"]["message"] == "Loading model"
+        server_index.BUILDING.set((4096, 100_000))
+        try:
+            got = client.get("/health")
+        finally:
+            server_index.BUILDING.set(None)
+        assert got.status_code == 503 and got.headers["Retry-After"] == "1"
+        assert got.json()["error"]["message"] == "Loading model (indexing conversations: 4096/100000)"
 
 
 

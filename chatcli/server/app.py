@@ -35,6 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from chatcli.server.auth import ApiKeys, AuthAndLog
 from chatcli.server.errors import APIError, error_response
+from chatcli.server.index import BUILDING
 from chatcli.server.routes import Routes, ServerLimits
 from chatcli.server.service import ChatService
 
@@ -75,8 +76,11 @@ class UntilLoaded:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not self.routes.ready:
-            refusal = error_response(APIError("unavailable", "Loading model"),
-                                     {"Retry-After": str(LOADING_RETRY_AFTER)})
+            # llama-server's words, and how far a first index build has got when one runs (a minute at
+            # 100,000 conversations copied in): a client polling /health sees it move.
+            at = BUILDING.get()
+            message = "Loading model" + (f" (indexing conversations: {at[0]}/{at[1]})" if at else "")
+            refusal = error_response(APIError("unavailable", message), {"Retry-After": str(LOADING_RETRY_AFTER)})
             await refusal(scope, receive, send)
             return
         await self.app(scope, receive, send)

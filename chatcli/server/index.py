@@ -49,8 +49,27 @@ UPDATE_WAIT_S = 0.05  # the longest a reply's re-index waits for another process
 BUILD_NOTICE = 2000  # a refresh that checks this many conversations says so in the log (a first start)
 BUILD_EVERY_S = 5.0  # ... and how far it got, this often
 BUILD_CHUNK = 512  # conversations per transaction in such a build (``_chunks``)
-RECONCILE_EVERY = 60.0  # seconds between two looks at every folder (~30 ms at 10,000 conversations)
+RECONCILE_EVERY = 60.0  # seconds between two reconciles (stamps, and a slice of the folders: ~10 ms)
 REPL_OWNER = "repl"  # the owner of conversations not made through the API
+
+
+class BuildProgress:
+    """How far a big refresh (a first start after many folders were copied in) has got: (done, total), or
+    None when none is running. The server answers 503 ``Loading model`` until its first refresh is done;
+    while one this big runs, the answer says how far it got (``app.UntilLoaded``). One per process: the
+    service that builds is made on the loading thread, before the app can know its index."""
+
+    def __init__(self) -> None:
+        self._at: tuple[int, int] | None = None
+
+    def set(self, at: tuple[int, int] | None) -> None:
+        self._at = at  # one reference replaced: read whole by any thread
+
+    def get(self) -> tuple[int, int] | None:
+        return self._at
+
+
+BUILDING = BuildProgress()
 
 
 def owner_of(meta: dict[str, Any]) -> str:
@@ -307,12 +326,18 @@ class PrefixIndex:
         root = f"{self.store.root}{os.sep}"
         with self._rows.bulk(big):
             size = BUILD_CHUNK if big else 64
-            for n, chunk in enumerate(self._chunks(candidates, size)):
-                if big and time.monotonic() >= next_say:
-                    log.info("indexing conversations for the server: %d/%d", n * size, len(candidates))
-                    next_say += BUILD_EVERY_S
-                with self._rows.write():
-                    self._check_many([(cid, f"{root}{cid}{os.sep}{self._transcript}") for cid in chunk])
+            try:
+                for n, chunk in enumerate(self._chunks(candidates, size)):
+                    if big:
+                        BUILDING.set((n * size, len(candidates)))
+                        if time.monotonic() >= next_say:
+                            log.info("indexing conversations for the server: %d/%d", n * size, len(candidates))
+                            next_say += BUILD_EVERY_S
+                    with self._rows.write():
+                        self._check_many([(cid, f"{root}{cid}{os.sep}{self._transcript}") for cid in chunk])
+            finally:
+                if big:
+                    BUILDING.set(None)
         if len(candidates) >= BUILD_NOTICE:
             log.info("indexed %d conversations for the server in %.1f s", len(candidates), time.monotonic() - started)
         # Worth saving only when something was looked at (nothing indexed yet: no number to keep).

@@ -8,8 +8,11 @@ index). The folders and transcripts stay the truth: everything here can be rebui
 How it stays true:
 - every chatcli process writes through ``ConversationDir``, which tells the index after the file is
   durable (transcript first, index after: a message is searchable as soon as its line is written);
-- ``reconcile`` compares each folder's mtime (one ``stat`` per folder: a meta.json rewrite, a state
-  rewrite or eviction, a copied or removed folder all change it) with the row and re-reads what changed;
+- ``reconcile`` compares folders' mtimes (a meta.json rewrite, a state rewrite or eviction, a copied
+  or removed folder all change it) with the rows and re-reads what changed: the names when the
+  conversations folder's own mtime moved, and ``SLICE_FOLDERS`` folders a call in rotation, so that
+  every folder is checked within ceil(n / SLICE_FOLDERS) calls at a bounded cost each (the rows ``ls``
+  shows are checked at once: ``check_rows``);
   a conversation open in a process that died (its ``open_pid`` is gone: a crash, a SIGKILL between a
   transcript line and its index row) is re-read too; the transcript's indexed bytes are checked by their
   crc32, so a hand edit anywhere in it re-indexes the whole conversation;
@@ -28,6 +31,7 @@ import json
 import os
 import re
 import sqlite3
+import stat
 import threading
 import time
 import zlib
@@ -46,7 +50,11 @@ if TYPE_CHECKING:
 SCHEMA_VERSION = 2  # 2: meta_mtime (a hand-edited meta.json is seen)
 FILE_NAME = "index.sqlite"
 BUSY_TIMEOUT_S = 5.0
-WALK_EVERY_S = 600.0  # the longest an unchanged conversations folder goes without a walk (see _reconcile)
+WALK_EVERY_S = 600.0  # the longest an unchanged conversations folder goes without its names walked (_reconcile)
+# Folders whose own mtime each reconcile compares with the index's, in rotation (see ``_reconcile``): a
+# stat each, ~10 ms of a command at any size; every folder is checked within ceil(n / SLICE_FOLDERS) calls
+# (one at 2,000 conversations, 5 at 10,000, 50 at 100,000).
+SLICE_FOLDERS = 2000
 CHECKED_ROWS = 100  # the rows `ls` shows that are checked against their files (a screenful and more)
 # A folder mtime this close to a walk may hide a change made after it in the same clock tick (see
 # ``racy_window_ns``): for file systems with whole-second stamps (FAT's are 2 s) ...
@@ -392,6 +400,7 @@ class Index:
         self._db: sqlite3.Connection | None = None
         self.rebuilt = False  # this process created the index afresh: reconcile reads every folder
         self.last_walk: Walk | None = None  # what the last ``reconcile`` walked (None: no walk was needed)
+        self.last_slice: tuple[int, int] = (0, 0)  # its slice: (folders stat-ed, of which changed or gone)
         self._lock = threading.RLock()
         self._fine: bool | None = None  # ``fine_stamps``, once measured
 
@@ -591,25 +600,40 @@ class Index:
         """Re-read the folders the index disagrees with; returns how many were re-read.
 
         Every call re-reads the conversations whose process died with them open (a query and a signal-0
-        each). The folders themselves are looked at only when one of their stamps says something may have
-        changed behind the index, and only as much as that stamp can tell:
+        each), and checks a slice of the others (below). The conversations folder's names are walked only
+        when a stamp says something may have changed behind the index, and only as much as it can tell:
 
         - the conversations folder's mtime is not the one recorded at the last walk: a folder was made,
           removed, renamed or copied in (by chatcli or by hand). Only names can have changed, so the walk
-          is of names (one ``listdir``, no ``stat``: 0.1 s at 100,000 conversations, load 4): new folders are read,
-          vanished ones forgotten;
-        - the last full walk is ``WALK_EVERY_S`` old: changes inside a folder that no chatcli of this
-          version told the index of (a hand edit, another version's write, a state file deleted by hand)
-          move no stamp but the folder's own, so every folder is ``stat``-ed (0.9 s at 100,000, load 6);
-        - the index was just (re)built, or ``full`` (the server's ``refresh(full=True)``): the full walk.
+          is of names (one ``listdir``, no ``stat``: 0.1 s at 100,000 conversations, load 4): new folders are
+          read, vanished ones forgotten;
+        - the last walk of names is ``WALK_EVERY_S`` old: the one change the folder's mtime may not show
+          (an outside one in the microseconds of ``own_change``'s window) is found by a walk of names too;
+        - the index was just (re)built, or ``full`` (the server's ``refresh(full=True)``): every folder is
+          ``stat``-ed (0.9 s at 100,000, load 6) and those whose mtime differs from the row's re-read.
 
-        chatcli's own writes tell the index themselves and need no walk; the rows ``ls`` shows are checked
-        against their files anyway (``check_rows``). A folder mtime within ``racy_window_ns`` of the walk
-        is not trusted (a change in the same clock tick would not move it: git's "racily clean" entries),
-        so the next call walks its names again: on a file system with fine stamps that is 50 ms, so an
-        `ls` right after a change walks once and the next one does not. ``progress(done, total)`` is called while many folders are
-        read. ``last_walk`` (and the index's ``walks_*`` counters, which other processes can read) says
-        what the call did: benchmarks and tests tell "ls, index current" from "ls after a walk" by it."""
+        Changes *inside* a folder that no chatcli of this version told the index of (a hand edit saved by
+        an editor, another version's write, a state file deleted by hand, a folder copied over another)
+        move no stamp but that folder's own. They are found without a stat of every folder in one command
+        (which made every 10th minute's `ls` cost 0.6-0.9 s at 100,000): the promise is that such a change
+        is seen
+        - at once in the rows a command shows: ``check_rows`` compares the first ``CHECKED_ROWS`` rows
+          ``ls`` shows with their folder's mtime, transcript, meta.json and state files; a search hit is
+          checked against its transcript (``search``);
+        - anywhere else within ceil(n / ``SLICE_FOLDERS``) calls of this method (any process's: `ls`,
+          `search`, `resume` without id, the server at start and once a minute): each call ``stat``-s the
+          next ``SLICE_FOLDERS`` folders in id order after the cursor the last call left in the index
+          (``slice_at``), wrapping around, and re-reads those whose mtime moved (or forgets those gone).
+          A bounded cost per command (2,000 stats: ~10 ms) however many conversations there are.
+
+        chatcli's own writes tell the index themselves and need no walk. A folder mtime within
+        ``racy_window_ns`` of the walk is not trusted (a change in the same clock tick would not move it:
+        git's "racily clean" entries), so the next call walks its names again: on a file system with fine
+        stamps that is 50 ms, so an `ls` right after a change walks once and the next one does not.
+        ``progress(done, total)`` is called while many folders are read. ``last_walk`` (and the index's
+        ``walks_*`` counters, which other processes can read) says what walk the call made (a slice is
+        not one: ``last_slice`` says what it checked): benchmarks and tests tell "ls, index current" from
+        "ls after a walk" by it."""
         db = self.db()
         self.last_walk = None
         started = time.time_ns()
@@ -622,17 +646,26 @@ class Index:
         if not kind:
             got = dict(db.execute("SELECT key, value FROM info WHERE key IN ('root_mtime', 'walked_at')").fetchall())
             if (not isinstance(got.get("walked_at"), int) or started - got["walked_at"] >= WALK_EVERY_S * 1e9
-                    or got["walked_at"] > started):  # the clock went back: trust nothing
-                kind = "full"
-            elif got.get("root_mtime") != root_mtime:
+                    or got["walked_at"] > started  # the clock went back: trust nothing
+                    or got.get("root_mtime") != root_mtime):
                 kind = "names"
+        changed, vanished = ([], []) if kind == "full" else self._check_slice(db)
         if not kind:
             dead = [str(cid) for cid, pid in db.execute(
                 "SELECT id, open_pid FROM convs WHERE open_pid IS NOT NULL").fetchall() if not _pid_alive(int(pid))]
-            if dead:
+            todo = list(dict.fromkeys(changed + dead))
+            if vanished:
                 with self.write() as w:
-                    self._refresh_many(w, dead)
-            return len(dead)
+                    for cid in vanished:
+                        self._forget(w, cid)
+                    self._prune_removed(w)
+            with bulk_writes(db, len(todo) >= BULK_FOLDERS):
+                for start in range(0, len(todo), REFRESH_CHUNK):  # as a walk reads them
+                    with self.write() as w:
+                        self._refresh_many(w, todo[start:start + REFRESH_CHUNK])
+            if changed or vanished:
+                self._note_repair(len(changed), len(vanished))
+            return len(todo) + len(vanished)
         seen: set[str] = set()
         n_seen = 0
         try:
@@ -657,7 +690,7 @@ class Index:
                 # asks each entry its type), the known ids as one string (a row each took twice as long),
                 # and only new names checked against the store's rule for an id and for being a folder.
                 # A known id is kept while its name exists (a folder replaced by a file is left to the
-                # periodic full walk, which looks at types).
+                # slice, which looks at types).
                 seen = set(os.listdir(self.root))
                 joined = db.execute("SELECT group_concat(id, '/') FROM convs").fetchone()[0]
                 ids = set(str(joined).split("/")) if joined else set()
@@ -671,6 +704,9 @@ class Index:
         for cid, pid in db.execute("SELECT id, open_pid FROM convs WHERE open_pid IS NOT NULL").fetchall():
             if cid in seen and cid not in todo and not _pid_alive(int(pid)):
                 todo.append(cid)  # its process died with the conversation open: lines may be unindexed
+        if changed or vanished:  # the slice's: folders whose insides changed, or gone without a walk showing it
+            gone = list(dict.fromkeys(gone + vanished))
+            todo += [cid for cid in changed if cid not in set(todo) and cid not in gone]
         if gone:
             with self.write() as w:
                 for cid in gone:
@@ -690,8 +726,8 @@ class Index:
         self.last_walk = Walk(kind, n_seen, len(todo), len(gone), time.perf_counter() - t0)
         with self.write() as w:
             w.execute("INSERT OR REPLACE INTO info VALUES('root_mtime', ?)", (-2 if racy else root_mtime,))
-            if kind == "full":  # a names walk does not answer for the folders' insides
-                w.execute("INSERT OR REPLACE INTO info VALUES('walked_at', ?)", (started,))
+            # Any walk lists every name (the slice answers for the folders' insides).
+            w.execute("INSERT OR REPLACE INTO info VALUES('walked_at', ?)", (started,))
             w.execute(f"INSERT INTO info VALUES('walks_{kind}', 1) ON CONFLICT(key) DO UPDATE SET value = value + 1")
             w.execute("INSERT OR REPLACE INTO info VALUES('last_walk', ?)", (json.dumps(self.last_walk._asdict()),))
         if self.rebuilt:
@@ -701,6 +737,43 @@ class Index:
         elif todo or gone:
             self._note_repair(len(todo), len(gone))
         return len(todo) + len(gone)
+
+    def _check_slice(self, db: sqlite3.Connection) -> tuple[list[str], list[str]]:
+        """The next ``SLICE_FOLDERS`` rows after the index's cursor (wrapping around), each folder's mtime
+        compared with its row's: (ids whose folder changed, ids whose folder is gone or no longer a folder).
+        The cursor moves on only if this process can write at once: otherwise the next call checks the same
+        slice again (a busy index must not make `ls` wait for it)."""
+        got = db.execute("SELECT value FROM info WHERE key='slice_at'").fetchone()
+        after = str(got[0]) if got is not None and isinstance(got[0], str) else ""
+        rows = db.execute("SELECT id, dir_mtime FROM convs WHERE id > ? ORDER BY id LIMIT ?",
+                          (after, SLICE_FOLDERS)).fetchall()
+        wrapped = len(rows) < SLICE_FOLDERS
+        if wrapped:
+            rows += db.execute("SELECT id, dir_mtime FROM convs WHERE id <= ? ORDER BY id LIMIT ?",
+                               (after, SLICE_FOLDERS - len(rows))).fetchall()
+        changed: list[str] = []
+        vanished: list[str] = []
+        prefix = str(self.root) + os.sep
+        for cid, mtime in rows:
+            try:
+                st = os.stat(prefix + cid)
+            except (FileNotFoundError, NotADirectoryError):
+                vanished.append(str(cid))
+                continue
+            except OSError:
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                vanished.append(str(cid))
+            elif st.st_mtime_ns != mtime:
+                changed.append(str(cid))
+        self.last_slice = (len(rows), len(changed) + len(vanished))
+        if rows:
+            with contextlib.suppress(sqlite3.Error, IndexUnavailable), self.write(timeout=0) as w:
+                w.execute("INSERT OR REPLACE INTO info VALUES('slice_at', ?)", (str(rows[-1][0]),))
+                if wrapped:  # another full round of the folders: tests and benchmarks count them
+                    w.execute("INSERT INTO info VALUES('slice_rounds', 1) "
+                              "ON CONFLICT(key) DO UPDATE SET value = value + 1")
+        return changed, vanished
 
     def walks(self) -> dict[str, int]:
         """How many walks of each kind (``names``, ``full``) any process made on this index so far."""
@@ -1040,7 +1113,8 @@ class Index:
           mtime as it is: there nothing is recorded, and the next `ls` walks the names as before.
         The one change none of these shows is an outside one in the microseconds between this change and
         the ``stat`` after it that leaves the subfolder count as it was (a rename, or one folder added
-        and one removed) on a file system that keeps no count: the periodic full walk finds it.
+        and one removed) on a file system that keeps no count: the periodic walk of names
+        (``WALK_EVERY_S``) finds it.
         Whatever the index cannot do (locked, damaged), the change is still made: the next walk finds it."""
         try:
             tx = self.write()
@@ -1175,14 +1249,15 @@ class Index:
     def check_rows(self, rows: list[Row], counter: Callable[[str], tuple[tuple[int, int], list[int]] | None],
                    ) -> list[Row]:
         """The rows about to be shown, the first ``CHECKED_ROWS`` each checked against its files (a few stats)
-        and re-read where they disagree: a transcript grown or a state file written by another version, a
-        meta.json edited in place, a crash mid-turn. The rows past those (``ls --all`` at 10,000: 40,000
-        stats would take longer than the listing) are shown as the index has them, repaired at the next
-        walk (``reconcile``). ``counter(id)`` replays a transcript into (exchange counts, the stamp they
+        and re-read where they disagree: the folder's mtime moved (a file in it made, replaced or removed
+        behind the index), a transcript grown or a state file written by another version, a meta.json
+        edited in place, a crash mid-turn. The rows past those (``ls --all`` at 10,000: 40,000 stats would
+        take longer than the listing) are shown as the index has them, repaired when ``reconcile``'s
+        slice comes to them. ``counter(id)`` replays a transcript into (exchange counts, the stamp they
         describe) when the metadata's summary does not describe the transcript (None: unreadable, left out)."""
         changed = False
         db = self.db()
-        cols = "id, tx_size, tx_mtime, counts_size, counts_mtime, state_bytes, server, meta_mtime"
+        cols = "id, tx_size, tx_mtime, counts_size, counts_mtime, state_bytes, server, meta_mtime, dir_mtime"
         checked = rows[:CHECKED_ROWS]
         known = {str(r[0]): r[1:] for r in db.execute(
             f"SELECT {cols} FROM convs WHERE id IN ({','.join('?' * len(checked))})", [r.id for r in checked])}
@@ -1207,8 +1282,12 @@ class Index:
             except OSError:
                 stamp = (0, 0)
             files = self._stat_files_at(Path(folder))
+            # The folder's own mtime too: a change inside it that no chatcli recorded (a file replaced by
+            # an editor's rename, a checkpoint deleted by hand, a folder copied over this one) is seen in
+            # the rows shown at once, not only when the slice of ``_reconcile`` comes to it.
             if (stamp[0] != int(row[0]) or (not row[5] and sum(s for _, _, s in files) != int(row[4]))
-                    or _mtime(Path(folder + os.sep + "meta.json")) != int(row[6])):
+                    or _mtime(Path(folder + os.sep + "meta.json")) != int(row[6])
+                    or _mtime(Path(folder)) != int(row[7])):
                 self.refresh(r.id)
                 changed = True
                 got = db.execute("SELECT tx_size, tx_mtime, counts_size, counts_mtime FROM convs WHERE id=?",
