@@ -8,11 +8,14 @@ round (A B C … A B C …) so the machine's load affects all of them alike; the
 every round. Two conditions: the machine as it is ("idle" when nothing else runs) and with one competing
 CPU-bound process that this harness starts (a Python busy loop) and stops.
 
-1. Prompt evaluation and decoding tokens/s: ``llama-bench`` and ``llama-server`` (streamed) built from the
-   same sdist as llama-cpp-python; chatcli's ``Engine`` with its default thread policy (``bench.decode_worker``),
-   the same with ``OMP_WAIT_POLICY=PASSIVE`` (what chatcli set before #22), ``chatcli talk`` piped and in a
-   terminal (a pty: the REPL, rendering as it streams; the stats line's tok/s) and ``chatcli serve``
-   (streamed); a bare llama-cpp-python loop in a process of its own (secondary).
+1. Prompt evaluation and decoding tokens/s, every method doing the work of one ``chatcli talk`` message per
+   round (its message's tokens evaluated after the persona's prefix, then greedy decoding from there):
+   ``llama-bench`` and ``llama-server`` (streamed) built from the same sdist as llama-cpp-python; chatcli's
+   ``Engine`` with its default thread policy (``bench.decode_worker``), the same with
+   ``OMP_WAIT_POLICY=PASSIVE`` (what chatcli set before #22), ``chatcli talk`` piped and in a terminal (a pty:
+   the REPL, rendering as it streams; the stats line's tok/s; ``bench.pty_talk``) and ``chatcli serve``
+   (streamed); a bare llama-cpp-python loop in a process of its own (secondary). All but llama-bench stay up
+   for the section, so the rounds are short and many (each ratio is taken within a round).
 2. ``serve`` with N concurrent clients (N = 1, 2, 4, 8), each its own conversation of several turns: total
    completion tokens/s and p50/p95 request latency, ``chatcli serve --parallel N`` vs ``llama-server -np N
    --kv-unified``, the servers taking turns.
