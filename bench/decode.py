@@ -8,11 +8,14 @@ round (A B C … A B C …) so the machine's load affects all of them alike; the
 every round. Two conditions: the machine as it is ("idle" when nothing else runs) and with one competing
 CPU-bound process that this harness starts (a Python busy loop) and stops.
 
-1. Prompt evaluation and decoding tokens/s: ``llama-bench`` and ``llama-server`` (streamed) built from the
-   same sdist as llama-cpp-python; chatcli's ``Engine`` with its default thread policy (``bench.decode_worker``),
-   the same with ``OMP_WAIT_POLICY=PASSIVE`` (what chatcli set before #22), ``chatcli talk`` piped and in a
-   terminal (a pty: the REPL, rendering as it streams; the stats line's tok/s) and ``chatcli serve``
-   (streamed); a bare llama-cpp-python loop in a process of its own (secondary).
+1. Prompt evaluation and decoding tokens/s, every method doing the work of one ``chatcli talk`` message per
+   round (its message's tokens evaluated after the persona's prefix, then greedy decoding from there):
+   ``llama-bench`` and ``llama-server`` (streamed) built from the same sdist as llama-cpp-python; chatcli's
+   ``Engine`` with its default thread policy (``bench.decode_worker``), the same with
+   ``OMP_WAIT_POLICY=PASSIVE`` (what chatcli set before #22), ``chatcli talk`` piped and in a terminal (a pty:
+   the REPL, rendering as it streams; the stats line's tok/s; ``bench.pty_talk``) and ``chatcli serve``
+   (streamed); a bare llama-cpp-python loop in a process of its own (secondary). All but llama-bench stay up
+   for the section, so the rounds are short and many (each ratio is taken within a round).
 2. ``serve`` with N concurrent clients (N = 1, 2, 4, 8), each its own conversation of several turns: total
    completion tokens/s and p50/p95 request latency, ``chatcli serve --parallel N`` vs ``llama-server -np N
    --kv-unified``, the servers taking turns.
@@ -27,7 +30,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import shutil
 import signal
 import statistics
@@ -43,13 +45,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import PARAGRAPHS, REPO, RESULT_PREFIX
-from bench.pty_talk import talk_in_terminal
+from bench.pty_talk import TalkSession
 from bench.serve import Proc, chat, find_llama_server, free_port, http_json
 
-FULL = {"rounds": 4, "prompt": 512, "decode": 128, "clients": [1, 2, 4, 8], "turns": 3, "reply": 48,
-        "conc_reps": 2, "fa_depths": [0, 2048]}
-QUICK = {"rounds": 2, "prompt": 128, "decode": 48, "clients": [1, 2, 4, 8], "turns": 2, "reply": 24,
-         "conc_reps": 1, "fa_depths": [0, 1024]}
+# Section 1's rounds are short and many: the machine drifts (its rate moved 63-90 tok/s within one run), and
+# each ratio is taken within a round, so shorter rounds see less of the drift and more of them give a median.
+FULL = {"rounds": 8, "prompt": 512, "decode": 96, "clients": [1, 2, 4, 8], "turns": 3, "reply": 48,
+        "conc_reps": 2, "fa_depths": [0, 2048], "fa_rounds": 4}
+QUICK = {"rounds": 3, "prompt": 128, "decode": 48, "clients": [1, 2, 4, 8], "turns": 2, "reply": 24,
+         "conc_reps": 1, "fa_depths": [0, 1024], "fa_rounds": 2}
 SYSTEM = "You are a helpful assistant. Answer in a few sentences."
 SEED = 1234
 COUNT_MSG = "Count from 1 to 500, separated by commas, and nothing else."
@@ -69,6 +73,40 @@ def pct(xs: list[float], q: float) -> float | None:
         return None
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+class Worker:
+    """A ``bench.decode_worker`` process, up for the whole section: one request line in, one result line out."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self._log = open(log, "ab")
+        self.p = subprocess.Popen(argv, env=env, cwd=str(REPO), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=self._log, text=True)
+        self._result()  # ready: the model is loaded
+
+    def _result(self) -> dict[str, Any]:
+        assert self.p.stdout is not None
+        for line in self.p.stdout:
+            if line.startswith(RESULT_PREFIX):
+                out: dict[str, Any] = json.loads(line[len(RESULT_PREFIX):])
+                return out
+        raise RuntimeError(f"worker exited ({self.p.wait()}); see {self._log.name}")
+
+    def run(self, req: dict[str, Any]) -> dict[str, Any]:
+        assert self.p.stdin is not None
+        self.p.stdin.write(json.dumps(req) + "\n")
+        self.p.stdin.flush()
+        return self._result()
+
+    def close(self) -> None:
+        try:
+            if self.p.stdin is not None:
+                self.p.stdin.close()
+            self.p.wait(30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.p.kill()
+            self.p.wait()
+        self._log.close()
 
 
 class Bench:
@@ -115,78 +153,98 @@ class Bench:
         tg = next((r["avg_ts"] for r in rows if r.get("n_gen") and not r.get("n_prompt")), None)
         return {"prompt_tps": pp, "decode_tps": tg}
 
-    def decode_depth(self) -> int:
-        """Where the streamed rows decode: after their prompt (the system prompt, the message and the chat
-        template's tokens, ~30 more than ``prompt``). Every single-stream row decodes from there, since a
-        decode's cost grows with the context it attends over (1.3× between depth 0 and 600 here)."""
-        return int(self.cfg["prompt"]) + 32
+    def message(self) -> str:
+        """A new user message, one line (a piped line is a message): a nonce first, so no method can reuse
+        an earlier message's cells, then the same text, so every round evaluates the same number of tokens."""
+        return f"Note {time.time_ns() % 100000:05d}. {' '.join(PARAGRAPHS)[: self.cfg['prompt'] * 4]} {COUNT_MSG}" \
+            .replace("\n", " ")
 
-    def worker(self, *, bare: bool = False, extra_env: dict[str, str] | None = None) -> dict[str, float | None]:
-        a = {"model_path": self.model, "n_ctx": self.o.n_ctx, "threads": 0 if not bare else self.o.threads,
-             "prompt_tokens": self.cfg["prompt"], "decode_tokens": self.cfg["decode"], "reps": 1, "bare": bare,
-             "decode_depth": self.decode_depth()}
-        if self.o.fixed_threads and not bare:
-            a["threads"] = self.o.threads
-        env = {**self.env, **(extra_env or {})}
-        out = subprocess.run([sys.executable, "-m", "bench.decode_worker", json.dumps(a)], env=env, cwd=str(REPO),
-                             capture_output=True, text=True, timeout=600)
-        line = next((ln for ln in out.stdout.splitlines() if ln.startswith(RESULT_PREFIX)), None)
-        if line is None:
-            self.log(f"worker failed: {out.stderr[-500:]}")
-            return {"prompt_tps": None, "decode_tps": None}
-        r = json.loads(line[len(RESULT_PREFIX):])
-        return {"prompt_tps": med(r["prompt_tps"]), "decode_tps": med(r["decode_tps"]),
-                "threads_used": r.get("threads_used")}
+    def talk_argv(self) -> list[str]:
+        """``chatcli talk``, greedy and without the repeat penalty (llama-server's and llama-bench's sampling:
+        the same work per token), the default persona's prefix before every message."""
+        argv = [sys.executable, "-m", "chatcli", "talk", "--temperature", "0", "--repeat-penalty", "1",
+                "--max-tokens", str(self.cfg["decode"]), "--model", self.model, "--n-ctx", str(self.o.n_ctx)]
+        return argv + (["--threads", str(self.o.threads)] if self.o.fixed_threads else [])
 
-    def _talk(self) -> tuple[list[str], dict[str, str], str]:
-        """``chatcli talk``'s command line, environment and message (the streamed rows' message, one line:
-        a piped line is a message), so the talk rows' prompt rates compare with the servers'."""
-        env = {**self.env, "CHATCLI_HOME": str(self.work / "talk-home")}
-        argv = [sys.executable, "-m", "chatcli", "talk", "--temperature", "0", "--max-tokens", str(self.cfg["decode"]),
-                "--model", self.model, "--n-ctx", str(self.o.n_ctx)]
-        if self.o.fixed_threads:
-            argv += ["--threads", str(self.o.threads)]
-        msg = f"Note {time.time_ns() % 100000}. {' '.join(PARAGRAPHS)[: self.cfg['prompt'] * 4]} {COUNT_MSG}"
-        return argv, env, msg.replace("\n", " ")
+    def open_talk(self, tag: str, *, terminal: bool) -> TalkSession:
+        env = {**self.env, "CHATCLI_HOME": str(self.work / f"talk-{tag}")}
+        return TalkSession(self.talk_argv(), env, cwd=REPO, terminal=terminal)
 
-    def talk_piped(self) -> dict[str, float | None]:
-        argv, env, msg = self._talk()
-        out = subprocess.run(argv, input=msg + "\n", env=env, capture_output=True, text=True, timeout=600)
-        m = re.search(r"([\d.]+) tok/s", out.stderr)  # the first rate of the stats line: decoding
-        pm = re.search(r"prompt ([\d.]+) tok/s", out.stderr)  # the message read, evaluated
-        return {"prompt_tps": float(pm.group(1)) if pm else None, "decode_tps": float(m.group(1)) if m else None}
+    def shape_from(self, tag: str) -> dict[str, Any]:
+        """The work of one round, read from a talk session's transcript after one message: the persona's
+        prefix (its messages and tokens: the depth the message is evaluated at) and the message's tokens."""
+        path = next((self.work / f"talk-{tag}").rglob("transcript.jsonl"))
+        recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        prefix = next(r for r in recs if r.get("type") == "prefix")
+        user = next(r for r in recs if r.get("type") == "message" and r.get("role") == "user")
+        return {"prefix_messages": prefix["messages"], "prefix_tokens": prefix["tokens"], "user_tokens": user["tokens"]}
 
-    def talk_terminal(self) -> dict[str, float | None]:
-        """``chatcli talk`` in a terminal (a pty): the REPL's rendering runs between decodes."""
-        argv, env, msg = self._talk()
-        decode, prompt = talk_in_terminal(argv, env, msg, cwd=REPO)
-        return {"prompt_tps": prompt, "decode_tps": decode}
+    def start_worker(self, tag: str, *, bare: bool = False, extra_env: dict[str, str] | None = None) -> Worker:
+        a = {"model_path": self.model, "n_ctx": self.o.n_ctx, "bare": bare,
+             "threads": self.o.threads if bare or self.o.fixed_threads else 0}
+        return Worker([sys.executable, "-m", "bench.decode_worker", json.dumps(a)], {**self.env, **(extra_env or {})},
+                      self.work / "logs" / f"worker-{tag}.log")
 
-    def single_stream(self, servers: dict[str, tuple[Proc, int]]) -> list[dict[str, Any]]:
-        """Section 1: every method once per round, the order rotating; returns one row per measurement."""
-        methods: dict[str, Callable[[], dict[str, float | None]]] = {
-            "llama-bench": lambda: self.llama_bench_run(decode_depth=self.decode_depth()),
-            "llama-server streamed": lambda: self.stream_one(servers["llama-server"][1], "llama-server"),
-            "chatcli Engine (default policy)": lambda: self.worker(),
-            "chatcli Engine, OMP_WAIT_POLICY=PASSIVE (before #22)": lambda: self.worker(
-                extra_env={"OMP_WAIT_POLICY": "PASSIVE"}),
-            "chatcli talk, piped": self.talk_piped,
-            "chatcli talk, terminal": self.talk_terminal,
-            "chatcli serve streamed": lambda: self.stream_one(servers["chatcli"][1], "chatcli"),
-            "bare llama-cpp-python loop (own process)": lambda: self.worker(bare=True),
-        }
-        rows: list[dict[str, Any]] = []
-        names = list(methods)
-        for rnd in range(self.cfg["rounds"]):
-            k = rnd % len(names)
-            for name in names[k:] + names[:k]:
-                la = load()
-                r = methods[name]()
-                rows.append({"round": rnd, "method": name, "load": la, **r})
-                extra = (f" to [DONE] {r['stream_tps']:.1f}, {r['tokens']} tokens, tail {r['tail_ms']:.0f} ms"
-                         if r.get("stream_tps") else "")
-                self.log(f"  {name}: pp {r.get('prompt_tps')} tg {r.get('decode_tps')}{extra}")
-        return rows
+    def single_stream(self, servers: dict[str, tuple[Proc, int]], cond: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Section 1: every method once per round, the order rotating; one row per measurement, and the
+        work (tokens, depths). Every method but llama-bench stays up for the whole section."""
+        piped = self.open_talk(f"piped-{cond}", terminal=False)
+        term = self.open_talk(f"terminal-{cond}", terminal=True)
+        workers: dict[str, Worker] = {}
+        try:
+            # One message each first, not measured (first-use costs), then the work as talk did it.
+            for s in (piped, term):
+                s.message(self.message())
+                s.undo()
+            shape = self.shape_from(f"piped-{cond}")
+            d, p, n = len(shape["prefix_tokens"]), len(shape["user_tokens"]), int(self.cfg["decode"])
+            work = {"prefix": d, "prompt": p, "decode": n, "decode_depth": d + p}
+            req = {"prefix": shape["prefix_tokens"], "prompt": shape["user_tokens"], "decode": n}
+            workers = {"chatcli Engine (default policy)": self.start_worker(f"engine-{cond}"),
+                       "chatcli Engine, OMP_WAIT_POLICY=PASSIVE (before #22)": self.start_worker(
+                           f"passive-{cond}", extra_env={"OMP_WAIT_POLICY": "PASSIVE"}),
+                       "bare llama-cpp-python loop (own process)": self.start_worker(f"bare-{cond}", bare=True)}
+            for w in workers.values():
+                w.run(req)
+            for kind in servers:
+                self.stream_one(servers[kind][1], shape["prefix_messages"])  # caches the prefix, as talk's
+            self.log(f"  work: {p}-token message after a {d}-token prefix, {n} tokens decoded from {d + p}")
+
+            def talk(s: TalkSession) -> dict[str, float | None]:
+                decode, prompt = s.message(self.message())
+                if not s.undo():
+                    raise RuntimeError("chatcli talk did not undo")
+                return {"prompt_tps": prompt, "decode_tps": decode}
+
+            def worker(w: Worker) -> Callable[[], dict[str, Any]]:
+                return lambda: w.run(req)
+
+            methods: dict[str, Callable[[], dict[str, Any]]] = {
+                "llama-bench": lambda: {"prompt_tps": self._llama_bench(0, d, p, 0)["prompt_tps"],
+                                        "decode_tps": self._llama_bench(0, d + p, 0, n)["decode_tps"]},
+                "llama-server streamed": lambda: self.stream_one(servers["llama-server"][1], shape["prefix_messages"]),
+                "chatcli talk, piped": lambda: talk(piped),
+                "chatcli talk, terminal": lambda: talk(term),
+                "chatcli serve streamed": lambda: self.stream_one(servers["chatcli"][1], shape["prefix_messages"]),
+                **{name: worker(w) for name, w in workers.items()},
+            }
+            rows: list[dict[str, Any]] = []
+            names = list(methods)
+            for rnd in range(self.cfg["rounds"]):
+                k = rnd % len(names)
+                for name in names[k:] + names[:k]:
+                    la = load()
+                    r = methods[name]()
+                    rows.append({"round": rnd, "method": name, "load": la, **r})
+                    extra = (f" prompt_n {r.get('prompt_n')} cache_n {r.get('cache_n')}, {r['tokens']} tokens"
+                             if "cache_n" in r else "")
+                    self.log(f"  {name}: pp {f(r.get('prompt_tps'), 0)} tg {f(r.get('decode_tps'))}{extra}")
+            return rows, work
+        finally:
+            for s in (piped, term):
+                s.close()
+            for w in workers.values():
+                w.close()
 
     def eog_bias(self) -> dict[str, int]:
         """``logit_bias`` banning every end-of-generation token: both servers then decode exactly the
@@ -201,17 +259,15 @@ class Bench:
                          if llama_cpp.llama_vocab_is_eog(vocab, i)}
         return self._eog
 
-    def stream_one(self, port: int, kind: str) -> dict[str, float | None]:
-        """One streamed greedy request on a fresh conversation, its end of turn banned (equal lengths).
+    def stream_one(self, port: int, prefix: list[dict[str, str]]) -> dict[str, Any]:
+        """One streamed greedy request: talk's persona prefix, then a new message (the prefix's cells are
+        reused from the request before, as talk keeps them), the end of turn banned (equal lengths).
 
         Two rates over the tokens after the first: ``decode_tps`` to the last token's chunk (what
         decoding costs, comparable with the Engine and talk rows) and ``stream_tps`` to the end of the
         stream (``[DONE]``: adds what the server does after the last token before it closes)."""
-        nonce = f"{time.time_ns() % 100000}"
-        words = " ".join(PARAGRAPHS)
-        msgs = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": f"Note {nonce}. {words[: self.cfg['prompt'] * 4]}\n\n{COUNT_MSG}"}]
-        r = chat(port, msgs, self.cfg["decode"], {"logit_bias": self.eog_bias()})
+        msgs = [*prefix, {"role": "user", "content": self.message()}]
+        r = chat(port, msgs, self.cfg["decode"], {"logit_bias": self.eog_bias(), "repeat_penalty": 1.0})
         n = None
         if r.usage:
             n = r.usage.get("completion_tokens")
@@ -219,11 +275,10 @@ class Bench:
             n = r.timings.get("predicted_n")
         decode = (n - 1) / (r.last - r.ttft) if n and n > 1 and r.last > r.ttft else None
         stream = (n - 1) / (r.total - r.ttft) if n and n > 1 and r.total > r.ttft else None
-        prompt = None
-        if r.timings and r.timings.get("prompt_per_second"):
-            prompt = float(r.timings["prompt_per_second"])
-        return {"prompt_tps": prompt, "decode_tps": decode, "stream_tps": stream, "tokens": n,
-                "ttft_ms": 1000 * r.ttft, "tail_ms": 1000 * (r.total - r.last)}
+        t = r.timings or {}
+        return {"prompt_tps": float(t["prompt_per_second"]) if t.get("prompt_per_second") else None,
+                "decode_tps": decode, "stream_tps": stream, "tokens": n, "prompt_n": t.get("prompt_n"),
+                "cache_n": t.get("cache_n"), "ttft_ms": 1000 * r.ttft, "tail_ms": 1000 * (r.total - r.last)}
 
     # -- servers --------------------------------------------------------------------------------------------
 
@@ -328,7 +383,7 @@ class Bench:
 
     def flash_attention(self) -> list[dict[str, Any]]:
         rows = []
-        for rnd in range(self.cfg["rounds"]):
+        for rnd in range(self.cfg.get("fa_rounds", self.cfg["rounds"])):
             for depth in self.cfg["fa_depths"]:
                 for fa in ((0, 1) if rnd % 2 == 0 else (1, 0)):
                     la = load()
@@ -344,7 +399,6 @@ class Bench:
 
     def run(self) -> dict[str, Any]:
         res: dict[str, Any] = {"config": self.cfg, "threads": self.o.threads, "n_ctx": self.o.n_ctx,
-                               "decode_depth": self.decode_depth(),
                                "model": self.model, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
                                "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "load_start": load(),
                                "fixed_threads": self.o.fixed_threads}
@@ -356,7 +410,7 @@ class Bench:
                 servers = {"chatcli": self.start_chatcli(1, f"single-{cond}"),
                            "llama-server": self.start_llama_server(1, f"single-{cond}")}
                 try:
-                    res["single"][cond] = self.single_stream(servers)
+                    res["single"][cond], res.setdefault("work", {})[cond] = self.single_stream(servers, cond)
                 finally:
                     for p, _ in servers.values():
                         self.stop(p)
@@ -385,18 +439,25 @@ def f(x: float | None, nd: int = 1) -> str:
 
 
 def single_table(rows: list[dict[str, Any]]) -> list[str]:
-    """Median tokens/s per method, and each method's ratio to llama-server / llama-bench taken round by round."""
+    """Median tokens/s per method, and each method's ratios to llama-server / llama-bench taken round by round:
+    their median and, in brackets, the lowest and highest (how much the machine moved between two methods)."""
     by: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         by.setdefault(r["method"], []).append(r)
 
-    def ratio(m: str, ref: str, key: str) -> float | None:
+    def ratios(m: str, ref: str, key: str) -> list[float]:
         pairs = []
         for r in by.get(m, []):
             ref_r = next((x for x in by.get(ref, []) if x["round"] == r["round"]), None)
             if ref_r and r.get(key) and ref_r.get(key):
                 pairs.append(r[key] / ref_r[key])
-        return med(pairs)
+        return pairs
+
+    def ratio(m: str, ref: str, key: str) -> str:
+        xs = ratios(m, ref, key)
+        if not xs:
+            return "–"
+        return f"{f(med(xs), 2)}" + (f" ({min(xs):.2f}–{max(xs):.2f})" if len(xs) > 1 and m != ref else "")
 
     out = ["| method | decode tok/s (min–max) | prompt tok/s | decode ÷ llama-server | decode ÷ llama-bench "
            "| prompt ÷ llama-bench | streamed: to [DONE] tok/s (÷ llama-server) · tokens · after the last token ms "
@@ -409,12 +470,31 @@ def single_table(rows: list[dict[str, Any]]) -> list[str]:
         streamed = "–"
         if st:
             toks = sorted({r["tokens"] for r in rs if r.get("tokens")})
-            streamed = (f"{f(med(st))} ({f(ratio(m, REF, 'stream_tps'), 2)}) · {'/'.join(map(str, toks))} · "
+            streamed = (f"{f(med(st))} ({ratio(m, REF, 'stream_tps')}) · {'/'.join(map(str, toks))} · "
                         f"{f(med([r['tail_ms'] for r in rs if r.get('tail_ms') is not None]), 0)}")
-        out.append(f"| {m} | {f(med(tg))}{rng} | {f(med(pp), 0)} | {f(ratio(m, REF, 'decode_tps'), 2)} "
-                   f"| {f(ratio(m, 'llama-bench', 'decode_tps'), 2)} | {f(ratio(m, 'llama-bench', 'prompt_tps'), 2)} "
+        out.append(f"| {m} | {f(med(tg))}{rng} | {f(med(pp), 0)} | {ratio(m, REF, 'decode_tps')} "
+                   f"| {ratio(m, 'llama-bench', 'decode_tps')} | {ratio(m, 'llama-bench', 'prompt_tps')} "
                    f"| {streamed} | {f(min(r['load'] for r in rs))}–{f(max(r['load'] for r in rs))} |")
     return out
+
+
+def work_line(work: dict[str, Any] | None, rows: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
+    """What every method did in each round (section 1)."""
+    if not work:  # a decode.json from before the rounds took talk's work
+        return (f"{cfg['prompt']}-token prompt, {cfg['decode']} decoded tokens, {cfg['rounds']} rounds. "
+                "Ratios are medians of the per-round ratios.")
+    served = sorted({(r.get("prompt_n"), r.get("cache_n")) for r in rows if r.get("prompt_n") is not None},
+                    key=str)
+    d, p = work["prefix"], work["prompt"]
+    return (f"{cfg['rounds']} rounds, the methods' order rotating. Each round every method does the work of one "
+            f"`chatcli talk` message: a {p}-token message evaluated after the default persona's {d}-token prefix "
+            f"(batch 512), then {work['decode']} tokens decoded greedily, no repeat penalty, from {d + p} deep. "
+            f"llama-bench: `-p {p} -d {d}` and `-n {work['decode']} -d {d + p}`; talk: a message then `/undo`; "
+            "the Engine and bare-loop workers: the same token ids; the servers: the persona's messages and a new "
+            "message (evaluated / reused from the request before: "
+            + (", ".join(f"{a}/{b}" for a, b in served) or "–") + "), the end of turn banned (`logit_bias`) so "
+            "both decode the same number of tokens; decode = first to last token's chunk, \"to [DONE]\" = first "
+            "token to the end of the stream. Ratios: the median of the per-round ratios (lowest–highest).")
 
 
 def conc_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -475,12 +555,7 @@ def markdown(res: dict[str, Any], chart: str | None) -> str:
              "loaded": "with one competing CPU-bound process"}
     for cond, rows in res["single"].items():
         lines += [f"## 1. Prompt and decode tokens/s — {names.get(cond, cond)}", "",
-                  f"{cfg['prompt']}-token prompt, {cfg['decode']} decoded tokens, {cfg['rounds']} rounds. "
-                  + (f"Every row decodes from ~{cfg['prompt'] + 32} tokens deep (llama-bench `-d`, the workers "
-                     "a filler first), where the streamed rows do. " if res.get("decode_depth") else "")
-                  + "Ratios are medians of the per-round ratios. Streamed rows: the end of turn banned "
-                  "(`logit_bias`) so both servers decode the same number of tokens; decode = first to last "
-                  "token's chunk, \"to [DONE]\" = first token to the end of the stream.", "", *single_table(rows), ""]
+                  work_line(res.get("work", {}).get(cond), rows, cfg), "", *single_table(rows), ""]
     if res.get("concurrency"):
         lines += ["## 2. serve with N concurrent clients", "",
                   f"Each client its own conversation of {cfg['turns']} turns, replies up to {cfg['reply']} tokens, "

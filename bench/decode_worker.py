@@ -1,7 +1,13 @@
-"""One measured process for ``bench/decode.py``: chatcli's Engine (or a bare llama.cpp loop) evaluating a
-prompt and decoding a reply, reporting tokens/s as one ``BENCH_RESULT`` JSON line.
+"""A measured process for ``bench/decode.py``: chatcli's Engine (or a bare llama.cpp loop) that stays up for
+the whole run and answers one request per round, each a JSON line on stdin, each answer a ``BENCH_RESULT``
+JSON line on stdout.
 
-    python -m bench.decode_worker '{"model_path": ..., "threads": 2, "prompt_tokens": 256, ...}'
+    python -m bench.decode_worker '{"model_path": ..., "n_ctx": 4096, "threads": 0, "bare": false}'
+    stdin: {"prefix": [token ids], "prompt": [token ids], "decode": 96}
+
+A request is the work ``chatcli talk`` does for one message: the prefix (the persona's tokens) in the context,
+untimed; the prompt (the message's tokens) evaluated at that depth and timed; then ``decode`` tokens decoded
+greedily from there and timed. The context is cut back to the prefix before the next request.
 
 The waiting policy under test is whatever the parent put in this process's environment (``OMP_WAIT_POLICY``,
 ``GOMP_SPINCOUNT``): libgomp reads it once, when llama.cpp's CPU backend is loaded at ``import llama_cpp``,
@@ -14,60 +20,47 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
-from bench.common import PARAGRAPHS, emit
+from bench.common import emit
 
-COUNT_PROMPT = ("<|im_start|>user\nCount from 1 to 1000, separated by commas.<|im_end|>\n"
-                "<|im_start|>assistant\n1, 2, 3, 4, 5,")
-
-
-def filler(prompt: list[int], a: dict[str, Any], n_count: int) -> list[int]:
-    """The tokens before the counting prompt, so that decoding starts ``decode_depth`` tokens deep, where the
-    streamed rows decode (the cost of a decode grows with the context it attends over)."""
-    want = max(0, int(a.get("decode_depth", 0)) - n_count)
-    return (prompt * (want // max(1, len(prompt)) + 1))[:want]
+Runner = Callable[[list[int], list[int], int], dict[str, Any]]
 
 
-def engine_run(a: dict[str, Any]) -> dict[str, Any]:
+def engine_runner(a: dict[str, Any]) -> Runner:
     from chatcli.backends.llamacpp import Engine, Sampling
 
     eng = Engine(a["model_path"], n_ctx=a["n_ctx"], n_threads=a["threads"] or None)
-    text = " ".join(PARAGRAPHS) * 20
-    prompt = eng.tokenize(text)[: a["prompt_tokens"]]
-    count = eng.tokenize(COUNT_PROMPT)
     greedy = Sampling(temperature=0.0, repeat_penalty=1.0)
-    pp: list[float] = []
-    tg: list[float] = []
-    for _ in range(a["reps"]):
-        eng.clear()
+
+    def run(prefix: list[int], prompt: list[int], n: int) -> dict[str, Any]:
+        if eng.tokens[: len(prefix)] == prefix and eng.n_past >= len(prefix):
+            eng.truncate(len(prefix))
+        else:
+            eng.clear()
+            eng.eval(prefix)
         st = eng.eval(prompt)
-        pp.append(len(prompt) / st.seconds)
-        eng.clear()
-        eng.eval(filler(prompt, a, len(count)) + count)
         t0 = time.perf_counter()
-        n = sum(1 for _ in eng.generate(greedy, seed=1, max_tokens=a["decode_tokens"]))
-        tg.append(n / (time.perf_counter() - t0))
-    # The count the last decode ran with: the default policy's answer to the load at the end of the run.
-    return {"prompt_tps": pp, "decode_tps": tg, "threads": eng.n_threads, "threads_used": eng._applied_threads,
-            "omp": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}}
+        got = sum(1 for _ in eng.generate(greedy, seed=1, max_tokens=n))
+        tg = got / (time.perf_counter() - t0)
+        # The count the last decode ran with: the default policy's answer to the load at that moment.
+        return {"prompt_tps": len(prompt) / st.seconds, "decode_tps": tg, "tokens": got,
+                "threads_used": eng._applied_threads}
+
+    return run
 
 
-def bare_run(a: dict[str, Any]) -> dict[str, Any]:
+def bare_runner(a: dict[str, Any]) -> Runner:
     """The same work as a bare llama-cpp-python loop (the secondary row: same process kind, no chatcli)."""
     import llama_cpp
 
     from bench.workers import _bare_context
 
-    model, ctx, batch = _bare_context(a["model_path"], a["n_ctx"], a["threads"], 512)
+    _model, ctx, batch = _bare_context(a["model_path"], a["n_ctx"], a["threads"], 512)
     mem = llama_cpp.llama_get_memory(ctx)
-    vocab = llama_cpp.llama_model_get_vocab(model)
-
-    def tokenize(s: str) -> list[int]:
-        data = s.encode()
-        buf = (llama_cpp.llama_token * (len(data) + 16))()
-        n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, len(buf), False, True)
-        return list(buf[:n])
+    sampler = llama_cpp.llama_sampler_init_greedy()
+    held: list[int] = []
 
     def decode(tokens: list[int], start: int) -> None:
         for off in range(0, len(tokens), 512):
@@ -82,33 +75,35 @@ def bare_run(a: dict[str, Any]) -> dict[str, Any]:
             if llama_cpp.llama_decode(ctx, batch) != 0:
                 raise RuntimeError("llama_decode failed")
 
-    prompt = tokenize(" ".join(PARAGRAPHS) * 20)[: a["prompt_tokens"]]
-    count = tokenize(COUNT_PROMPT)
-    sampler = llama_cpp.llama_sampler_init_greedy()
-    pp: list[float] = []
-    tg: list[float] = []
-    for _ in range(a["reps"]):
-        llama_cpp.llama_memory_clear(mem, True)
+    def run(prefix: list[int], prompt: list[int], n: int) -> dict[str, Any]:
+        if held[: len(prefix)] == prefix and len(held) >= len(prefix):
+            llama_cpp.llama_memory_seq_rm(mem, 0, len(prefix), -1)
+        else:
+            llama_cpp.llama_memory_clear(mem, True)
+            decode(prefix, 0)
+        held[:] = prefix
         t0 = time.perf_counter()
-        decode(prompt, 0)
-        pp.append(len(prompt) / (time.perf_counter() - t0))
-        llama_cpp.llama_memory_clear(mem, True)
-        first = filler(prompt, a, len(count)) + count
-        decode(first, 0)
-        pos = len(first)
+        decode(prompt, len(prefix))
+        pp = len(prompt) / (time.perf_counter() - t0)
+        pos = len(prefix) + len(prompt)
         t0 = time.perf_counter()
-        for _ in range(a["decode_tokens"]):
+        for _ in range(n):
             tok = llama_cpp.llama_sampler_sample(sampler, ctx, -1)
             decode([tok], pos)
             pos += 1
-        tg.append(a["decode_tokens"] / (time.perf_counter() - t0))
-    return {"prompt_tps": pp, "decode_tps": tg, "threads": a["threads"],
-            "omp": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}}
+        return {"prompt_tps": pp, "decode_tps": n / (time.perf_counter() - t0), "tokens": n}
+
+    return run
 
 
 def main() -> int:
     a = json.loads(sys.argv[1])
-    emit(bare_run(a) if a.get("bare") else engine_run(a))
+    run = bare_runner(a) if a.get("bare") else engine_runner(a)
+    omp = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    emit({"ready": True, "omp": omp})
+    for line in sys.stdin:
+        req = json.loads(line)
+        emit(run(req["prefix"], req["prompt"], int(req["decode"])))
     return 0
 
 

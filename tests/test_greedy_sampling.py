@@ -75,6 +75,29 @@ def test_numpy_bias_and_penalty_equal_the_chain_on_hard_logits(engine: Engine, r
         assert numpy_token(engine, s) == chain_token(engine, s), i
 
 
+@pytest.mark.parametrize("repeat", [1.1, 0.7])
+def test_greedy_penalty_without_bias_leaves_the_logits_as_computed(engine: Engine, repeat: float) -> None:
+    # The greedy penalty is written into the logits for the argmax and taken out again: the token is the
+    # chain's, and the context's buffer and kept logits hold exactly what was computed, for the next sample
+    # and for the LOGITS record a turn saves.
+    rng = np.random.default_rng(11)
+    engine.clear()
+    engine.eval(engine.tokenize(PROMPT))
+    window = engine.tokens[-64:]
+    s = Sampling(temperature=0.0, repeat_penalty=repeat, repeat_last_n=64)
+    plan = llamacpp._LogitPlan.of(s, engine.n_vocab)
+    assert plan is not None and not plan.bias_ids.size
+    computed = engine.logits()  # a copy of the context's buffer
+    assert engine._logits is None and engine._ctx_logits  # sampled from the buffer in place
+    assert numpy_token(engine, s) == chain_token(engine, s)
+    assert engine.logits().tobytes() == computed.tobytes()
+    for i in range(50):
+        kept = hard_logits(rng, engine.n_vocab, window)
+        engine.set_logits(kept)
+        assert numpy_token(engine, s) == chain_token(engine, s), i
+        assert engine.logits().tobytes() == kept.tobytes(), i
+
+
 def test_a_nan_goes_to_the_chain(engine: Engine) -> None:
     engine.clear()
     engine.eval(engine.tokenize(PROMPT))

@@ -37,8 +37,11 @@ MAX_REPLY_WIDTH = 100
 SPINNER_DELAY = 0.3
 # Markdown is re-rendered at most this often while a reply streams...
 FRAME_SECONDS = 1 / 10
-# ...and rendering may take at most this share of the time (it competes with generation for the CPU).
-RENDER_SHARE = 0.05
+# ...and rendering may take at most this share of the time: it runs between two decodes, so its time is the
+# decode rate's (issue #22 leaves 3 % for all talk adds to llama.cpp's rate). A frame of a short reply takes
+# ~0.5 ms and keeps the 10 a second; one that takes 1.5 ms (a long reply, or a busy machine's cold caches:
+# measured in a pty) waits 0.15 s.
+RENDER_SHARE = 0.01
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
