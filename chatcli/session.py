@@ -230,6 +230,11 @@ class Session:
         before the session. Not available with ``--server`` (ValueError)."""
         return self.local_engine.sibling()
 
+    def prepare_batching(self) -> bool:
+        """Make the shared batch context of the contexts made so far (``Engine.prepare_batching``): call it
+        once they all exist, so the first requests that generate at once do not wait for it."""
+        return self.local_engine.prepare_batching()
+
     @property
     def model_name(self) -> str:
         if self.model is not None:

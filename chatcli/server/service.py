@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chatcli.core.backend import Backend, GrammarError, Sampling
+from chatcli.core.backend import Backend, BackendError, GrammarError, Sampling
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import (
     ConversationError,
@@ -197,6 +197,11 @@ class ChatService:
         # them restores nothing. The least recently used is released (its state is already on disk).
         model = session.local_model
         self._slots = [_Slot(session.engine)] + [_Slot(session.new_context()) for _ in range(parallel - 1)]
+        if parallel > 1:
+            # Now, not under the model's lock in the first two requests that generate at once. A context that
+            # cannot be made (memory) is tried again then, and refused there as it was before.
+            with contextlib.suppress(BackendError):
+                session.prepare_batching()
         self.parallel = parallel
         self.model_name = model.info.name or Path(str(model.path)).stem  # for people: the GGUF's general.name
         # For clients (``GET /v1/models``, the responses' ``model``): the file's stem, as llama-server names a
