@@ -568,7 +568,9 @@ class CellLog:
         A rolled-back reply's CELLS record stays in the file (dead; a compaction keeps it as a SPARE record
         while /redo or /alt can still ask for it, see ``reusable``): switching back to it or redoing it reads
         those cells instead of evaluating. Returns how many tokens came from the file;
-        the rest is evaluated. Either way a record that is live again is appended.
+        the rest is evaluated. Either way records that make those cells live again are appended: for cells
+        read back, a REVIVE record of the one they came from (a few bytes, not a copy: ``_revive``); for
+        cells evaluated, a record of them.
 
         Several records may start at the same position (each alternative reply of a turn has one): the
         newest whose tokens are the ones wanted is used, not merely the newest there.
@@ -579,6 +581,7 @@ class CellLog:
         if self._whole:
             return (yield from self._put_back_whole(tokens))
         loaded = 0
+        back: list[bytes] = []  # the records that make what was read back live again
         while loaded < len(tokens):
             pos = p0 + loaded
             found = False
@@ -586,12 +589,14 @@ class CellLog:
                 if not (rec.kind in (sf.CELLS, sf.SPARE) and rec.p0 == pos and rec.p1 <= p0 + len(tokens)):
                     continue
                 try:
-                    toks, kv = sf.split_cells(sf.read_payload(self.path, rec), rec.p1 - rec.p0)
+                    payload = sf.read_payload(self.path, rec)
+                    toks, kv = sf.split_cells(payload, rec.p1 - rec.p0)
                     if toks != tokens[loaded:loaded + len(toks)]:
                         continue  # another alternative at this position
                     eng.load_cells(rec.p0, rec.p1, kv, toks)
                 except Exception:
                     continue  # unreadable or rejected: an older record may still do, else it is evaluated
+                back.append(self._revive(rec, payload))
                 loaded += len(toks)
                 found = True
                 break
@@ -599,8 +604,28 @@ class CellLog:
                 break
         if loaded < len(tokens):
             yield from evaluate(eng, tokens[loaded:], PUT_BACK)
-        self._append([self._point_record(p0, eng.n_past)], None)
+            back.append(self._point_record(p0 + loaded, eng.n_past))
+        self._append(back, None)
         return loaded
+
+    def _revive(self, rec: sf.Record, payload: bytes) -> bytes:
+        """The record that makes ``rec`` (whose cells, ``payload``, were just loaded) live again: a REVIVE
+        record naming it, or a copy where a REVIVE cannot name it — a record of a fork's base (the REVIVE's
+        offset counts in this file only; a rewrite of the fork makes the base's records its own) or one the
+        stored crc of which cannot be read (then the copy is the record, under its live kind).
+
+        The cells are not saved again from the backend: what was loaded is what the record holds (on a
+        memory that cannot be cut back that includes the state at its end, so the revived record is a point
+        as the record was), and a resume loads the same bytes from the same offset."""
+        live = sf.SNAPSHOT if rec.p0 == 0 else sf.CELLS
+        if rec.file is None and rec.kind in sf.REVIVED_KINDS:
+            try:
+                crc = sf.stored_crc(self.path, rec)
+            except (OSError, sf.StateFileError):
+                pass
+            else:
+                return sf.encode_record(sf.REVIVE, rec.p0, rec.p1, sf.revive_payload(rec.offset, crc))
+        return sf.encode_record(live, rec.p0, rec.p1, payload, rec.flags)
 
     def _put_back_whole(self, tokens: list[int]) -> Generator[Progress, None, int]:
         """``put_back`` on a whole-sequence memory: a saved point holding exactly the sequence wanted is
@@ -622,7 +647,7 @@ class CellLog:
                 # Back to where we were (only reached when llama.cpp rejects a saved state).
                 yield from evaluate(eng, want[:len(want) - len(tokens)], "rebuilding context")
                 continue
-            self._append([sf.encode_record(sf.SNAPSHOT, 0, rec.p1, payload)], None)
+            self._append([self._revive(rec, payload)], None)
             return len(tokens)
         yield from evaluate(eng, tokens, PUT_BACK)
         self._append([self._point_record(0, eng.n_past)], None)
