@@ -79,10 +79,12 @@ class StateLog(Protocol):
         ...
 
     def restore(self, want: list[int], report: ResumeReport, plan: Plan | None = None,
-                points: Sequence[int] = ()) -> Iterator[Event]:
+                points: Sequence[int] = (), brought_back: int = -1) -> Iterator[Event]:
         """Make the (empty) backend hold ``want``, loading what was saved and evaluating the rest (batched as
         ``plan`` says, see rebuild.py). ``points``: the positions a rollback can return to (message ends),
-        saved along the way when a memory that cannot be cut back is rebuilt."""
+        saved along the way when a memory that cannot be cut back is rebuilt. ``brought_back``: where /redo
+        or /alt brought the end of ``want`` back (-1: they did not): a state file that ends there was killed
+        before their records, and the cells they would have read back are read back."""
         ...
 
     def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats, *, defer: bool = False) -> None:
@@ -197,7 +199,7 @@ class CellLog:
         return not self.eng.caps.ranges
 
     def restore(self, want: list[int], report: ResumeReport, plan: Plan | None = None,
-                points: Sequence[int] = ()) -> Iterator[Event]:
+                points: Sequence[int] = (), brought_back: int = -1) -> Iterator[Event]:
         eng = self.eng
         t0 = time.perf_counter()
         loaded_bytes = 0
@@ -282,6 +284,17 @@ class CellLog:
                 if arr.shape == (eng.n_vocab,):
                     self._turn_logits = (logits_rec.p0, arr.copy())
                 del arr
+        read_back: list[tuple[sf.Record, bytes]] = []
+        if usable and 0 <= brought_back == n_ok < len(want) and n_ok == res.live()[2] and not self._whole:
+            # The transcript goes on where the state file ends, with what a /redo or /alt brought back: one
+            # killed after its transcript events and before its records were written whole (or between a
+            # /redo's events: the opening finished it). The records it would have made live again are read
+            # back, as it would have (a torn tail of its records is cut by the append below).
+            self.state = res
+            read_back = self._read_back(want[n_ok:])
+            n_ok = eng.n_past
+            report.restored_tokens = n_ok
+            report.restored_bytes += sum(rec.size for rec, _ in read_back)
         # Catch up: evaluate only the tail the state file did not have.
         tail = want[n_ok:]
         rebuilt: list[bytes] = []
@@ -309,8 +322,14 @@ class CellLog:
         n_live = res.live()[2]
         if usable:
             self.state = res  # for _spares: any rewrite below keeps, as a compaction does, what /redo and /alt read back
-        if not self._cuts and (tail or not usable or res.dropped_bytes or n_ok < n_live):
+        if read_back and not tail:
+            sf.drop_bases(self.path, keep=res.bases)
+            self._append([self._revive(rec, payload) for rec, payload in read_back], None)
+        elif not self._cuts and (tail or not usable or res.dropped_bytes or n_ok < n_live):
             kept = [c.record for c in chunks[:n_loaded]] if usable else []
+            # What was read back, as the state sees it (a SPARE record's cells are live CELLS there).
+            kept += [sf.Record(sf.SNAPSHOT if r.p0 == 0 else sf.CELLS, r.p0, r.p1, r.offset, r.length, file=r.file,
+                               flags=r.flags) for r, _ in read_back]
             self._rewrite_points(kept=kept, added=rebuilt, spares=self._spares(kept) if usable else [])
         elif usable and not res.dropped_bytes and not tail and n_ok < n_live:
             # The interrupted rollback's records, appended now: the rest of the file (what /redo and /alt
@@ -580,13 +599,28 @@ class CellLog:
         p0 = eng.n_past
         if self._whole:
             return (yield from self._put_back_whole(tokens))
+        read = self._read_back(tokens)
+        back = [self._revive(rec, payload) for rec, payload in read]  # what makes the cells read back live
+        loaded = sum(rec.p1 - rec.p0 for rec, _ in read)
+        if loaded < len(tokens):
+            yield from evaluate(eng, tokens[loaded:], PUT_BACK)
+            back.append(self._point_record(p0 + loaded, eng.n_past))
+        self._append(back, None)
+        return loaded
+
+    def _read_back(self, tokens: list[int]) -> list[tuple[sf.Record, bytes]]:
+        """Load into the backend, after what it holds, the cells of as many of ``tokens`` as records of the
+        state file hold (dead or spare ones: rolled back, undone, kept by a compaction); the records used,
+        in order, with their payloads."""
+        eng = self.eng
+        p0 = eng.n_past
         loaded = 0
-        back: list[bytes] = []  # the records that make what was read back live again
+        out: list[tuple[sf.Record, bytes]] = []
         while loaded < len(tokens):
             pos = p0 + loaded
             found = False
             for rec in reversed(self.state.records):
-                if not (rec.kind in (sf.CELLS, sf.SPARE) and rec.p0 == pos and rec.p1 <= p0 + len(tokens)):
+                if not (rec.kind in (sf.CELLS, sf.SPARE) and rec.p0 == pos and pos < rec.p1 <= p0 + len(tokens)):
                     continue
                 try:
                     payload = sf.read_payload(self.path, rec)
@@ -596,17 +630,13 @@ class CellLog:
                     eng.load_cells(rec.p0, rec.p1, kv, toks)
                 except Exception:
                     continue  # unreadable or rejected: an older record may still do, else it is evaluated
-                back.append(self._revive(rec, payload))
+                out.append((rec, payload))
                 loaded += len(toks)
                 found = True
                 break
             if not found:
                 break
-        if loaded < len(tokens):
-            yield from evaluate(eng, tokens[loaded:], PUT_BACK)
-            back.append(self._point_record(p0 + loaded, eng.n_past))
-        self._append(back, None)
-        return loaded
+        return out
 
     def _revive(self, rec: sf.Record, payload: bytes) -> bytes:
         """The record that makes ``rec`` (whose cells, ``payload``, were just loaded) live again: a REVIVE
@@ -961,7 +991,7 @@ class CheckpointLog:
         self.settle()
 
     def restore(self, want: list[int], report: ResumeReport, plan: Plan | None = None,
-                points: Sequence[int] = ()) -> Iterator[Event]:
+                points: Sequence[int] = (), brought_back: int = -1) -> Iterator[Event]:
         eng = self.eng
         t0 = time.perf_counter()
         info = self.meta.get("checkpoint")

@@ -157,8 +157,8 @@ def revived(rec: Record, payload: bytes | memoryview, target: Record | None, tar
     if len(payload) != _REVIVE.size or target is None:
         return None
     offset, crc = _REVIVE.unpack(payload)
-    if (target.offset != offset or (target_crc is not None and crc != target_crc) or target.kind not in REVIVED_KINDS or target.offset >= rec.offset
-            or (target.p0, target.p1) != (rec.p0, rec.p1) or target.p1 <= target.p0):
+    if (target.offset != offset or (target_crc is not None and crc != target_crc) or target.kind not in REVIVED_KINDS
+            or target.offset >= rec.offset or (target.p0, target.p1) != (rec.p0, rec.p1) or target.p1 <= target.p0):
         return None
     return Record(SNAPSHOT if rec.p0 == 0 else CELLS, rec.p0, rec.p1, target.offset, target.length,
                   file=target.file, flags=target.flags, via=rec.offset)
@@ -265,7 +265,7 @@ class ScanResult:
     def add(self, raws: list[bytes]) -> None:
         """Index records just appended at the end of the valid bytes (the file's only writer calls this)."""
         added, self.valid_bytes = records_at(raws, self.valid_bytes)
-        for rec, raw in zip(added, raws):
+        for rec, raw in zip(added, raws, strict=True):
             if rec.kind == REVIVE:
                 payload = raw[HEADER_SIZE:]
                 at = revive_target(payload)
