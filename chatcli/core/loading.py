@@ -87,7 +87,7 @@ def open_conversation(
             n = len(replay.torn_redo)
             tr_ = Transcript(conv, replay)
             for mid in list(replay.torn_redo):
-                tr_.append({"type": "activate", "mid": mid, "p0": len(replay.tokens())})
+                tr_.append({"type": "activate", "mid": mid, "p0": len(replay.tokens()), "redo": False})
             yield Notice(f"the last /redo was interrupted: brought back the {n} message(s) it had left", "warn")
         c = Conversation(backend, template, conv, meta, replay, sampling, identity=identity,
                          max_tokens=max_tokens, reserve=reserve)
