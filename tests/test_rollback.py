@@ -491,3 +491,28 @@ def test_redo_and_alt_append_no_copy_of_what_they_read_back(copies: bool, monkey
     assert here["replies"] == there["replies"]
     assert np.array_equal(np.load(tmp_path / "here.npy"), np.load(tmp_path / "there.npy"))
     session.close()
+
+
+def test_a_redo_cut_short_is_known_only_where_the_transcript_ends() -> None:
+    """/redo writes one activate event per message; the replay knows which ones a /redo killed between them
+    still had to bring back (the opening appends those) — but only when nothing follows: an older version
+    that went on from the partial redo wrote a history that stands as it is (old transcripts still load)."""
+    from chatcli.core.transcript import replay_events
+
+    def msg(mid: int, role: str, p0: int) -> dict[str, Any]:
+        return {"type": "message", "mid": mid, "role": role, "text": role, "tokens": [mid, mid], "span": [p0, p0 + 2],
+                "turn": mid // 2}
+
+    head = [{"type": "prefix", "tokens": [1, 2], "span": [0, 2]}, msg(0, "user", 2), msg(1, "assistant", 4),
+            msg(2, "user", 6), msg(3, "assistant", 8), {"type": "truncate", "to": 2, "reason": "undo"}]
+    torn = [*head, {"type": "activate", "mid": 0, "p0": 2, "redo": True}]
+    r = replay_events(torn)
+    assert r.torn_redo == [1, 2, 3] and r.brought_back == 2 and not r.redo and not r.problems
+    r = replay_events([*torn, {"type": "activate", "mid": 1, "p0": 4, "redo": False}])
+    assert r.torn_redo == [2, 3] and r.brought_back == 2
+    whole = [*torn, *({"type": "activate", "mid": m, "p0": 2 * m + 2, "redo": False} for m in (1, 2, 3))]
+    r = replay_events(whole)
+    assert r.torn_redo == [] and [m.mid for m in r.active] == [0, 1, 2, 3] and r.brought_back == 2
+    # What an older chatcli wrote after resuming a torn redo: its next message follows the partial state.
+    r = replay_events([*torn, msg(4, "user", 4), msg(5, "assistant", 6)])
+    assert r.torn_redo == [] and [m.mid for m in r.active] == [0, 4, 5] and r.brought_back == -1 and not r.problems

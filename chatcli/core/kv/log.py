@@ -285,13 +285,13 @@ class CellLog:
                     self._turn_logits = (logits_rec.p0, arr.copy())
                 del arr
         read_back: list[tuple[sf.Record, bytes]] = []
-        if usable and 0 <= brought_back == n_ok < len(want) and n_ok == res.live()[2] and not self._whole:
+        if usable and 0 <= brought_back == n_ok < len(want) and n_ok == res.live()[2]:
             # The transcript goes on where the state file ends, with what a /redo or /alt brought back: one
             # killed after its transcript events and before its records were written whole (or between a
             # /redo's events: the opening finished it). The records it would have made live again are read
             # back, as it would have (a torn tail of its records is cut by the append below).
             self.state = res
-            read_back = self._read_back(want[n_ok:])
+            read_back = self._read_back_whole(want) if self._whole else self._read_back(want[n_ok:])
             n_ok = eng.n_past
             report.restored_tokens = n_ok
             report.restored_bytes += sum(rec.size for rec, _ in read_back)
@@ -656,6 +656,30 @@ class CellLog:
             else:
                 return sf.encode_record(sf.REVIVE, rec.p0, rec.p1, sf.revive_payload(rec.offset, crc))
         return sf.encode_record(live, rec.p0, rec.p1, payload, rec.flags)
+
+    def _read_back_whole(self, want: list[int]) -> list[tuple[sf.Record, bytes]]:
+        """On a whole-sequence memory, load a saved point holding exactly ``want`` instead of what the backend
+        holds; the record used and its payload (none found: nothing changes). A point llama.cpp rejects
+        leaves the backend empty (the caller evaluates everything then)."""
+        eng = self.eng
+        for rec in reversed(self.state.records):
+            if rec.kind not in (sf.SNAPSHOT, sf.SPARE) or rec.p0 != 0 or rec.p1 != len(want):
+                continue
+            try:
+                payload = sf.read_payload(self.path, rec)
+                toks, kv = sf.split_cells(payload, rec.p1)
+            except (OSError, sf.StateFileError):
+                continue
+            if toks != want:
+                continue
+            eng.clear()
+            try:
+                eng.load_cells(0, rec.p1, kv, toks)
+            except Exception:
+                eng.clear()
+                return []
+            return [(rec, payload)]
+        return []
 
     def _put_back_whole(self, tokens: list[int]) -> Generator[Progress, None, int]:
         """``put_back`` on a whole-sequence memory: a saved point holding exactly the sequence wanted is
