@@ -335,10 +335,7 @@ def _kinds(path: Path) -> list[int]:
 
 
 def _fork(conv: Conversation, exchanges: int) -> str:
-    from chatcli.config.settings import get_paths
-    from chatcli.core.files.store import ConversationStore
-
-    return fork_conversation(ConversationStore(get_paths().conversations_dir), conv.id, exchanges)[0]
+    return _fork_id(conv.id, exchanges)
 
 
 def _continue(session: Any, cid: str, text: str) -> tuple[list[int], np.ndarray]:
@@ -516,3 +513,37 @@ def test_a_redo_cut_short_is_known_only_where_the_transcript_ends() -> None:
     # What an older chatcli wrote after resuming a torn redo: its next message follows the partial state.
     r = replay_events([*torn, msg(4, "user", 4), msg(5, "assistant", 6)])
     assert r.torn_redo == [] and [m.mid for m in r.active] == [0, 4, 5] and r.brought_back == -1 and not r.problems
+
+
+def test_an_alt_killed_before_its_state_records_resumes_reading_the_reply_back(tmp_path: Path) -> None:
+    """/alt writes its transcript events (truncate, activate) before its state records: killed in between,
+    the state file still holds the reply it switched from. The resume cuts that, reads the reply switched
+    to back from its record (nothing evaluated, not reported as damage) and continues bit-identically to a
+    conversation that never had the other reply."""
+    first = drive("--new", "--temperature", "0.9", "--seed", "3", *says(M[:2]))
+    ref_id = _fork_id(first["id"], 2)
+    session = build_session(temperature=0.9, seed=3)
+    conv, _, _ = drain(session.open_conversation(first["id"]))
+    assert conv is not None
+    drain(conv.regen())
+    original = next(a for a in conv.alternatives() if not a.active)
+    assert conv.r.all[original.mid]["tokens"] != conv.messages[-1].tokens  # another reply to switch from
+    to = conv.messages[-1].p0
+    # What _switch_alt writes before put_back and the state records (the kill comes after them).
+    conv.transcript.append({"type": "truncate", "to": to, "reason": "alt"})
+    conv.transcript.append({"type": "activate", "mid": original.mid, "p0": to})
+    conv.close()
+    session.close()
+    here = drive("--resume", first["id"], *says(M[2:]), logits=tmp_path / "here.npy")
+    assert here["report"]["reevaluated"] == 0 and here["evaluated_after_open"] == 0, here["report"]
+    assert here["report"]["reason"] == "" and here["tokens"][:len(first["tokens"])] == first["tokens"]
+    there = drive("--resume", ref_id, *says(M[2:]), logits=tmp_path / "there.npy")
+    assert here["replies"] == there["replies"]
+    assert np.array_equal(np.load(tmp_path / "here.npy"), np.load(tmp_path / "there.npy"))
+
+
+def _fork_id(cid: str, exchanges: int) -> str:
+    from chatcli.config.settings import get_paths
+    from chatcli.core.files.store import ConversationStore
+
+    return fork_conversation(ConversationStore(get_paths().conversations_dir), cid, exchanges)[0]

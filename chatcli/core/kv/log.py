@@ -285,16 +285,20 @@ class CellLog:
                     self._turn_logits = (logits_rec.p0, arr.copy())
                 del arr
         read_back: list[tuple[sf.Record, bytes]] = []
-        if usable and 0 <= brought_back == n_ok < len(want) and n_ok == res.live()[2]:
-            # The transcript goes on where the state file ends, with what a /redo or /alt brought back: one
-            # killed after its transcript events and before its records were written whole (or between a
-            # /redo's events: the opening finished it). The records it would have made live again are read
-            # back, as it would have (a torn tail of its records is cut by the append below).
+        mismatch = report.reason == "saved state does not match the transcript"
+        if usable and 0 <= brought_back == n_ok < len(want) and (n_ok == res.live()[2] or mismatch):
+            # The transcript goes on where the state file's use ends, with what a /redo or /alt brought
+            # back: one killed after its transcript events and before its records were written whole (or
+            # between a /redo's events: the opening finished it); an /alt also before its TRUNCATE (the
+            # state still holds the reply it switched from). The records it would have made live again are
+            # read back, as it would have (a torn tail of its records is cut by the append below).
             self.state = res
             read_back = self._read_back_whole(want) if self._whole else self._read_back(want[n_ok:])
             n_ok = eng.n_past
             report.restored_tokens = n_ok
             report.restored_bytes += sum(rec.size for rec, _ in read_back)
+            if mismatch and n_ok == len(want):
+                report.reason = ""  # not damage: the /alt's records, written now
         # Catch up: evaluate only the tail the state file did not have.
         tail = want[n_ok:]
         rebuilt: list[bytes] = []
@@ -324,7 +328,8 @@ class CellLog:
             self.state = res  # for _spares: any rewrite below keeps, as a compaction does, what /redo and /alt read back
         if read_back and not tail:
             sf.drop_bases(self.path, keep=res.bases)
-            self._append([self._revive(rec, payload) for rec, payload in read_back], None)
+            cut = [sf.encode_record(sf.TRUNCATE, brought_back, brought_back, b"")] if brought_back < n_live else []
+            self._append([*cut, *(self._revive(rec, payload) for rec, payload in read_back)], None)
         elif not self._cuts and (tail or not usable or res.dropped_bytes or n_ok < n_live):
             kept = [c.record for c in chunks[:n_loaded]] if usable else []
             # What was read back, as the state sees it (a SPARE record's cells are live CELLS there).
