@@ -463,6 +463,8 @@ def remaining_lines(ref: Reference, script: list[str], have: int) -> tuple[list[
     for i, (start, end) in enumerate(ref.line_spans):
         if have < end:
             written = ref.events[start:have]
+            if written and script[i].startswith("/redo"):
+                return script[i + 1:], False  # a /redo killed between its events: the opening finishes it
             pending = any(e["type"] == "message" and e["role"] == "user" for e in written)
             return (script[i + 1:] if pending else script[i:]), pending
     return [], False

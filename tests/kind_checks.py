@@ -31,7 +31,8 @@ OTHER = "say something else"
 LONG = "a rather long message about the weather and the sea, told at length so it fills the context fast"
 N_CTX = 256
 DSV4_ATOL = 1e-4
-CHECKS = ("resume", "regen", "undo", "undo_resume", "redo", "redo_compacted", "edit", "alt", "fork", "evict", "shift")
+CHECKS = ("resume", "regen", "undo", "undo_resume", "redo", "redo_compacted", "redo_resume", "redo_torn", "edit", "alt",
+          "fork", "evict", "shift")
 
 
 class CheckFailed(AssertionError):
@@ -198,6 +199,38 @@ class Kind:
         kinds = [r.kind for r in sf.scan(conv.dir.state_path).records]
         expect(sf.SPARE in kinds, f"the compaction kept no SPARE record ({kinds})")
         self._redo_reads_back(conv, full["tokens"], "redo after a compaction")
+
+    def check_redo_resume(self) -> None:
+        """Undo two exchanges, redo them (the records read back are revived in place, not copied), resume:
+        nothing evaluated, and the conversation continues as the control."""
+        full = self.talk(M[:3])
+        conv, _ = self.open(full["id"])
+        conv.undo(2)
+        conv.redo()
+        conv.close()
+        self._resumes_exactly(full, "resume after redo")
+
+    def check_redo_torn(self) -> None:
+        """A /redo killed after its first transcript event (the user message without its reply): opening the
+        conversation brings back the rest, reads their cells back (nothing evaluated), and the conversation
+        continues as the control."""
+        full = self.talk(M[:3])
+        conv, _ = self.open(full["id"])
+        conv.undo(1)
+        # What _redo writes first; the kill comes before the reply's event and before any state record.
+        conv.transcript.append({"type": "activate", "mid": conv.r.redo[-1][0], "p0": self.engine.n_past, "redo": True})
+        conv.close()
+        self._resumes_exactly(full, "resume after a torn redo")
+
+    def _resumes_exactly(self, full: dict[str, Any], what: str) -> None:
+        before = self.engine.n_evaluated_total
+        conv, report = self.open(full["id"])
+        expect(report.reevaluated == 0 and self.engine.n_evaluated_total == before,
+               f"{what} evaluated {self.engine.n_evaluated_total - before} "
+               f"(restored {report.restored_tokens}, reason {report.reason!r})")
+        expect(list(self.engine.tokens) == full["tokens"], f"{what}: tokens differ")
+        self.continues_like_control(conv, 3, what)
+        conv.close()
 
     def check_edit(self) -> None:
         from tests.drive import drain

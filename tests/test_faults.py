@@ -107,3 +107,29 @@ def test_sigkill_in_a_compaction_or_an_undo_keeps_what_redo_reads_back(name: str
     assert out.lost == 0
     assert out.intact and out.identical, point.label
     assert "redone 1 exchange(s): 0 tokens evaluated" in out.resume_stderr, (point.label, out.resume_stderr[-800:])
+
+
+# The /redo of SPARE_SCRIPT brings back two messages (one activate event each) whose cells one SPARE record
+# holds: a kill between the two events, or in the append of the REVIVE record after them.
+REDO_POINTS = {
+    **{f"redo-between-events-{ph}": ("write:transcript", ph, "activate:", 1, 0) for ph in ("before", "torn")},
+    **{f"redo-revive-append-{ph}": ("write:state", ph, "activate:", 2, 0) for ph in ("before", "torn", "after")},
+}
+
+
+@pytest.mark.parametrize("name", list(REDO_POINTS))
+def test_sigkill_in_a_redo_finishes_it_on_resume_reading_the_cells_back(name: str, spare_ref: Any,
+                                                                        tmp_path: Path) -> None:
+    """A /redo is whole or not at all: killed between its transcript events (the user message would be left
+    without its reply), the resume appends the rest of them. Killed before its REVIVE record is whole, the
+    resume reads the redone cells back as the /redo would have. Either way nothing is evaluated and the
+    conversation continues as if never killed."""
+    event, phase, note, k, skip = REDO_POINTS[name]
+    point = faults.point_after(spare_ref, event, phase, note, k, skip)
+    out = faults.run_point(spare_ref, point, tmp_path, SPARE_SCRIPT)
+    assert out.killed, point.label
+    assert out.problems == [], (point.label, out.problems)
+    assert out.lost == 0
+    assert out.intact and out.identical, (point.label, out.resume_stderr[-800:])
+    torn = name.startswith("redo-between-events")
+    assert ("the last /redo was interrupted" in out.resume_stderr) == torn, out.resume_stderr[-800:]

@@ -232,6 +232,44 @@ def test_where_a_link_cannot_be_made_the_fork_copies(monkeypatch: pytest.MonkeyP
     assert np.array_equal(np.load(tmp_path / "child.npy"), np.load(tmp_path / "parent.npy")[1:])
 
 
+def test_a_copied_fork_writes_revived_cells_as_live_records(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A parent whose /redo revived a SPARE record (an /undo into a compacted snapshot saved the part it cut):
+    a fork that copies the live records writes that one as the CELLS record the state sees (its own bytes
+    say SPARE, and a REVIVE's offset means nothing in another file), and continues exactly like the parent."""
+    import errno
+
+    from tests.drive import say
+
+    session = build_session()
+    conv, _, _ = drain(session.new_conversation("alice"))
+    assert conv is not None
+    for m in M[:3]:
+        say(conv, m)
+    conv.log.compact()  # type: ignore[attr-defined]
+    conv.undo(1)
+    assert conv.redo().n_eval == 0
+    parent_state = conv.dir.state_path
+    kinds = [r.kind for r in sf.scan(parent_state).records]
+    assert kinds[-1] == sf.REVIVE and sf.SPARE in kinds, kinds
+    conv.close()
+    session.close()
+
+    def no_link(*_args: object, **_kw: object) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(os, "link", no_link)
+        child_id, copied = _fork(conv.id, 3)
+    res = sf.scan(_store().resolve(child_id).state_path)
+    assert res.problem == "" and copied == res.live()[2] == sf.scan(parent_state).live()[2]
+    assert [r.kind for r in res.records if r.kind in (sf.SPARE, sf.REVIVE)] == []
+    child = drive("--resume", child_id, *says(M[3:]), logits=tmp_path / "child.npy")
+    parent = drive("--resume", conv.id, *says(M[3:]), logits=tmp_path / "parent.npy")
+    assert child["report"]["reevaluated"] == 0 and parent["report"]["reevaluated"] == 0
+    assert child["replies"] == parent["replies"]
+    assert np.array_equal(np.load(tmp_path / "child.npy"), np.load(tmp_path / "parent.npy"))
+
+
 # -- the one fork function, on the fake backend (tests/fakes.py): CLI forks at exchanges, the server anywhere --
 
 

@@ -205,8 +205,12 @@ def test_many_rollbacks_keep_the_state_file_bounded_and_exact(tmp_path: Path) ->
     conv.redo()
     path = conv.dir.state_path
     res = sf.scan(path)
-    live = res.live_bytes()
-    assert path.stat().st_size <= 2 * live  # compaction: dead records never outweigh live ones
+    # Compaction: the dead records never outweigh the live ones plus those /alt can still read back (the
+    # other replies of the last turn, kept as SPARE records by a compaction). /redo no longer appends a
+    # copy of what it reads back, which used to push the file over that bound into a compaction here.
+    live = res.live_bytes() + sum(r.size for r in conv.log._spares([c.record for c in res.live()[0]]))
+    assert path.stat().st_size <= 2 * live
+    assert sf.REVIVE in _kinds(path)
     assert res.problem == ""
     # A copy of the folder as it is now, resumed in another process, continues bit-identically.
     copy_dir = path.parent.parent / "copyxx"
@@ -331,10 +335,7 @@ def _kinds(path: Path) -> list[int]:
 
 
 def _fork(conv: Conversation, exchanges: int) -> str:
-    from chatcli.config.settings import get_paths
-    from chatcli.core.files.store import ConversationStore
-
-    return fork_conversation(ConversationStore(get_paths().conversations_dir), conv.id, exchanges)[0]
+    return _fork_id(conv.id, exchanges)
 
 
 def _continue(session: Any, cid: str, text: str) -> tuple[list[int], np.ndarray]:
@@ -442,3 +443,107 @@ def test_redo_and_alt_after_a_compaction_read_the_cells_back(monkeypatch: pytest
     ref_toks, ref_logits = _continue(session, ref_id, "And of Germany?")
     assert toks == ref_toks and np.array_equal(logits, ref_logits)
     session.close()
+
+
+@pytest.mark.parametrize("copies", [False, True], ids=["revive", "copies-as-before"])
+def test_redo_and_alt_append_no_copy_of_what_they_read_back(copies: bool, monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: Path) -> None:
+    """/redo and /alt read cells back from the state file; they used to append a full copy of them (after
+    /undo 8 of 9 exchanges and /redo the file grew from 17.4 to 29.9 MB). Now each record read back is made
+    live again by a REVIVE record naming it: a few dozen bytes. A resume in a new process loads the cells
+    from the records named, evaluates nothing, and the next reply is bit-identical to a conversation never
+    rolled back. ``copies``: a file written the old way (what chatcli wrote before) resumes the same."""
+    from chatcli.core.kv.log import CellLog
+
+    if copies:
+        monkeypatch.setattr(CellLog, "_revive", lambda self, rec, payload: sf.encode_record(
+            sf.SNAPSHOT if rec.p0 == 0 else sf.CELLS, rec.p0, rec.p1, payload, rec.flags))
+    session = build_session(temperature=0.9, seed=3)
+    conv, _, _ = drain(session.new_conversation("alice"))
+    assert conv is not None
+    for m in M:
+        say(conv, m)
+    eng = session.engine
+    want = list(eng.tokens)
+    ref_id = _fork(conv, len(M))  # never rolled back
+    path = conv.dir.state_path
+    before = eng.n_evaluated_total
+    conv.undo(2)
+    size = path.stat().st_size
+    assert conv.redo().n_eval == 0 and eng.tokens == want and eng.n_evaluated_total == before
+    grown = path.stat().st_size - size
+    drain(conv.regen())
+    size, before = path.stat().st_size, eng.n_evaluated_total
+    assert conv.switch_alt(0).n_eval == 0 and eng.tokens == want and eng.n_evaluated_total == before
+    grown_alt = path.stat().st_size - size
+    undone = len(want) - conv.messages[2].p0
+    if copies:
+        assert grown > 1000 * undone and sf.REVIVE not in _kinds(path)
+    else:
+        assert grown < 200 and grown_alt < 200, (grown, grown_alt)  # 4 REVIVE records; a TRUNCATE and 1
+    conv.close()
+    here = drive("--resume", conv.id, *says(["And of Germany?"]), logits=tmp_path / "here.npy")
+    assert here["report"]["reevaluated"] == 0 and here["evaluated_after_open"] == 0, here["report"]
+    there = drive("--resume", ref_id, *says(["And of Germany?"]), logits=tmp_path / "there.npy")
+    assert here["replies"] == there["replies"]
+    assert np.array_equal(np.load(tmp_path / "here.npy"), np.load(tmp_path / "there.npy"))
+    session.close()
+
+
+def test_a_redo_cut_short_is_known_only_where_the_transcript_ends() -> None:
+    """/redo writes one activate event per message; the replay knows which ones a /redo killed between them
+    still had to bring back (the opening appends those) — but only when nothing follows: an older version
+    that went on from the partial redo wrote a history that stands as it is (old transcripts still load)."""
+    from chatcli.core.transcript import replay_events
+
+    def msg(mid: int, role: str, p0: int) -> dict[str, Any]:
+        return {"type": "message", "mid": mid, "role": role, "text": role, "tokens": [mid, mid], "span": [p0, p0 + 2],
+                "turn": mid // 2}
+
+    head = [{"type": "prefix", "tokens": [1, 2], "span": [0, 2]}, msg(0, "user", 2), msg(1, "assistant", 4),
+            msg(2, "user", 6), msg(3, "assistant", 8), {"type": "truncate", "to": 2, "reason": "undo"}]
+    torn = [*head, {"type": "activate", "mid": 0, "p0": 2, "redo": True}]
+    r = replay_events(torn)
+    assert r.torn_redo == [1, 2, 3] and r.brought_back == 2 and not r.redo and not r.problems
+    r = replay_events([*torn, {"type": "activate", "mid": 1, "p0": 4, "redo": False}])
+    assert r.torn_redo == [2, 3] and r.brought_back == 2
+    whole = [*torn, *({"type": "activate", "mid": m, "p0": 2 * m + 2, "redo": False} for m in (1, 2, 3))]
+    r = replay_events(whole)
+    assert r.torn_redo == [] and [m.mid for m in r.active] == [0, 1, 2, 3] and r.brought_back == 2
+    # What an older chatcli wrote after resuming a torn redo: its next message follows the partial state.
+    r = replay_events([*torn, msg(4, "user", 4), msg(5, "assistant", 6)])
+    assert r.torn_redo == [] and [m.mid for m in r.active] == [0, 4, 5] and r.brought_back == -1 and not r.problems
+
+
+def test_an_alt_killed_before_its_state_records_resumes_reading_the_reply_back(tmp_path: Path) -> None:
+    """/alt writes its transcript events (truncate, activate) before its state records: killed in between,
+    the state file still holds the reply it switched from. The resume cuts that, reads the reply switched
+    to back from its record (nothing evaluated, not reported as damage) and continues bit-identically to a
+    conversation that never had the other reply."""
+    first = drive("--new", "--temperature", "0.9", "--seed", "3", *says(M[:2]))
+    ref_id = _fork_id(first["id"], 2)
+    session = build_session(temperature=0.9, seed=3)
+    conv, _, _ = drain(session.open_conversation(first["id"]))
+    assert conv is not None
+    drain(conv.regen())
+    original = next(a for a in conv.alternatives() if not a.active)
+    assert conv.r.all[original.mid]["tokens"] != conv.messages[-1].tokens  # another reply to switch from
+    to = conv.messages[-1].p0
+    # What _switch_alt writes before put_back and the state records (the kill comes after them).
+    conv.transcript.append({"type": "truncate", "to": to, "reason": "alt"})
+    conv.transcript.append({"type": "activate", "mid": original.mid, "p0": to})
+    conv.close()
+    session.close()
+    here = drive("--resume", first["id"], *says(M[2:]), logits=tmp_path / "here.npy")
+    assert here["report"]["reevaluated"] == 0 and here["evaluated_after_open"] == 0, here["report"]
+    assert here["report"]["reason"] == "" and here["tokens"][:len(first["tokens"])] == first["tokens"]
+    there = drive("--resume", ref_id, *says(M[2:]), logits=tmp_path / "there.npy")
+    assert here["replies"] == there["replies"]
+    assert np.array_equal(np.load(tmp_path / "here.npy"), np.load(tmp_path / "there.npy"))
+
+
+def _fork_id(cid: str, exchanges: int) -> str:
+    from chatcli.config.settings import get_paths
+    from chatcli.core.files.store import ConversationStore
+
+    return fork_conversation(ConversationStore(get_paths().conversations_dir), cid, exchanges)[0]

@@ -157,7 +157,7 @@ class Conversation(ConversationViews):
         n_prefix, active = len(self.r.prefix_tokens), list(self.r.active)
         ends = [n_prefix, *(m.p0 + len(m.tokens) for m in active)]  # where a rollback can return to
         yield from self.log.restore(want, report, lambda: rebuild.segments(n_prefix, active, self._closing_len),
-                                    points=ends)
+                                    points=ends, brought_back=self.r.brought_back)
         if report.reason == "no saved state" and budget.was_evicted(self.meta):
             report.reason = "its KV state was dropped to keep within the state budget"
         if self.log.meta_changed:

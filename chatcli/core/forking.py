@@ -214,6 +214,11 @@ def _copy_state(src: Path, dst: Path, cut: int) -> int:
                 write_all(fd, part)
                 continue
             path = part.file or src
+            if part.via >= 0:
+                # A revived record (a REVIVE record's view): its bytes may say SPARE, and a REVIVE's offset
+                # means nothing in the new file, so it is written as the record the state sees.
+                write_all(fd, sf.encode_record(part.kind, part.p0, part.p1, sf.read_payload(src, part), part.flags))
+                continue
             if path not in files:
                 files[path] = os.open(path, os.O_RDONLY)
             copy_range(files[path], fd, part.offset, part.size)

@@ -82,6 +82,13 @@ def open_conversation(
                 "type": "prefix", "persona": meta.get("persona", ""), "persona_hash": meta.get("persona_hash", ""),
                 "messages": [m.as_dict() for m in persona_messages], "tokens": toks, "span": [0, len(toks)]})
             yield Notice("the conversation had no transcript yet: started it from its persona", "warn")
+        if replay.torn_redo:
+            # Killed between a /redo's events (one per message): the redo is finished, not left half done.
+            n = len(replay.torn_redo)
+            tr_ = Transcript(conv, replay)
+            for mid in list(replay.torn_redo):
+                tr_.append({"type": "activate", "mid": mid, "p0": len(replay.tokens()), "redo": False})
+            yield Notice(f"the last /redo was interrupted: brought back the {n} message(s) it had left", "warn")
         c = Conversation(backend, template, conv, meta, replay, sampling, identity=identity,
                          max_tokens=max_tokens, reserve=reserve)
         report = ResumeReport()
@@ -107,7 +114,9 @@ def adopt_conversation(
         conv = Conversation(backend, template, conv_dir, meta, r, sampling, identity=identity,
                             max_tokens=max_tokens, reserve=reserve)
         # Only a cell log can take the resident cells (a checkpoint log restores its checkpoint).
-        if not isinstance(conv.log, CellLog) or not r.has_prefix or r.problems or not conv.log.adopt_resident(r.tokens()):
+        # A torn /redo is finished by open_conversation (it writes the transcript; adopting would not).
+        if (not isinstance(conv.log, CellLog) or not r.has_prefix or r.problems or r.torn_redo
+                or not conv.log.adopt_resident(r.tokens())):
             conv_dir.unlock()
             return None
         return conv

@@ -65,6 +65,14 @@ class Replay:
     max_turn: int = -1  # turn ids are never reused: after /undo or a shift a new turn gets a new id
     has_prefix: bool = False
     problems: list[str] = field(default_factory=list)
+    # The messages a /redo still had to bring back where the transcript ends: /redo writes one activate
+    # event per message, and a process killed between them leaves the first ones only (a user message
+    # without its reply). Whoever opens the conversation appends the rest (``loading.open_conversation``):
+    # a /redo is whole or not at all. Only at the end: once anything else followed, that history stands.
+    torn_redo: list[int] = field(default_factory=list)
+    # Where the context's end was brought back by /redo or /alt (the activate events the transcript ends
+    # with; -1: it ends otherwise): a resume may read those messages' cells back as /redo and /alt do.
+    brought_back: int = -1
 
     def tokens(self) -> list[int]:
         out = list(self.prefix_tokens)
@@ -74,6 +82,13 @@ class Replay:
 
     def apply(self, ev: dict[str, Any]) -> None:
         kind = ev.get("type")
+        if self.torn_redo and not (kind == "activate" and not ev.get("redo") and ev.get("mid") == self.torn_redo[0]):
+            self.torn_redo = []  # the redo was followed by something else: it stays as it was written
+        if kind == "activate":
+            if self.brought_back < 0:
+                self.brought_back = int(ev["p0"])
+        elif kind in ("prefix", "message", "truncate", "shift"):
+            self.brought_back = -1
         if kind == "prefix":
             self.prefix_tokens = [int(t) for t in ev["tokens"]]
             self.persona = str(ev.get("persona", ""))
@@ -89,12 +104,16 @@ class Replay:
             self._push(msg)
             self.redo.clear()
         elif kind == "activate":
-            ev_msg = self.all.get(int(ev["mid"]))
+            mid = int(ev["mid"])
+            ev_msg = self.all.get(mid)
             if ev_msg is not None:
                 self._push(_parse_message(ev_msg, int(ev["p0"])))
-                self.undone.discard(int(ev["mid"]))
+                self.undone.discard(mid)
             if ev.get("redo") and self.redo:
-                self.redo.pop()
+                entry = self.redo.pop()
+                self.torn_redo = entry[1:] if entry and entry[0] == mid else []
+            elif self.torn_redo:
+                self.torn_redo.pop(0)
         elif kind == "truncate":
             to = int(ev["to"])
             removed = [m for m in self.active if m.p0 >= to]

@@ -26,6 +26,13 @@ record says format 2; every other state file is still written as format 1, which
 2 read too (a state header's format is the lowest version that reads that file correctly). Upgrading a
 version-1 header changes nothing.
 
+The REVIVE record (an older record's cells are live again: /redo, /alt) is an addition under format 1
+although an older reader cannot follow it: skipping it, that reader finds the next CELLS record not
+continuing its state and takes the rest of the file for damage — it restores what comes before, evaluates
+the rest from the transcript, says so in one line and rewrites the file. Slower there, never wrong;
+a bump would have to be in every file's header (written before any /redo), and that version would
+refuse every conversation instead.
+
 This module imports nothing of chatcli's: the store and the state file use it, the front ends may.
 """
 

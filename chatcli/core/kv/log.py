@@ -79,10 +79,12 @@ class StateLog(Protocol):
         ...
 
     def restore(self, want: list[int], report: ResumeReport, plan: Plan | None = None,
-                points: Sequence[int] = ()) -> Iterator[Event]:
+                points: Sequence[int] = (), brought_back: int = -1) -> Iterator[Event]:
         """Make the (empty) backend hold ``want``, loading what was saved and evaluating the rest (batched as
         ``plan`` says, see rebuild.py). ``points``: the positions a rollback can return to (message ends),
-        saved along the way when a memory that cannot be cut back is rebuilt."""
+        saved along the way when a memory that cannot be cut back is rebuilt. ``brought_back``: where /redo
+        or /alt brought the end of ``want`` back (-1: they did not): a state file that ends there was killed
+        before their records, and the cells they would have read back are read back."""
         ...
 
     def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats, *, defer: bool = False) -> None:
@@ -197,7 +199,7 @@ class CellLog:
         return not self.eng.caps.ranges
 
     def restore(self, want: list[int], report: ResumeReport, plan: Plan | None = None,
-                points: Sequence[int] = ()) -> Iterator[Event]:
+                points: Sequence[int] = (), brought_back: int = -1) -> Iterator[Event]:
         eng = self.eng
         t0 = time.perf_counter()
         loaded_bytes = 0
@@ -282,6 +284,21 @@ class CellLog:
                 if arr.shape == (eng.n_vocab,):
                     self._turn_logits = (logits_rec.p0, arr.copy())
                 del arr
+        read_back: list[tuple[sf.Record, bytes]] = []
+        mismatch = report.reason == "saved state does not match the transcript"
+        if usable and 0 <= brought_back == n_ok < len(want) and (n_ok == res.live()[2] or mismatch):
+            # The transcript goes on where the state file's use ends, with what a /redo or /alt brought
+            # back: one killed after its transcript events and before its records were written whole (or
+            # between a /redo's events: the opening finished it); an /alt also before its TRUNCATE (the
+            # state still holds the reply it switched from). The records it would have made live again are
+            # read back, as it would have (a torn tail of its records is cut by the append below).
+            self.state = res
+            read_back = self._read_back_whole(want) if self._whole else self._read_back(want[n_ok:])
+            n_ok = eng.n_past
+            report.restored_tokens = n_ok
+            report.restored_bytes += sum(rec.size for rec, _ in read_back)
+            if mismatch and n_ok == len(want):
+                report.reason = ""  # not damage: the /alt's records, written now
         # Catch up: evaluate only the tail the state file did not have.
         tail = want[n_ok:]
         rebuilt: list[bytes] = []
@@ -309,8 +326,15 @@ class CellLog:
         n_live = res.live()[2]
         if usable:
             self.state = res  # for _spares: any rewrite below keeps, as a compaction does, what /redo and /alt read back
-        if not self._cuts and (tail or not usable or res.dropped_bytes or n_ok < n_live):
+        if read_back and not tail:
+            sf.drop_bases(self.path, keep=res.bases)
+            cut = [sf.encode_record(sf.TRUNCATE, brought_back, brought_back, b"")] if brought_back < n_live else []
+            self._append([*cut, *(self._revive(rec, payload) for rec, payload in read_back)], None)
+        elif not self._cuts and (tail or not usable or res.dropped_bytes or n_ok < n_live):
             kept = [c.record for c in chunks[:n_loaded]] if usable else []
+            # What was read back, as the state sees it (a SPARE record's cells are live CELLS there).
+            kept += [sf.Record(sf.SNAPSHOT if r.p0 == 0 else sf.CELLS, r.p0, r.p1, r.offset, r.length, file=r.file,
+                               flags=r.flags) for r, _ in read_back]
             self._rewrite_points(kept=kept, added=rebuilt, spares=self._spares(kept) if usable else [])
         elif usable and not res.dropped_bytes and not tail and n_ok < n_live:
             # The interrupted rollback's records, appended now: the rest of the file (what /redo and /alt
@@ -568,7 +592,9 @@ class CellLog:
         A rolled-back reply's CELLS record stays in the file (dead; a compaction keeps it as a SPARE record
         while /redo or /alt can still ask for it, see ``reusable``): switching back to it or redoing it reads
         those cells instead of evaluating. Returns how many tokens came from the file;
-        the rest is evaluated. Either way a record that is live again is appended.
+        the rest is evaluated. Either way records that make those cells live again are appended: for cells
+        read back, a REVIVE record of the one they came from (a few bytes, not a copy: ``_revive``); for
+        cells evaluated, a record of them.
 
         Several records may start at the same position (each alternative reply of a turn has one): the
         newest whose tokens are the ones wanted is used, not merely the newest there.
@@ -578,29 +604,87 @@ class CellLog:
         p0 = eng.n_past
         if self._whole:
             return (yield from self._put_back_whole(tokens))
+        read = self._read_back(tokens)
+        back = [self._revive(rec, payload) for rec, payload in read]  # what makes the cells read back live
+        loaded = sum(rec.p1 - rec.p0 for rec, _ in read)
+        if loaded < len(tokens):
+            yield from evaluate(eng, tokens[loaded:], PUT_BACK)
+            back.append(self._point_record(p0 + loaded, eng.n_past))
+        self._append(back, None)
+        return loaded
+
+    def _read_back(self, tokens: list[int]) -> list[tuple[sf.Record, bytes]]:
+        """Load into the backend, after what it holds, the cells of as many of ``tokens`` as records of the
+        state file hold (dead or spare ones: rolled back, undone, kept by a compaction); the records used,
+        in order, with their payloads."""
+        eng = self.eng
+        p0 = eng.n_past
         loaded = 0
+        out: list[tuple[sf.Record, bytes]] = []
         while loaded < len(tokens):
             pos = p0 + loaded
             found = False
             for rec in reversed(self.state.records):
-                if not (rec.kind in (sf.CELLS, sf.SPARE) and rec.p0 == pos and rec.p1 <= p0 + len(tokens)):
+                if not (rec.kind in (sf.CELLS, sf.SPARE) and rec.p0 == pos and pos < rec.p1 <= p0 + len(tokens)):
                     continue
                 try:
-                    toks, kv = sf.split_cells(sf.read_payload(self.path, rec), rec.p1 - rec.p0)
+                    payload = sf.read_payload(self.path, rec)
+                    toks, kv = sf.split_cells(payload, rec.p1 - rec.p0)
                     if toks != tokens[loaded:loaded + len(toks)]:
                         continue  # another alternative at this position
                     eng.load_cells(rec.p0, rec.p1, kv, toks)
                 except Exception:
                     continue  # unreadable or rejected: an older record may still do, else it is evaluated
+                out.append((rec, payload))
                 loaded += len(toks)
                 found = True
                 break
             if not found:
                 break
-        if loaded < len(tokens):
-            yield from evaluate(eng, tokens[loaded:], PUT_BACK)
-        self._append([self._point_record(p0, eng.n_past)], None)
-        return loaded
+        return out
+
+    def _revive(self, rec: sf.Record, payload: bytes) -> bytes:
+        """The record that makes ``rec`` (whose cells, ``payload``, were just loaded) live again: a REVIVE
+        record naming it, or a copy where a REVIVE cannot name it — a record of a fork's base (the REVIVE's
+        offset counts in this file only; a rewrite of the fork makes the base's records its own) or one the
+        stored crc of which cannot be read (then the copy is the record, under its live kind).
+
+        The cells are not saved again from the backend: what was loaded is what the record holds (on a
+        memory that cannot be cut back that includes the state at its end, so the revived record is a point
+        as the record was), and a resume loads the same bytes from the same offset."""
+        live = sf.SNAPSHOT if rec.p0 == 0 else sf.CELLS
+        if rec.file is None and rec.kind in sf.REVIVED_KINDS:
+            try:
+                crc = sf.stored_crc(self.path, rec)
+            except (OSError, sf.StateFileError):
+                pass
+            else:
+                return sf.encode_record(sf.REVIVE, rec.p0, rec.p1, sf.revive_payload(rec.offset, crc))
+        return sf.encode_record(live, rec.p0, rec.p1, payload, rec.flags)
+
+    def _read_back_whole(self, want: list[int]) -> list[tuple[sf.Record, bytes]]:
+        """On a whole-sequence memory, load a saved point holding exactly ``want`` instead of what the backend
+        holds; the record used and its payload (none found: nothing changes). A point llama.cpp rejects
+        leaves the backend empty (the caller evaluates everything then)."""
+        eng = self.eng
+        for rec in reversed(self.state.records):
+            if rec.kind not in (sf.SNAPSHOT, sf.SPARE) or rec.p0 != 0 or rec.p1 != len(want):
+                continue
+            try:
+                payload = sf.read_payload(self.path, rec)
+                toks, kv = sf.split_cells(payload, rec.p1)
+            except (OSError, sf.StateFileError):
+                continue
+            if toks != want:
+                continue
+            eng.clear()
+            try:
+                eng.load_cells(0, rec.p1, kv, toks)
+            except Exception:
+                eng.clear()
+                return []
+            return [(rec, payload)]
+        return []
 
     def _put_back_whole(self, tokens: list[int]) -> Generator[Progress, None, int]:
         """``put_back`` on a whole-sequence memory: a saved point holding exactly the sequence wanted is
@@ -622,7 +706,7 @@ class CellLog:
                 # Back to where we were (only reached when llama.cpp rejects a saved state).
                 yield from evaluate(eng, want[:len(want) - len(tokens)], "rebuilding context")
                 continue
-            self._append([sf.encode_record(sf.SNAPSHOT, 0, rec.p1, payload)], None)
+            self._append([self._revive(rec, payload)], None)
             return len(tokens)
         yield from evaluate(eng, tokens, PUT_BACK)
         self._append([self._point_record(0, eng.n_past)], None)
@@ -936,7 +1020,7 @@ class CheckpointLog:
         self.settle()
 
     def restore(self, want: list[int], report: ResumeReport, plan: Plan | None = None,
-                points: Sequence[int] = ()) -> Iterator[Event]:
+                points: Sequence[int] = (), brought_back: int = -1) -> Iterator[Event]:
         eng = self.eng
         t0 = time.perf_counter()
         info = self.meta.get("checkpoint")

@@ -12,6 +12,10 @@ A state file is a sequence of checksummed records::
 - ``LOGITS``   float32 logits after position p0-1: lets /regen sample again without re-evaluating.
 - ``SPARE``    like CELLS, but never part of the state: cells a compaction kept because ``/redo`` or ``/alt``
                can still bring them back (read back by ``CellLog.put_back``; older versions skip the kind).
+- ``REVIVE``   payload ``offset u64 | crc u32``: the CELLS, SPARE or SNAPSHOT record of positions [p0, p1) at
+               that offset of the same file (an earlier record, its stored crc) is part of the state again,
+               as CELLS (or, from position 0, as SNAPSHOT): what ``/redo`` and ``/alt`` append after reading
+               cells back, instead of a copy of them. A reader indexes it as that record (``Record.of``).
 - ``BASE``     JSON ``{file, length, header_crc, last_offset, last_crc}``: the records of another state file
                (``<this file's stem>.base-<hex>.kv`` in the same folder, a hard link to a fork parent's
                ``state.kv``), bytes [0, length), count as if they stood here. Only right after the header.
@@ -35,6 +39,12 @@ are sound, was added by a newer chatcli under the same major version: it is skip
 A BASE record must not be skipped (the cells after it continue the base's), so a file holding one says
 format 2 (``BASE_FORMAT``), which chatcli versions before it refuse; every other file still says format 1,
 readable by every version.
+
+A REVIVE record keeps format 1 although an older reader cannot follow it: skipping it, that reader finds
+the next CELLS record not continuing its state and treats the rest of the file as damage — it restores
+what comes before, evaluates the rest from the transcript and rewrites the file. Slower, never wrong (the
+cells it loads are those it reads as live, checked against the transcript), where a format bump would
+make it refuse the whole conversation.
 """
 
 from __future__ import annotations
@@ -63,13 +73,15 @@ BASE_FORMAT = 2  # the first format whose readers follow a BASE record
 _HDR = struct.Struct("<4sBBHiiQI")  # magic kind flags reserved p0 p1 length crc
 HEADER_SIZE = _HDR.size
 
-HEADER, CELLS, TRUNCATE, SNAPSHOT, LOGITS, BASE, SPARE = 1, 2, 3, 4, 5, 6, 7
+HEADER, CELLS, TRUNCATE, SNAPSHOT, LOGITS, BASE, SPARE, REVIVE = 1, 2, 3, 4, 5, 6, 7, 8
 # Record flags (the header's flags byte; older versions ignore it). NOT_A_POINT: cells saved while the
 # sequence went on past p1, so the state that is not cells (a recurrent one) is not the state at p1 — a
 # compaction of old turns on a hybrid memory. Loadable as cells, never rewound to.
 NOT_A_POINT = 1
 KIND_NAMES = {HEADER: "header", CELLS: "cells", TRUNCATE: "truncate", SNAPSHOT: "snapshot", LOGITS: "logits",
-              BASE: "base", SPARE: "spare"}
+              BASE: "base", SPARE: "spare", REVIVE: "revive"}
+_REVIVE = struct.Struct("<QI")  # a REVIVE record's payload: the revived record's offset and stored crc
+REVIVED_KINDS = (CELLS, SPARE, SNAPSHOT)  # what a REVIVE record may make live again
 _MAX_PAYLOAD = 1 << 36
 MAX_BASE_DEPTH = 8  # a fork of a fork of ... : deeper chains are copied instead (forking.py)
 _BASE_NAME = re.compile(r"^[A-Za-z0-9_-]+\.base-[0-9a-f]{8,32}\.kv$")
@@ -90,6 +102,12 @@ class Record:
     length: int  # payload bytes
     file: Path | None = None  # the base file holding it (None: the state file itself)
     flags: int = 0  # NOT_A_POINT
+    # A REVIVE record: the record it makes live again, as the state sees it (kind CELLS, or SNAPSHOT from
+    # position 0), with the revived record's offset, length, file and flags, so that its cells are read
+    # from there. That view's ``via`` is the REVIVE record's offset (-1 on every other record): a reader
+    # checking crcs in file order waits for the REVIVE record, not only for the older one it names.
+    of: Record | None = field(default=None, repr=False, compare=False)
+    via: int = -1
 
     @property
     def is_point(self) -> bool:
@@ -125,6 +143,30 @@ def records_at(raws: list[bytes], offset: int) -> tuple[list[Record], int]:
         out.append(Record(kind, p0, p1, offset, length, flags=flags))
         offset += len(raw)
     return out, offset
+
+
+def revive_payload(offset: int, crc: int) -> bytes:
+    """A REVIVE record's payload: the revived record's offset (in the same file) and its stored crc."""
+    return _REVIVE.pack(offset, crc)
+
+
+def revived(rec: Record, payload: bytes | memoryview, target: Record | None, target_crc: int | None) -> Record | None:
+    """The view a REVIVE record ``rec`` makes live (see ``Record.of``), or None if it does not name
+    ``target`` (the record at its payload's offset, with ``target_crc`` stored; None: not compared) as a
+    record of its cells."""
+    if len(payload) != _REVIVE.size or target is None:
+        return None
+    offset, crc = _REVIVE.unpack(payload)
+    if (target.offset != offset or (target_crc is not None and crc != target_crc) or target.kind not in REVIVED_KINDS
+            or target.offset >= rec.offset or (target.p0, target.p1) != (rec.p0, rec.p1) or target.p1 <= target.p0):
+        return None
+    return Record(SNAPSHOT if rec.p0 == 0 else CELLS, rec.p0, rec.p1, target.offset, target.length,
+                  file=target.file, flags=target.flags, via=rec.offset)
+
+
+def revive_target(payload: bytes | memoryview) -> int:
+    """The offset a REVIVE record's payload names (-1 when it is not one)."""
+    return int(_REVIVE.unpack(payload)[0]) if len(payload) == _REVIVE.size else -1
 
 
 def cells_payload(tokens: list[int], kv: bytes) -> bytes:
@@ -171,6 +213,10 @@ class ScanResult:
         logits: Record | None = None
         n = 0
         for rec in self.records:
+            if rec.kind == REVIVE:
+                if rec.of is None:
+                    break  # not resolved (the scan stops at such a record, so only a writer bug)
+                rec = rec.of
             if rec.kind == SNAPSHOT:
                 chunks = [LiveChunk(rec, rec.p1)]
                 n = rec.p1
@@ -209,6 +255,7 @@ class ScanResult:
         """
         pts: list[Record] = []
         for rec in self.records:
+            rec = rec.of if rec.kind == REVIVE and rec.of is not None else rec
             if rec.is_point:
                 pts.append(rec)
             elif rec.kind == TRUNCATE:
@@ -218,7 +265,13 @@ class ScanResult:
     def add(self, raws: list[bytes]) -> None:
         """Index records just appended at the end of the valid bytes (the file's only writer calls this)."""
         added, self.valid_bytes = records_at(raws, self.valid_bytes)
-        self.records.extend(added)
+        for rec, raw in zip(added, raws, strict=True):
+            if rec.kind == REVIVE:
+                payload = raw[HEADER_SIZE:]
+                at = revive_target(payload)
+                target = next((r for r in reversed(self.records) if r.file is None and r.offset == at), None)
+                rec.of = revived(rec, payload, target, None)  # this process wrote it, with the crc it read
+            self.records.append(rec)
 
     def live_bytes(self, *, own: bool = False) -> int:
         """Bytes of the records still in use; ``own``: only those in the file itself (not its bases)."""
@@ -368,8 +421,9 @@ class MappedState:
                 return
 
     def wait_ok(self, rec: Record) -> bool:
-        """Whether ``rec`` and every record before it have a good crc (waits for the check)."""
-        i = self._index.get((rec.file, rec.offset))
+        """Whether ``rec`` and every record before it have a good crc (waits for the check); for a revived
+        record's view, the REVIVE record and every record before it."""
+        i = self._index.get((rec.file, rec.via if rec.via >= 0 else rec.offset))
         if i is None:
             return False
         if self._thread is None:
@@ -454,6 +508,7 @@ def _scan_buffer(buf: memoryview, *, check_crc: bool, resolve: _Resolve | None =
     size = len(buf)
     res = ScanResult(header=None)
     crcs: list[int] = []
+    own: dict[int, int] = {}  # offset -> index in res.records of this buffer's records (a REVIVE names one)
     offset = 0
     n = 0  # the state's length so far, to check that every CELLS record continues it
     while offset < size:
@@ -510,16 +565,26 @@ def _scan_buffer(buf: memoryview, *, check_crc: bool, resolve: _Resolve | None =
             n = base.live()[2]
             offset += rec.size
             continue
+        elif rec.kind == REVIVE:
+            i = own.get(revive_target(buf[offset + HEADER_SIZE:offset + rec.size]), -1)
+            rec.of = revived(rec, buf[offset + HEADER_SIZE:offset + rec.size], res.records[i] if i >= 0 else None,
+                             crcs[i] if i >= 0 else None)
+            if rec.of is None or (rec.p0 and rec.p0 != n):
+                # Names no record of its cells here, or does not continue the state: as a CELLS record
+                # that does not (below), it and everything after it count as damaged.
+                res.problem = f"revive record at {offset} names no record of the state's cells"
+                break
         elif rec.kind == CELLS and rec.p0 != n:
             # Well-formed but not continuing the state (a writer bug, or records spliced from elsewhere):
             # it and everything after it count as damaged, so the writer cuts them instead of appending
             # new records behind one that makes every later reader stop.
             res.problem = f"record at {offset} does not continue the state ({rec.p0} != {n})"
             break
-        if rec.kind in (CELLS, SNAPSHOT):
+        if rec.kind in (CELLS, SNAPSHOT, REVIVE):
             n = rec.p1
         elif rec.kind == TRUNCATE:
             n = min(n, rec.p0)
+        own[offset] = len(res.records)
         res.records.append(rec)
         crcs.append(crc)
         offset += rec.size
@@ -548,8 +613,9 @@ def _check_record(buf: memoryview, offset: int, size: int, check_crc: bool) -> t
     if offset + HEADER_SIZE + length > size:
         return None, 0, "truncated record"
     rec = Record(kind, p0, p1, offset, length, flags=flags)
-    # The header's and a BASE record's JSON is read right away: their crc is checked first, always.
-    if (check_crc or kind in (HEADER, BASE)) and _record_crc(buf, rec) != crc:
+    # The header's and a BASE record's JSON, and a REVIVE record's target, are read right away: their crc
+    # is checked first, always.
+    if (check_crc or kind in (HEADER, BASE, REVIVE)) and _record_crc(buf, rec) != crc:
         return None, 0, "checksum mismatch"
     return rec, crc, ""
 
@@ -693,10 +759,21 @@ def drop_bases(path: Path, keep: Sequence[str] = ()) -> None:
 
 __all__ = [
     "BASE",
+    "BASE_FORMAT",
     "CELLS",
+    "FORMAT_VERSION",
     "HEADER",
+    "HEADER_SIZE",
+    "KIND_NAMES",
     "LOGITS",
+    "MAGIC",
+    "MAX_BASE_DEPTH",
+    "NOT_A_POINT",
+    "PLAIN_FORMAT",
+    "REVIVE",
+    "REVIVED_KINDS",
     "SNAPSHOT",
+    "SPARE",
     "TRUNCATE",
     "LiveChunk",
     "MappedState",
@@ -716,8 +793,12 @@ __all__ = [
     "header_payload",
     "map_state",
     "read_payload",
+    "read_tokens",
     "record_size_for_cells",
     "records_at",
+    "revive_payload",
+    "revive_target",
+    "revived",
     "scan",
     "split_cells",
     "stored_crc",
