@@ -151,3 +151,28 @@ def test_running_others_counts_other_processes_runnable_threads(tmp_path) -> Non
     assert running_others(str(tmp_path / "missing"), str(tasks)) is None
     real = running_others()
     assert real is None or real >= 0
+
+
+def test_the_process_that_woke_us_is_not_taken_for_a_competitor() -> None:
+    # After a pause in which another process ran (a benchmark's other method, a build that ended), the
+    # message arrives from a process that is still running for a millisecond or two after its write.
+    m = Machine()
+    looks = iter([1, 0])
+    fc = FreeCores(2, stat=lambda: (m.n, m.busy), own_cpu=lambda: m.own, clock=lambda: m.now, n_usable=m.n,
+                   sleep=m.sleep, running_now=lambda: next(looks))
+    m.run(0.3, others=0.0, own=1.0)
+    assert fc.threads() == 2
+    m.run(3.0, others=1.8, own=0.0)
+    assert fc.threads() == 2
+    assert 0 < m.slept < 0.01  # a few milliseconds, not a measuring window
+
+
+def test_what_keeps_running_still_caps_after_several_looks() -> None:
+    m = Machine()
+    fc = m.cores()
+    m.run(0.3, others=0.0, own=1.0)
+    fc.threads()
+    m.run(3.0, others=1.0, own=0.0)
+    m.running = 1
+    asked = m.asked
+    assert fc.threads() == 1 and m.asked - asked == 4
