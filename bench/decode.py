@@ -59,6 +59,23 @@ SEED = 1234
 COUNT_MSG = "Count from 1 to 500, separated by commas, and nothing else."
 
 
+def settle(quiet_looks: int = 5, every: float = 0.01, longest: float = 3.0) -> float:
+    """Wait until no other process's thread has been running for ``quiet_looks`` looks in a row (or
+    ``longest`` s); returns the seconds waited. A method's process goes on working after its answer (serve's
+    closing decode and state write after [DONE], talk's save after the stats line): measured right after it,
+    the next method's prompt shared the cores with it, and chatcli's thread policy rightly took one thread
+    for it (the Engine row's prompt at 0.51x llama-bench)."""
+    from chatcli.backends.cpuload import running_others
+
+    t0 = time.monotonic()
+    quiet = 0
+    while quiet < quiet_looks and time.monotonic() - t0 < longest:
+        running = running_others()
+        quiet = quiet + 1 if running == 0 else 0
+        time.sleep(every)
+    return time.monotonic() - t0
+
+
 def load() -> float:
     return os.getloadavg()[0]
 
@@ -233,6 +250,7 @@ class Bench:
             for rnd in range(self.cfg["rounds"]):
                 k = rnd % len(names)
                 for name in names[k:] + names[:k]:
+                    settle()
                     la = load()
                     r = methods[name]()
                     rows.append({"round": rnd, "method": name, "load": la, **r})
@@ -486,7 +504,8 @@ def work_line(work: dict[str, Any] | None, rows: list[dict[str, Any]], cfg: dict
     served = sorted({(r.get("prompt_n"), r.get("cache_n")) for r in rows if r.get("prompt_n") is not None},
                     key=str)
     d, p = work["prefix"], work["prompt"]
-    return (f"{cfg['rounds']} rounds, the methods' order rotating. Each round every method does the work of one "
+    return (f"{cfg['rounds']} rounds, the methods' order rotating, each measurement started once no other "
+            "process runs (up to 3 s). Each round every method does the work of one "
             f"`chatcli talk` message: a {p}-token message evaluated after the default persona's {d}-token prefix "
             f"(batch 512), then {work['decode']} tokens decoded greedily, no repeat penalty, from {d + p} deep. "
             f"llama-bench: `-p {p} -d {d}` and `-n {work['decode']} -d {d + p}`; talk: a message then `/undo`; "
