@@ -1,5 +1,6 @@
 """Sizes in bytes, read and written one way everywhere: ``parse_size`` for settings and flags, ``format_size``
-for what chatcli prints. Powers of 1024 both ways. A leaf: imports nothing of chatcli, so core may use it.
+for what chatcli prints. Powers of 1024 both ways. ``counted`` for counts of things in what chatcli says. A
+leaf: imports nothing of chatcli, so core may use it.
 """
 
 from __future__ import annotations
@@ -45,3 +46,8 @@ def format_size(n: float) -> str:
             return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
         x /= 1024
     return f"{x:.1f} GB"  # pragma: no cover
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``1 exchange``, ``3 exchanges``: a count and its noun agreeing (not ``1 exchange(s)``)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"

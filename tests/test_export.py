@@ -111,7 +111,7 @@ def test_export_markdown_and_save_hold_every_message(chat: dict[str, Any], monke
     assert _md_messages(md) == chat["path"]
     assert chat["saved"] == md  # /save writes the same Markdown
     exchanges = len(chat["path"]) // 2
-    assert f"saved {exchanges} exchange(s)" in chat["saved_notice"]
+    assert f"saved {exchanges} exchange{'' if exchanges == 1 else 's'} to " in chat["saved_notice"]
     md_in = cli(chat, monkeypatch, "export", chat["id"], "--format", "md", "--in-context")
     assert _md_messages(md_in) == chat["in_context"]
 

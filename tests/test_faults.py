@@ -106,7 +106,7 @@ def test_sigkill_in_a_compaction_or_an_undo_keeps_what_redo_reads_back(name: str
     assert out.problems == [], (point.label, out.problems)
     assert out.lost == 0
     assert out.intact and out.identical, point.label
-    assert "redone 1 exchange(s): 0 tokens evaluated" in out.resume_stderr, (point.label, out.resume_stderr[-800:])
+    assert "redone 1 exchange: 0 tokens evaluated" in out.resume_stderr, (point.label, out.resume_stderr[-800:])
 
 
 # The /redo of SPARE_SCRIPT brings back two messages (one activate event each) whose cells one SPARE record

@@ -117,12 +117,12 @@ def test_repl_undo_shows_its_rebuild_and_ends_as_the_plain_undo_and_a_fresh_eval
         pipe.send_text(f"/undo 3\r{OTHER}\r\x04")
         Repl(sess, conv, renderer, lambda r: TerminalIO(r, input=pipe, output=DummyOutput())).run()  # type: ignore[arg-type]
     text = out.getvalue()
-    undo = text[:text.index("undid 3 exchange(s)")]
+    undo = text[:text.index("undid 3 exchanges")]
     n = stats.reevaluated
     if engine.caps.truncate:
         assert n == 0 and REBUILD not in undo and " tok" not in undo  # a plain truncation: no bar
     else:
         assert n and undo.count(LIVE) == 1 and REBUILD in undo and f"{n}/{n} tok" in undo, undo
-    assert re.search(rf"undid 3 exchange\(s\): kept \d+ tokens, dropped \d+, re-evaluated {n}\b", text), text
+    assert re.search(rf"undid 3 exchanges: kept \d+ tokens, dropped \d+, re-evaluated {n}\b", text), text
     assert conv.messages[-1].tokens == want_reply and list(engine.tokens) == want_tokens  # type: ignore[attr-defined]
     assert np.array_equal(conv.turn_logits[1], want_logits)  # type: ignore[attr-defined]

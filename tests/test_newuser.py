@@ -41,7 +41,7 @@ def test_redo_shows_what_came_back() -> None:
     res = runner.invoke(app, ["talk", "--plain", "--temperature", "0", "--max-tokens", "8"],
                         input="Name a fruit.\n/undo\n/redo\n/exit\n")
     assert res.exit_code == 0, res.output
-    after = res.stderr.split("redone 1 exchange(s): 0 tokens evaluated", 1)[1]
+    after = res.stderr.split("redone 1 exchange: 0 tokens evaluated", 1)[1]
     assert "you: Name a fruit." in after and "assistant: " in after
 
 

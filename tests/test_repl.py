@@ -45,6 +45,7 @@ from chatcli.repl.loop import Repl, open_events
 from chatcli.repl.render import Renderer, stats_line
 from chatcli.repl.terminal import LineIO, SlashCompleter, TerminalIO, copy_to_clipboard
 from chatcli.repl.toolbar import context_bar
+from chatcli.units import counted
 
 CODE_REPLY = "Here you are:\n\n```python\ndef add(a, b):\n    return a + b\n```\n\nThat is **all**."
 
@@ -180,7 +181,7 @@ class FakeConversation:
     def undo(self, n: int = 1) -> TurnStats:
         users = self.user_messages()
         if len(users) < n:
-            raise ConversationError(f"only {len(users)} exchange(s) to undo")
+            raise ConversationError(f"only {counted(len(users), 'exchange')} to undo")
         dropped = len(self.tokens) - users[-n].p0
         self._drop_to(users[-n].p0)
         return TurnStats(kept=len(self.tokens), dropped=dropped, reevaluated=0)
@@ -391,7 +392,7 @@ def test_regen_undo_alt_and_stats() -> None:
     assert "1" in alt_table and "2 *" in out  # the listing marks the active alternative
     assert "alternative 1/2" in out
     assert "last turn" in out and "session" in out and "context" in out
-    assert "undid 1 exchange(s)" in out
+    assert "undid 1 exchange:" in out
     assert conv.messages == []  # undone
 
 
@@ -404,7 +405,7 @@ def test_undo_and_alt_show_the_rebuild_bar_only_when_the_rollback_evaluates(rebu
     conv = FakeConversation(replies=["First.", "Second."])
     conv.rebuild = rebuild
     _, out, _ = drive("hi\r/regen\r/alt 1\r/undo\r\x04", conv, terminal=True)
-    alt_at, undo_at = out.index("alternative 1/2"), out.index("undid 1 exchange(s)")
+    alt_at, undo_at = out.index("alternative 1/2"), out.index("undid 1 exchange:")
     # From the end of /regen's stats line to /alt's line; from the reply /alt shows again to /undo's line.
     alt = out[out.index("\n", out.rindex("tok evaluated", 0, alt_at)):alt_at]
     undo = out[out.index("First.", alt_at) + len("First."):undo_at]
@@ -422,7 +423,7 @@ def test_the_rebuild_bar_is_not_drawn_in_plain_mode() -> None:
     conv = FakeConversation(replies=["First."])
     conv.rebuild = 2
     _, out, err = drive("hi\r/undo\r\x04", conv, plain=True)
-    assert "undid 1 exchange(s)" in err and "rebuilding" not in out + err and conv.messages == []
+    assert "undid 1 exchange:" in err and "rebuilding" not in out + err and conv.messages == []
 
 
 def test_alt_keys_only_act_on_an_empty_line() -> None:
@@ -520,7 +521,7 @@ def test_errors_are_one_line_and_the_message_comes_back_to_the_prompt() -> None:
     _, out, _ = drive("/etc/hosts?\r\x01/\r/undo 9\r/alt x\r\x04", conv)
     assert "error: unknown command /etc/hosts? (try /help" in out
     assert conv.sent == ["/etc/hosts?"]
-    assert "error: only 1 exchange(s) to undo" in out
+    assert "error: only 1 exchange to undo" in out
     assert "error: alternative must be a number, not 'x'" in out
 
 
@@ -536,7 +537,7 @@ def test_system_copy_and_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert copied == [CODE_REPLY, "def add(a, b):\n    return a + b\n"]
     md = target.read_text()
     assert "code please" in md and "```python" in md and "> **system:** You are alice." in md
-    assert f"saved 1 exchange(s) to {target}" in out
+    assert f"saved 1 exchange to {target}" in out
 
 
 def test_copy_falls_back_to_osc52_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -689,7 +690,7 @@ def test_repl_on_the_real_model_keeps_the_context_equal_to_the_transcript(real_s
         repl.run()
     text = out.getvalue()
     assert text.count("tok evaluated") == 3  # two replies and the regenerated one
-    assert "undid 1 exchange(s)" in text and "last turn" in text
+    assert "undid 1 exchange:" in text and "last turn" in text
     assert [m.role for m in conv.messages] == ["user", "assistant"]
     assert len(conv.r.alternatives(conv.messages[-1].turn)) == 2
     assert list(conv.engine.tokens) == conv.r.tokens()  # the context is exactly what the transcript says

@@ -31,6 +31,12 @@ MSGS = ["Hi! What is your name?", "What is the capital of France?", "And of Ital
 # -- sizes and settings (no model) -------------------------------------------------------------------
 
 
+def test_counts_agree_with_their_noun() -> None:
+    assert [units.counted(n, "exchange") for n in (0, 1, 2)] == ["0 exchanges", "1 exchange", "2 exchanges"]
+    assert units.counted(1, "conversation folder") == "1 conversation folder"
+    assert units.counted(3, "index", "indexes") == "3 indexes"
+
+
 def test_sizes_parse_like_chatcli_prints_them() -> None:
     assert units.parse_size("20GB") == 20 << 30
     assert units.parse_size("500MB") == units.parse_size("500 MiB") == units.parse_size("500m") == 500 << 20

@@ -131,7 +131,7 @@ def test_a_whole_session_in_a_real_terminal(term_env: dict[str, str], tmp_path: 
 
         # /undo drops the last exchange; /help lists every command, one per line.
         t.send("/undo\r")
-        t.wait("undid 1 exchange(s)")
+        t.wait("undid 1 exchange:")
         t.send("/help\r")
         t.wait("/persona NAME")
         t.wait(t.prompt_ready)

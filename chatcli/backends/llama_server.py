@@ -60,6 +60,7 @@ from chatcli.core.backend import (
     Sampling,
     TokenEvent,
 )
+from chatcli.units import counted
 
 # The server samples a token after the prompt even with n_predict=0, and a seed of 0xFFFFFFFF means
 # "random" to it (LLAMA_DEFAULT_SEED): seeds are folded below that.
@@ -157,7 +158,8 @@ class LlamaServerBackend:
             raise BackendError(f"llama-server at {self.url} did not report its context size")
         total_slots = int(props.get("total_slots") or 1)
         if not 0 <= config.slot < total_slots:
-            raise BackendError(f"llama-server at {self.url} has {total_slots} slot(s): slot {config.slot} does not exist")
+            raise BackendError(f"llama-server at {self.url} has {counted(total_slots, 'slot')}: "
+                               f"slot {config.slot} does not exist")
         self.model_path = str(props.get("model_path") or "")
         self.chat_template: str = str(props.get("chat_template") or "")
         self._meta = meta

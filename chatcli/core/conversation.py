@@ -44,6 +44,7 @@ from chatcli.core.steps import evaluate, finish, to_the_end
 from chatcli.core.template import ChatTemplate, Message, ReasoningStream
 from chatcli.core.transcript import ActiveMessage, Replay, Transcript
 from chatcli.core.views import ConversationViews
+from chatcli.units import counted
 
 # A compaction of the state file keeps the cells of this many of the last turn's other replies (the newest):
 # /alt to them reads the cells back; to older ones it evaluates the reply again.
@@ -144,8 +145,8 @@ class Conversation(ConversationViews):
                 # ends, and survive reopening (and show / export see what the context holds).
                 dropped = self.r.active[i:]
                 self.transcript.append({"type": "truncate", "to": m.p0, "reason": "invalid"})
-                yield Notice(f"transcript message {m.mid} holds invalid token ids: it and {len(dropped) - 1} "
-                             "later message(s) were left out of the context", "warn")
+                yield Notice(f"transcript message {m.mid} holds invalid token ids: it and "
+                             f"{counted(len(dropped) - 1, 'later message')} were left out of the context", "warn")
                 break
         want = self.r.tokens()
         # A conversation that fills the context exactly still opens: the next message shifts, a regen or
@@ -556,7 +557,7 @@ class Conversation(ConversationViews):
         if n < 1:
             raise ConversationError("undo needs a positive count")
         if len(users) < n:
-            raise ConversationError(f"only {len(users)} exchange(s) to undo")
+            raise ConversationError(f"only {counted(len(users), 'exchange')} to undo")
         return to_the_end(self._undo(users[-n].p0))
 
     def _undo(self, to: int) -> Generator[Progress, None, TurnStats]:
@@ -687,14 +688,14 @@ class Conversation(ConversationViews):
         self.transcript.append({"type": "shift", "keep": keep, "drop": drop})
         if eng.caps.shift:
             eng.shift(keep, drop)
-            yield Notice(f"context full: {n_msgs} oldest message(s) ({drop} tokens) left the context; "
+            yield Notice(f"context full: {counted(n_msgs, 'oldest message')} ({drop} tokens) left the context; "
                          f"kept the persona and {eng.n_past - keep} tokens, nothing re-evaluated", "info")
         else:
             kept = eng.tokens[keep + drop:]
             yield from self.log.rollback(keep)
             if not self._warned_no_shift:
                 why = {"attention": "cannot be shifted"}.get(eng.caps.memory, f"({eng.caps.memory}) cannot be shifted")
-                yield Notice(f"context full and this model's memory {why}: {n_msgs} oldest message(s) "
+                yield Notice(f"context full and this model's memory {why}: {counted(n_msgs, 'oldest message')} "
                              f"({drop} tokens) left; rebuilding the kept {len(kept)} tokens", "warn")
                 self._warned_no_shift = True
             yield from to_the_end(evaluate(eng, kept, "rebuilding context"))  # the shift is recorded already

@@ -19,6 +19,7 @@ from chatcli.core.kv.log import CellLog
 from chatcli.core.opening import Opening, Steps
 from chatcli.core.template import ChatTemplate, Message
 from chatcli.core.transcript import Transcript, replay_events
+from chatcli.units import counted
 
 
 def create_conversation(
@@ -88,7 +89,7 @@ def open_conversation(
             tr_ = Transcript(conv, replay)
             for mid in list(replay.torn_redo):
                 tr_.append({"type": "activate", "mid": mid, "p0": len(replay.tokens()), "redo": False})
-            yield Notice(f"the last /redo was interrupted: brought back the {n} message(s) it had left", "warn")
+            yield Notice(f"the last /redo was interrupted: brought back the {counted(n, 'message')} it had left", "warn")
         c = Conversation(backend, template, conv, meta, replay, sampling, identity=identity,
                          max_tokens=max_tokens, reserve=reserve)
         report = ResumeReport()

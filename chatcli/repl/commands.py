@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Callable
 
 from chatcli.core.events import ConversationError, TurnStats
 from chatcli.errors import ChatcliError, Kind
+from chatcli.units import counted
 
 if TYPE_CHECKING:
     from chatcli.repl.context import CommandContext
@@ -176,7 +177,7 @@ def _undo(ctx: CommandContext, arg: str) -> None:
     assert n is not None
     stats = ctx.renderer.steps(ctx.conv.undo_steps(n), "undoing")  # a bar while a rollback rebuilds, as /regen shows
     _warn(ctx, stats)
-    ctx.renderer.notice(f"undid {n} exchange(s): kept {stats.kept} tokens, dropped {stats.dropped}, "
+    ctx.renderer.notice(f"undid {counted(n, 'exchange')}: kept {stats.kept} tokens, dropped {stats.dropped}, "
                         f"re-evaluated {stats.reevaluated or 0}")
 
 
@@ -187,7 +188,7 @@ def _redo(ctx: CommandContext, arg: str) -> None:
     _warn(ctx, stats)
     back = ctx.conv.messages[n_before:]
     n_users = sum(1 for m in back if m.role == "user")
-    ctx.renderer.notice(f"redone {n_users} exchange(s): {stats.reevaluated} tokens evaluated, history untouched")
+    ctx.renderer.notice(f"redone {counted(n_users, 'exchange')}: {stats.reevaluated} tokens evaluated, history untouched")
     ctx.renderer.history(back, n_users)  # what came back, your messages too (not only the last reply)
 
 
@@ -275,7 +276,7 @@ def _stats(ctx: CommandContext, arg: str) -> None:
         ("tokens", f"{s.n_eval} evaluated, {s.n_generated} generated ({s.tokens_per_second:.1f} tok/s)"),
         ("context", f"{use.n_past}/{use.n_ctx} tokens ({100 * use.n_past / use.n_ctx if use.n_ctx else 0.0:.0f}%)"),
         ("state file", format_size(conv.state_bytes())),
-        ("conversation", f"{conv.id} · {conv.title or '(untitled)'} · {conv.n_turns} exchange(s)"),
+        ("conversation", f"{conv.id} · {conv.title or '(untitled)'} · {counted(conv.n_turns, 'exchange')}"),
     ])
 
 
@@ -354,7 +355,7 @@ def _save(ctx: CommandContext, arg: str) -> None:
         path.write_text(ctx.conv.to_markdown(), encoding="utf-8")
     except OSError as exc:
         raise CommandError(f"cannot write {path}: {exc.strerror or exc}") from None
-    ctx.renderer.notice(f"saved {ctx.conv.n_exchanges} exchange(s) to {path}")
+    ctx.renderer.notice(f"saved {counted(ctx.conv.n_exchanges, 'exchange')} to {path}")
 
 
 @REGISTRY.register("search", "search every conversation's messages (`chatcli search` for filters)", args="TEXT")

@@ -29,7 +29,7 @@ from rich.text import Text
 from chatcli.core.events import Event, Notice, Progress, ReplyEnd, ReplyStart, ReplyText, TurnStats
 from chatcli.core.transcript import ActiveMessage
 from chatcli.repl.markdown import StreamingMarkdown, WarmUp, render_lines
-from chatcli.units import format_size
+from chatcli.units import counted, format_size
 
 # Prose is hard to read in very wide lines: replies are laid out at most this wide.
 MAX_REPLY_WIDTH = 100
@@ -432,7 +432,7 @@ class Renderer:
         start = users[-n_exchanges] if len(users) >= n_exchanges and n_exchanges > 0 else 0
         shown = messages[start:] if n_exchanges > 0 else []
         if start > 0 and shown:
-            self.notice(f"… {len(users) - n_exchanges} earlier exchange(s)")
+            self.notice(f"… {counted(len(users) - n_exchanges, 'earlier exchange')}")
         for m in shown:
             who = "you" if m.role == "user" else "assistant"
             if self.plain:

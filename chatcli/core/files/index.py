@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from chatcli.errors import ChatcliError
+from chatcli.units import counted
 
 if TYPE_CHECKING:
     from chatcli.core.files.store import ConversationDir
@@ -732,7 +733,7 @@ class Index:
             w.execute("INSERT OR REPLACE INTO info VALUES('last_walk', ?)", (json.dumps(self.last_walk._asdict()),))
         if self.rebuilt:
             if todo and not self.notices:  # made afresh while folders exist: it was deleted (or never made)
-                self.notices.append(f"index missing: built from {len(todo)} conversation folder(s)")
+                self.notices.append(f"index missing: built from {counted(len(todo), 'conversation folder')}")
             self.rebuilt = False
         elif todo or gone:
             self._note_repair(len(todo), len(gone))
