@@ -171,7 +171,8 @@ def test_undo_and_regen_after_batched_replies(trio: list[Engine], model_path: Pa
     eng = trio[1]
     n1 = eng.n_past
     together(trio, 12, WARM)  # turn 2's replies: batched
-    assert len(eng.tokens) == n1 + 12
+    # Up to 12 tokens: the batch's composition (timing) changes the logits, so a reply may end at end-of-turn.
+    assert n1 < len(eng.tokens) <= n1 + 12
     # The conversation as saved after its second user message (turn 1's batched cells included).
     resumed = fresh(model_path, eng, n1, at_user[1])
     try:

@@ -61,12 +61,21 @@ def test_ctrl_c_while_waiting_is_raised_after_the_call_ends() -> None:
     c = ComputeThread()
     ended: list[float] = []
 
+    fired = threading.Event()
+
     def slow() -> str:
-        time.sleep(0.3)
+        # Ends only after the Ctrl-C was raised: a fixed sleep let a loaded machine (CI beside other work)
+        # start the timer's thread after the call had returned, and nothing was raised.
+        fired.wait(10.0)
+        time.sleep(0.05)
         ended.append(time.monotonic())
         return "done"
 
-    timer = threading.Timer(0.05, lambda: signal.raise_signal(signal.SIGINT))
+    def ctrl_c() -> None:
+        signal.raise_signal(signal.SIGINT)
+        fired.set()
+
+    timer = threading.Timer(0.05, ctrl_c)
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -74,7 +83,7 @@ def test_ctrl_c_while_waiting_is_raised_after_the_call_ends() -> None:
         raised = time.monotonic()
     finally:
         timer.cancel()
-    assert ended and raised >= ended[0]
+    assert fired.is_set() and ended and raised >= ended[0]
 
 
 def test_a_forked_child_starts_its_own_compute_thread() -> None:
