@@ -662,11 +662,9 @@ class CellLog:
                 return sf.encode_record(sf.REVIVE, rec.p0, rec.p1, sf.revive_payload(rec.offset, crc))
         return sf.encode_record(live, rec.p0, rec.p1, payload, rec.flags)
 
-    def _read_back_whole(self, want: list[int]) -> list[tuple[sf.Record, bytes]]:
-        """On a whole-sequence memory, load a saved point holding exactly ``want`` instead of what the backend
-        holds; the record used and its payload (none found: nothing changes). A point llama.cpp rejects
-        leaves the backend empty (the caller evaluates everything then)."""
-        eng = self.eng
+    def _whole_points(self, want: list[int]) -> Iterator[tuple[sf.Record, bytes, bytes]]:
+        """Saved points of a whole-sequence memory holding exactly ``want``, newest first: (record, payload, its
+        cells). A record that cannot be read is passed over (the backend is not touched here)."""
         for rec in reversed(self.state.records):
             if rec.kind not in (sf.SNAPSHOT, sf.SPARE) or rec.p0 != 0 or rec.p1 != len(want):
                 continue
@@ -675,11 +673,18 @@ class CellLog:
                 toks, kv = sf.split_cells(payload, rec.p1)
             except (OSError, sf.StateFileError):
                 continue
-            if toks != want:
-                continue
+            if toks == want:
+                yield rec, payload, kv
+
+    def _read_back_whole(self, want: list[int]) -> list[tuple[sf.Record, bytes]]:
+        """On a whole-sequence memory, load a saved point holding exactly ``want`` instead of what the backend
+        holds; the record used and its payload (none found: nothing changes). A point llama.cpp rejects
+        leaves the backend empty (the caller evaluates everything then)."""
+        eng = self.eng
+        for rec, payload, kv in self._whole_points(want):
             eng.clear()
             try:
-                eng.load_cells(0, rec.p1, kv, toks)
+                eng.load_cells(0, rec.p1, kv, list(want))
             except Exception:
                 eng.clear()
                 return []
@@ -688,19 +693,13 @@ class CellLog:
 
     def _put_back_whole(self, tokens: list[int]) -> Generator[Progress, None, int]:
         """``put_back`` on a whole-sequence memory: a saved point holding exactly the sequence wanted is
-        loaded (and its record appended again, live); else the tokens are evaluated."""
+        loaded (and revived, live); else the tokens are evaluated."""
         eng = self.eng
         want = [*eng.tokens, *tokens]
-        for rec in reversed(self.state.records):
-            if rec.kind not in (sf.SNAPSHOT, sf.SPARE) or rec.p0 != 0 or rec.p1 != len(want):
-                continue
+        for rec, payload, kv in self._whole_points(want):
+            eng.clear()
             try:
-                payload = sf.read_payload(self.path, rec)
-                toks, kv = sf.split_cells(payload, rec.p1)
-                if toks != want:
-                    continue
-                eng.clear()
-                eng.load_cells(0, rec.p1, kv, toks)
+                eng.load_cells(0, rec.p1, kv, list(want))
             except Exception:
                 eng.clear()
                 # Back to where we were (only reached when llama.cpp rejects a saved state).
