@@ -75,6 +75,9 @@ def test_ctrl_c_while_waiting_is_raised_after_the_call_ends() -> None:
         signal.raise_signal(signal.SIGINT)
         fired.set()
 
+    # Python's own Ctrl-C handler, whatever the runner left: a shell without job control starts background
+    # commands with SIGINT ignored, and Python then installs no handler (CI started with `&` failed here).
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.05, ctrl_c)
     timer.start()
     try:
@@ -83,6 +86,7 @@ def test_ctrl_c_while_waiting_is_raised_after_the_call_ends() -> None:
         raised = time.monotonic()
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, old)
     assert fired.is_set() and ended and raised >= ended[0]
 
 
