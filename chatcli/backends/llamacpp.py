@@ -319,23 +319,28 @@ class _LogitPlan:
         return cls(np.asarray([t for t, _ in s.logit_bias], dtype=np.int64),
                    np.asarray([b for _, b in s.logit_bias], dtype=np.float32), repeat, last_n, greedy)
 
+    def _window_ids(self, tokens: list[int]) -> np.ndarray | None:
+        """The ids of the penalty's window over ``tokens``, each once, in any order (None: no window). Not
+        ``np.unique``: numpy 2 imports ``numpy.ma`` on its first call (15-20 ms between the first reply's first
+        two decodes), and a set of a 64-token window costs a third of its 12 us."""
+        window = tokens[-self.last_n:] if self.last_n else []
+        return np.fromiter(set(window), dtype=np.int64) if window else None
+
+    def _penalised(self, v: np.ndarray) -> np.ndarray:
+        # float32 throughout, as the C code: multiply the non-positive, divide the positive, once per token
+        # however often it occurs in the window.
+        return np.where(v <= 0, v * self.repeat, v / self.repeat)
+
     def apply(self, logits: np.ndarray, tokens: list[int]) -> np.ndarray:
         """``logits`` (never modified) with the bias added and the penalty applied over ``tokens``' window."""
-        window = tokens[-self.last_n:] if self.last_n else []
-        if not self.bias_ids.size and not window:
+        ids = self._window_ids(tokens)
+        if not self.bias_ids.size and ids is None:
             return logits
         x = logits.copy()  # the context's buffer and kept logits stay as computed
         if self.bias_ids.size:
             np.add.at(x, self.bias_ids, self.bias_values)  # in order, duplicates too, as the C loop adds
-        if window:
-            # Each id once, in any order (the update below is per id). Not ``np.unique``: numpy 2 imports
-            # ``numpy.ma`` on its first call (15-20 ms between the first reply's first two decodes), and a
-            # set of a 64-token window costs a third of its 12 us.
-            ids = np.fromiter(set(window), dtype=np.int64)
-            v = x[ids]
-            # float32 throughout, as the C code: multiply the non-positive, divide the positive, once per token
-            # however often it occurs in the window.
-            x[ids] = np.where(v <= 0, v * self.repeat, v / self.repeat)
+        if ids is not None:
+            x[ids] = self._penalised(x[ids])
         return x
 
     def greedy_pick(self, logits: np.ndarray, tokens: list[int]) -> tuple[int, bool]:
@@ -346,14 +351,13 @@ class _LogitPlan:
             x = self.apply(logits, tokens)
             tok = int(np.argmax(x))
             return tok, bool(np.isnan(x[tok]))
-        window = tokens[-self.last_n:] if self.last_n else []
-        if not window:
+        ids = self._window_ids(tokens)
+        if ids is None:
             tok = int(np.argmax(logits))
             return tok, bool(np.isnan(logits[tok]))
-        ids = np.fromiter(set(window), dtype=np.int64)
         v = logits[ids]
         try:
-            logits[ids] = np.where(v <= 0, v * self.repeat, v / self.repeat)
+            logits[ids] = self._penalised(v)
             tok = int(np.argmax(logits))
             return tok, bool(np.isnan(logits[tok]))
         finally:
