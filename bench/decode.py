@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -50,10 +51,18 @@ from bench.serve import Proc, chat, find_llama_server, free_port, http_json
 
 # Section 1's rounds are short and many: the machine drifts (its rate moved 63-90 tok/s within one run), and
 # each ratio is taken within a round, so shorter rounds see less of the drift and more of them give a median.
-FULL = {"rounds": 8, "prompt": 512, "decode": 96, "clients": [1, 2, 4, 8], "turns": 3, "reply": 48,
-        "conc_reps": 2, "fa_depths": [0, 2048], "fa_rounds": 4}
+FULL = {"rounds": 12, "prompt": 512, "decode": 96, "clients": [1, 2, 4, 8], "turns": 3, "reply": 48,
+        "conc_reps": 2, "fa_depths": [0, 2048], "fa_rounds": 4,
+        "loaded": {"rounds": 3, "decode_cap": 15.0, "conc_reps": 1, "conc_cap": 30.0}}
 QUICK = {"rounds": 3, "prompt": 128, "decode": 48, "clients": [1, 2, 4, 8], "turns": 2, "reply": 24,
-         "conc_reps": 1, "fa_depths": [0, 1024], "fa_rounds": 2}
+         "conc_reps": 1, "fa_depths": [0, 1024], "fa_rounds": 2,
+         "loaded": {"rounds": 2, "decode_cap": 8.0, "conc_reps": 1, "conc_cap": 15.0}}
+# With a competing process, llama.cpp's own tools starve (their spinning threads fight it for the cores: 0.5-2
+# tokens/s here), so a reply of theirs would take minutes: under load each decode is cut ``decode_cap`` seconds
+# after its first token (the rate is taken over the tokens that came), each client run of section 2 at
+# ``conc_cap`` seconds (cut requests are counted and their latency shown as "> cap"), and the methods that
+# cannot be cut (llama-bench, whose depth fill alone takes ~40 s) run in the first round only.
+ONCE_UNDER_LOAD = ("llama-bench", "bare llama-cpp-python loop (own process)")
 SYSTEM = "You are a helpful assistant. Answer in a few sentences."
 SEED = 1234
 COUNT_MSG = "Count from 1 to 500, separated by commas, and nothing else."
@@ -145,6 +154,7 @@ class Bench:
         self.env = env
         self.live: list[Proc] = []
         self._eog: dict[str, int] | None = None
+        self._work_prompt: int | None = None  # the message's tokens (section 1), for a cut stream's prompt rate
 
     def log(self, msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')} load {load():.1f}] {msg}", file=sys.stderr, flush=True)
@@ -215,8 +225,12 @@ class Bench:
                 s.undo()
             shape = self.shape_from(f"piped-{cond}")
             d, p, n = len(shape["prefix_tokens"]), len(shape["user_tokens"]), int(self.cfg["decode"])
-            work = {"prefix": d, "prompt": p, "decode": n, "decode_depth": d + p}
-            req = {"prefix": shape["prefix_tokens"], "prompt": shape["user_tokens"], "decode": n}
+            loaded = self.cfg["loaded"] if cond == "loaded" else None
+            cap = loaded["decode_cap"] if loaded else None
+            rounds = loaded["rounds"] if loaded else self.cfg["rounds"]
+            work = {"prefix": d, "prompt": p, "decode": n, "decode_depth": d + p, "rounds": rounds, "decode_cap": cap}
+            req = {"prefix": shape["prefix_tokens"], "prompt": shape["user_tokens"], "decode": n, "cap": cap}
+            self._work_prompt = p
             workers = {"chatcli Engine (default policy)": self.start_worker(f"engine-{cond}"),
                        "chatcli Engine, OMP_WAIT_POLICY=PASSIVE (before #22)": self.start_worker(
                            f"passive-{cond}", extra_env={"OMP_WAIT_POLICY": "PASSIVE"}),
@@ -224,7 +238,7 @@ class Bench:
             for w in workers.values():
                 w.run(req)
             for kind in servers:
-                self.stream_one(servers[kind][1], shape["prefix_messages"])  # caches the prefix, as talk's
+                self.stream_one(servers[kind][1], shape["prefix_messages"], cap)  # caches the prefix, as talk's
             self.log(f"  work: {p}-token message after a {d}-token prefix, {n} tokens decoded from {d + p}")
 
             def talk(s: TalkSession) -> dict[str, float | None]:
@@ -239,23 +253,27 @@ class Bench:
             methods: dict[str, Callable[[], dict[str, Any]]] = {
                 "llama-bench": lambda: {"prompt_tps": self._llama_bench(0, d, p, 0)["prompt_tps"],
                                         "decode_tps": self._llama_bench(0, d + p, 0, n)["decode_tps"]},
-                "llama-server streamed": lambda: self.stream_one(servers["llama-server"][1], shape["prefix_messages"]),
+                "llama-server streamed": lambda: self.stream_one(servers["llama-server"][1], shape["prefix_messages"],
+                                                                 cap),
                 "chatcli talk, piped": lambda: talk(piped),
                 "chatcli talk, terminal": lambda: talk(term),
-                "chatcli serve streamed": lambda: self.stream_one(servers["chatcli"][1], shape["prefix_messages"]),
+                "chatcli serve streamed": lambda: self.stream_one(servers["chatcli"][1], shape["prefix_messages"],
+                                                                  cap),
                 **{name: worker(w) for name, w in workers.items()},
             }
             rows: list[dict[str, Any]] = []
             names = list(methods)
-            for rnd in range(self.cfg["rounds"]):
+            for rnd in range(rounds):
                 k = rnd % len(names)
                 for name in names[k:] + names[:k]:
+                    if loaded and rnd and name in ONCE_UNDER_LOAD:
+                        continue
                     settle()
                     la = load()
                     r = methods[name]()
                     rows.append({"round": rnd, "method": name, "load": la, **r})
                     extra = (f" prompt_n {r.get('prompt_n')} cache_n {r.get('cache_n')}, {r['tokens']} tokens"
-                             if "cache_n" in r else "")
+                             + (" (cut)" if r.get("cut") else "") if "cache_n" in r else "")
                     self.log(f"  {name}: pp {f(r.get('prompt_tps'), 0)} tg {f(r.get('decode_tps'))}{extra}")
             return rows, work
         finally:
@@ -277,7 +295,7 @@ class Bench:
                          if llama_cpp.llama_vocab_is_eog(vocab, i)}
         return self._eog
 
-    def stream_one(self, port: int, prefix: list[dict[str, str]]) -> dict[str, Any]:
+    def stream_one(self, port: int, prefix: list[dict[str, str]], decode_cap: float | None = None) -> dict[str, Any]:
         """One streamed greedy request: talk's persona prefix, then a new message (the prefix's cells are
         reused from the request before, as talk keeps them), the end of turn banned (equal lengths).
 
@@ -285,18 +303,24 @@ class Bench:
         decoding costs, comparable with the Engine and talk rows) and ``stream_tps`` to the end of the
         stream (``[DONE]``: adds what the server does after the last token before it closes)."""
         msgs = [*prefix, {"role": "user", "content": self.message()}]
-        r = chat(port, msgs, self.cfg["decode"], {"logit_bias": self.eog_bias(), "repeat_penalty": 1.0})
+        r = chat(port, msgs, self.cfg["decode"], {"logit_bias": self.eog_bias(), "repeat_penalty": 1.0},
+                 decode_cap=decode_cap)
         n = None
         if r.usage:
             n = r.usage.get("completion_tokens")
         if n is None and r.timings:
             n = r.timings.get("predicted_n")
+        if n is None and r.cut:
+            n = r.chunks  # cut at the cap: the tokens that came (one per chunk from both servers)
         decode = (n - 1) / (r.last - r.ttft) if n and n > 1 and r.last > r.ttft else None
         stream = (n - 1) / (r.total - r.ttft) if n and n > 1 and r.total > r.ttft else None
         t = r.timings or {}
-        return {"prompt_tps": float(t["prompt_per_second"]) if t.get("prompt_per_second") else None,
-                "decode_tps": decode, "stream_tps": stream, "tokens": n, "prompt_n": t.get("prompt_n"),
-                "cache_n": t.get("cache_n"), "ttft_ms": 1000 * r.ttft, "tail_ms": 1000 * (r.total - r.last)}
+        prompt = float(t["prompt_per_second"]) if t.get("prompt_per_second") else None
+        if prompt is None and r.cut and self._work_prompt:
+            prompt = self._work_prompt / r.ttft  # no timings in a cut stream: the message's tokens to the first token
+        return {"prompt_tps": prompt, "decode_tps": decode, "stream_tps": None if r.cut else stream, "tokens": n,
+                "prompt_n": t.get("prompt_n"), "cache_n": t.get("cache_n"), "ttft_ms": 1000 * r.ttft,
+                "tail_ms": None if r.cut else 1000 * (r.total - r.last), "cut": r.cut}
 
     # -- servers --------------------------------------------------------------------------------------------
 
@@ -343,55 +367,70 @@ class Bench:
 
     # -- concurrency (section 2) ----------------------------------------------------------------------------
 
-    def clients(self, port: int, n: int, rep: int) -> dict[str, Any]:
-        """``n`` clients at once, each its own conversation of ``turns`` turns; all start together."""
+    def clients(self, port: int, n: int, rep: int, cap: float | None = None) -> dict[str, Any]:
+        """``n`` clients at once, each its own conversation of ``turns`` turns; all start together. ``cap``:
+        the run ends that many seconds after the start (a request still running is cut, its latency
+        counted as infinite: at least the cap)."""
         lat: list[float] = []
         tokens = [0] * n
         errors: list[str] = []
+        cut = [0]
         guard = threading.Lock()
         start = threading.Barrier(n)
+        deadline: list[float | None] = [None]
 
         def client(i: int) -> None:
             msgs = [{"role": "system", "content": SYSTEM}]
             start.wait()
             for t in range(self.cfg["turns"]):
+                if deadline[0] is not None and time.perf_counter() >= deadline[0]:
+                    return  # the run's time is up: no new request
                 para = PARAGRAPHS[(i * 5 + t + rep) % len(PARAGRAPHS)]
                 msgs.append({"role": "user", "content": f"Client {i}, run {rep}, turn {t}. {para} What should I do?"})
                 try:
-                    r = chat(port, msgs, self.cfg["reply"])
+                    r = chat(port, msgs, self.cfg["reply"], deadline=deadline[0])
                 except Exception as exc:  # a failed request is reported, not hidden
                     with guard:
                         errors.append(str(exc)[:200])
                     return
                 n_tok = (r.usage or {}).get("completion_tokens") or (r.timings or {}).get("predicted_n") or 0
+                if r.cut:
+                    n_tok = r.chunks
                 with guard:
-                    lat.append(r.total)
+                    lat.append(float("inf") if r.cut else r.total)
                     tokens[i] += int(n_tok)
+                    cut[0] += r.cut
+                if r.cut:
+                    return
                 msgs.append({"role": "assistant", "content": r.text})
 
         th = [threading.Thread(target=client, args=(i,)) for i in range(n)]
         t0 = time.perf_counter()
+        deadline[0] = None if cap is None else t0 + cap
         for t in th:
             t.start()
         for t in th:
             t.join()
         wall = time.perf_counter() - t0
         return {"wall": wall, "tokens": sum(tokens), "tok_s": sum(tokens) / wall, "p50": pct(lat, 0.5),
-                "p95": pct(lat, 0.95), "requests": len(lat), "errors": errors}
+                "p95": pct(lat, 0.95), "requests": len(lat), "errors": errors, "cut": cut[0], "cap": cap}
 
-    def concurrency(self) -> list[dict[str, Any]]:
+    def concurrency(self, cond: str = "idle") -> list[dict[str, Any]]:
+        loaded = self.cfg["loaded"] if cond == "loaded" else None
+        reps = loaded["conc_reps"] if loaded else self.cfg["conc_reps"]
         rows: list[dict[str, Any]] = []
         for n in self.cfg["clients"]:
-            servers = {"chatcli serve": self.start_chatcli(n, f"np{n}"),
-                       "llama-server": self.start_llama_server(n, f"np{n}")}
+            servers = {"chatcli serve": self.start_chatcli(n, f"np{n}-{cond}"),
+                       "llama-server": self.start_llama_server(n, f"np{n}-{cond}")}
             names = list(servers)
             try:
-                for rep in range(self.cfg["conc_reps"] * 2):
+                for rep in range(reps * 2):
                     name = names[(rep + n) % 2]
                     la = load()
-                    r = self.clients(servers[name][1], n, rep)
+                    r = self.clients(servers[name][1], n, rep, loaded["conc_cap"] if loaded else None)
                     rows.append({"clients": n, "server": name, "rep": rep, "load": la, **r})
-                    self.log(f"  N={n} {name}: {r['tok_s']:.1f} tok/s p50 {r['p50']} p95 {r['p95']}")
+                    self.log(f"  N={n} {name}: {r['tok_s']:.1f} tok/s p50 {r['p50']} p95 {r['p95']}"
+                             + (f", {r['cut']} cut at {r['cap']:.0f} s" if r["cut"] else ""))
             finally:
                 for p, _ in servers.values():
                     self.stop(p)
@@ -437,8 +476,15 @@ class Bench:
                     os.killpg(comp.pid, signal.SIGKILL)
                     comp.wait()
         if not self.o.skip_concurrency:
-            self.log("section 2: concurrent clients")
-            res["concurrency"] = self.concurrency()
+            for cond in self.o.conditions:
+                self.log(f"section 2: concurrent clients, {cond}")
+                comp = self.competitor() if cond == "loaded" else None
+                try:
+                    res["concurrency" if cond == "idle" else f"concurrency_{cond}"] = self.concurrency(cond)
+                finally:
+                    if comp is not None:
+                        os.killpg(comp.pid, signal.SIGKILL)
+                        comp.wait()
         if not (self.o.skip_fa or self.o.concurrency_only):
             self.log("section 3: flash attention")
             res["flash_attention"] = self.flash_attention()
@@ -504,7 +550,11 @@ def work_line(work: dict[str, Any] | None, rows: list[dict[str, Any]], cfg: dict
     served = sorted({(r.get("prompt_n"), r.get("cache_n")) for r in rows if r.get("prompt_n") is not None},
                     key=str)
     d, p = work["prefix"], work["prompt"]
-    return (f"{cfg['rounds']} rounds, the methods' order rotating, each measurement started once no other "
+    rounds = work.get("rounds", cfg["rounds"])
+    cut = (f" Under load each decode is cut {work['decode_cap']:.0f} s after its first token (the rate over the "
+           "tokens that came; a cut stream's prompt rate is the message's tokens ÷ the time to its first token), "
+           f"and {' and '.join(ONCE_UNDER_LOAD)} run in the first round only." if work.get("decode_cap") else "")
+    return (f"{rounds} rounds, the methods' order rotating, each measurement started once no other "
             "process runs (up to 3 s). Each round every method does the work of one "
             f"`chatcli talk` message: a {p}-token message evaluated after the default persona's {d}-token prefix "
             f"(batch 512), then {work['decode']} tokens decoded greedily, no repeat penalty, from {d + p} deep. "
@@ -513,7 +563,14 @@ def work_line(work: dict[str, Any] | None, rows: list[dict[str, Any]], cfg: dict
             "message (evaluated / reused from the request before: "
             + (", ".join(f"{a}/{b}" for a, b in served) or "–") + "), the end of turn banned (`logit_bias`) so "
             "both decode the same number of tokens; decode = first to last token's chunk, \"to [DONE]\" = first "
-            "token to the end of the stream. Ratios: the median of the per-round ratios (lowest–highest).")
+            "token to the end of the stream. Ratios: the median of the per-round ratios (lowest–highest)." + cut)
+
+
+def latency(x: float | None, cap: float | None) -> str:
+    """A latency in seconds; a cut request's (infinite) as "> cap"."""
+    if x is not None and math.isinf(x):
+        return f"> {cap:.0f}" if cap else "> run"
+    return f(x, 2)
 
 
 def conc_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -523,11 +580,26 @@ def conc_table(rows: list[dict[str, Any]]) -> list[str]:
     for n, s in keys:
         rs = [r for r in rows if r["clients"] == n and r["server"] == s]
         errs = sum(len(r["errors"]) for r in rs)
-        out.append(f"| {n} | {s} | {f(med([r['tok_s'] for r in rs]))} | {f(med([r['p50'] for r in rs]), 2)} "
-                   f"| {f(med([r['p95'] for r in rs]), 2)} | {f(med([r['wall'] for r in rs]), 1)} "
-                   f"| {sum(r['requests'] for r in rs)}{f' ({errs} failed)' if errs else ''} "
+        cut = sum(r.get("cut") or 0 for r in rs)
+        cap = next((r.get("cap") for r in rs if r.get("cap")), None)
+        out.append(f"| {n} | {s} | {f(med([r['tok_s'] for r in rs]))} | {latency(med([r['p50'] for r in rs]), cap)} "
+                   f"| {latency(med([r['p95'] for r in rs]), cap)} | {f(med([r['wall'] for r in rs]), 1)} "
+                   f"| {sum(r['requests'] for r in rs)}{f' ({errs} failed)' if errs else ''}"
+                   f"{f' ({cut} cut at {cap:.0f} s)' if cut and cap else ''} "
                    f"| {f(min(r['load'] for r in rs))}–{f(max(r['load'] for r in rs))} |")
     return out
+
+
+def _med_of(rs: list[dict[str, Any]], k: str) -> float | None:
+    return med([r[k] for r in rs if r.get(k) is not None])
+
+
+def _latency_ratio(a: float | None, b: float | None, cap: float | None) -> str:
+    """chatcli's latency ÷ llama-server's; when only llama-server's requests outlived the run's cap, the cap
+    bounds its latency from below, so the ratio from above ("< x")."""
+    if a is not None and b is not None and math.isinf(b) and not math.isinf(a) and cap:
+        return f"< {a / cap:.2f}"
+    return f(a / b if a is not None and b else None, 2)
 
 
 def conc_ratios(rows: list[dict[str, Any]]) -> list[str]:
@@ -538,14 +610,11 @@ def conc_ratios(rows: list[dict[str, Any]]) -> list[str]:
         ls = [r for r in rows if r["clients"] == n and r["server"] == "llama-server"]
         if not c or not ls:
             continue
-
-        def m(rs: list[dict[str, Any]], k: str) -> float | None:
-            return med([r[k] for r in rs if r.get(k) is not None])
-
-        def div(a: float | None, b: float | None) -> float | None:
-            return a / b if a is not None and b else None
-        out.append(f"| {n} | {f(div(m(c, 'tok_s'), m(ls, 'tok_s')), 2)} | {f(div(m(c, 'p50'), m(ls, 'p50')), 2)} "
-                   f"| {f(div(m(c, 'p95'), m(ls, 'p95')), 2)} |")
+        cap = next((r.get("cap") for r in ls if r.get("cap")), None)
+        tc, tl = _med_of(c, "tok_s"), _med_of(ls, "tok_s")
+        out.append(f"| {n} | {f(tc / tl if tc is not None and tl else None, 2)} "
+                   f"| {_latency_ratio(_med_of(c, 'p50'), _med_of(ls, 'p50'), cap)} "
+                   f"| {_latency_ratio(_med_of(c, 'p95'), _med_of(ls, 'p95'), cap)} |")
     return out
 
 
@@ -575,12 +644,18 @@ def markdown(res: dict[str, Any], chart: str | None) -> str:
     for cond, rows in res["single"].items():
         lines += [f"## 1. Prompt and decode tokens/s — {names.get(cond, cond)}", "",
                   work_line(res.get("work", {}).get(cond), rows, cfg), "", *single_table(rows), ""]
-    if res.get("concurrency"):
-        lines += ["## 2. serve with N concurrent clients", "",
+    for key, cond in (("concurrency", "idle"), ("concurrency_loaded", "loaded")):
+        if not res.get(key):
+            continue
+        cap = (cfg.get("loaded") or {}).get("conc_cap") if cond == "loaded" else None
+        lines += [f"## 2. serve with N concurrent clients — {names[cond]}", "",
                   f"Each client its own conversation of {cfg['turns']} turns, replies up to {cfg['reply']} tokens, "
                   "all clients starting together; `chatcli serve --parallel N` vs `llama-server -np N --kv-unified`. "
-                  "Latency = the whole streamed request.", "", *conc_table(res["concurrency"]), "",
-                  *conc_ratios(res["concurrency"]), ""]
+                  "Latency = the whole streamed request"
+                  + (f"; each run is cut {cap:.0f} s after its start (a cut request's latency counts as more than "
+                     "that, its tokens as the chunks that came)" if cap else "") + ". Latency ratios: chatcli ÷ "
+                  "llama-server (below 1: chatcli answers sooner).", "", *conc_table(res[key]), "",
+                  *conc_ratios(res[key]), ""]
     if res.get("flash_attention"):
         lines += ["## 3. Flash attention on CPU, f16 KV (llama-bench)", "", *fa_table(res["flash_attention"]), ""]
     if chart:

@@ -25,7 +25,8 @@ from typing import Any
 
 from bench.common import emit
 
-Runner = Callable[[list[int], list[int], int], dict[str, Any]]
+# (prefix, prompt, tokens to decode, seconds after which decoding stops early or None): the round's result.
+Runner = Callable[[list[int], list[int], int, float | None], dict[str, Any]]
 
 
 def engine_runner(a: dict[str, Any]) -> Runner:
@@ -34,7 +35,7 @@ def engine_runner(a: dict[str, Any]) -> Runner:
     eng = Engine(a["model_path"], n_ctx=a["n_ctx"], n_threads=a["threads"] or None)
     greedy = Sampling(temperature=0.0, repeat_penalty=1.0)
 
-    def run(prefix: list[int], prompt: list[int], n: int) -> dict[str, Any]:
+    def run(prefix: list[int], prompt: list[int], n: int, cap: float | None) -> dict[str, Any]:
         if eng.tokens[: len(prefix)] == prefix and eng.n_past >= len(prefix):
             eng.truncate(len(prefix))
         else:
@@ -42,7 +43,11 @@ def engine_runner(a: dict[str, Any]) -> Runner:
             eng.eval(prefix)
         st = eng.eval(prompt)
         t0 = time.perf_counter()
-        got = sum(1 for _ in eng.generate(greedy, seed=1, max_tokens=n))
+        got = 0
+        for _ in eng.generate(greedy, seed=1, max_tokens=n):
+            got += 1
+            if cap is not None and time.perf_counter() - t0 > cap:
+                break  # the generator, once closed, decodes the token it yielded (after the clock stopped)
         tg = got / (time.perf_counter() - t0)
         # The count the last decode ran with: the default policy's answer to the load at that moment.
         return {"prompt_tps": len(prompt) / st.seconds, "decode_tps": tg, "tokens": got,
@@ -75,7 +80,7 @@ def bare_runner(a: dict[str, Any]) -> Runner:
             if llama_cpp.llama_decode(ctx, batch) != 0:
                 raise RuntimeError("llama_decode failed")
 
-    def run(prefix: list[int], prompt: list[int], n: int) -> dict[str, Any]:
+    def run(prefix: list[int], prompt: list[int], n: int, cap: float | None) -> dict[str, Any]:
         if held[: len(prefix)] == prefix and len(held) >= len(prefix):
             llama_cpp.llama_memory_seq_rm(mem, 0, len(prefix), -1)
         else:
@@ -87,11 +92,13 @@ def bare_runner(a: dict[str, Any]) -> Runner:
         pp = len(prompt) / (time.perf_counter() - t0)
         pos = len(prefix) + len(prompt)
         t0 = time.perf_counter()
-        for _ in range(n):
+        got = 0
+        while got < n and (cap is None or time.perf_counter() - t0 <= cap):
             tok = llama_cpp.llama_sampler_sample(sampler, ctx, -1)
             decode([tok], pos)
             pos += 1
-        return {"prompt_tps": pp, "decode_tps": n / (time.perf_counter() - t0), "tokens": n}
+            got += 1
+        return {"prompt_tps": pp, "decode_tps": got / (time.perf_counter() - t0), "tokens": got}
 
     return run
 
@@ -103,7 +110,7 @@ def main() -> int:
     emit({"ready": True, "omp": omp})
     for line in sys.stdin:
         req = json.loads(line)
-        emit(run(req["prefix"], req["prompt"], int(req["decode"])))
+        emit(run(req["prefix"], req["prompt"], int(req["decode"]), req.get("cap")))
     return 0
 
 

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,18 +63,27 @@ class Reply:
     timings: dict[str, Any] | None = None  # llama-server's "timings" (prompt_n = tokens evaluated)
     headers: dict[str, str] = field(default_factory=dict)
     last: float = 0.0  # seconds to the last chunk carrying content (the last token; ``total`` adds the close)
+    chunks: int = 0  # chunks carrying content (a token each from both servers)
+    cut: bool = False  # the client stopped reading (``chat``'s cap or deadline) before the stream ended
 
 
-def parse_sse(lines: Iterable[bytes], t0: float, clock: Callable[[], float] = time.perf_counter) -> Reply:
+def parse_sse(lines: Iterable[bytes], t0: float, clock: Callable[[], float] = time.perf_counter,
+              stop: Callable[[float, float], bool] | None = None) -> Reply:
     """Read an OpenAI-style SSE stream (``data: {json}`` lines, ``data: [DONE]``) into a ``Reply``.
 
     TTFT is taken at the first chunk whose ``delta.content`` is non-empty; a reply with no content at all
-    (end of turn straight away) takes it at the end of the stream.
+    (end of turn straight away) takes it at the end of the stream. ``stop(seconds since t0, ttft or 0)``,
+    asked after each line, ends the reading early (``Reply.cut``): a starved server's stream is cut at a cap.
     """
     ttft = last = 0.0
     parts: list[str] = []
     usage = timings = None
+    chunks = 0
+    cut = False
     for raw in lines:
+        if stop is not None and stop(clock() - t0, ttft):
+            cut = True
+            break
         line = raw.strip()
         if not line.startswith(b"data:"):
             continue
@@ -91,13 +100,14 @@ def parse_sse(lines: Iterable[bytes], t0: float, clock: Callable[[], float] = ti
                 if not ttft:
                     ttft = last
                 parts.append(text)
+                chunks += 1
         if chunk.get("usage"):
             usage = chunk["usage"]
         if chunk.get("timings"):
             timings = chunk["timings"]
     total = clock() - t0
     return Reply(ttft=ttft or total, total=total, text="".join(parts), usage=usage, timings=timings,
-                 last=last or total)
+                 last=last or total, chunks=chunks, cut=cut)
 
 
 _PREFIX_HIT = re.compile(rb"Llama\.generate: (\d+) prefix-match hit, remaining (\d+) prompt tokens to eval")
@@ -246,19 +256,42 @@ def http_json(port: int, method: str, path: str, timeout: float = 5.0) -> tuple[
         conn.close()
 
 
-def chat(port: int, messages: list[dict[str, str]], max_tokens: int, extra: dict[str, Any] | None = None) -> Reply:
+def chat(port: int, messages: list[dict[str, str]], max_tokens: int, extra: dict[str, Any] | None = None, *,
+         decode_cap: float | None = None, deadline: float | None = None) -> Reply:
     """One streamed, greedy chat completion (``extra``: more body fields); the clock starts just before the
-    request is sent."""
+    request is sent. A server starved by a competing process can take minutes per reply: ``decode_cap``
+    stops reading that many seconds after the first token, ``deadline`` (a ``perf_counter`` time) at that
+    time; either way the connection closes (both servers then stop the reply) and ``Reply.cut`` says so."""
     body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "seed": SEED,
                        "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}).encode()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT)
+    timeout = REQUEST_TIMEOUT if deadline is None else max(0.05, min(REQUEST_TIMEOUT, deadline - time.perf_counter()))
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    t0 = time.perf_counter()
+
+    def stop(elapsed: float, ttft: float) -> bool:
+        return ((decode_cap is not None and ttft > 0 and elapsed - ttft > decode_cap)
+                or (deadline is not None and t0 + elapsed > deadline))
+
     try:
-        t0 = time.perf_counter()
-        conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
-        r = conn.getresponse()
+        try:
+            conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+        except TimeoutError:
+            total = time.perf_counter() - t0
+            return Reply(ttft=total, total=total, text="", last=total, cut=True)
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status} from :{port}: {r.read()[:500]!r}")
-        reply = parse_sse(iter(r.readline, b""), t0)
+        timed_out = False
+
+        def read() -> Iterator[bytes]:
+            # The socket's timeout bounds a wait for the next line (set from ``deadline``): it ends the reading.
+            nonlocal timed_out
+            try:
+                yield from iter(r.readline, b"")
+            except TimeoutError:
+                timed_out = True
+        reply = parse_sse(read(), t0, stop=stop if decode_cap is not None or deadline is not None else None)
+        reply.cut = reply.cut or timed_out
         reply.headers = {k.lower(): v for k, v in r.getheaders()}
         return reply
     finally:

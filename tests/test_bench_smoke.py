@@ -97,6 +97,34 @@ def test_serve_sse_parsing_takes_ttft_at_first_content_and_keeps_usage_and_timin
         parse_sse([b'data: {"error":{"message":"boom"}}\n'], t0=0.0)
 
 
+def test_serve_sse_parsing_stops_when_asked_and_counts_the_chunks_that_came() -> None:
+    from bench.serve import parse_sse
+
+    chunk = b'data: {"choices":[{"delta":{"content":"x"}}]}\n'
+    ticks = iter([1.0, 1.5, 1.5, 2.0, 2.0, 2.5, 2.5, 3.0])  # a stop check, then the content chunk's time
+    r = parse_sse([chunk] * 4 + [b"data: [DONE]\n"], t0=0.0, clock=lambda: next(ticks),
+                  stop=lambda elapsed, ttft: ttft > 0 and elapsed - ttft > 0.9)
+    # Chunks at 1.5 (the first token), 2.0 and 2.5; the check before the fourth, at 2.5, is 1.0 s after the
+    # first token: cut there, three chunks read.
+    assert (r.cut, r.chunks, r.ttft, r.last, r.total) == (True, 3, 1.5, 2.5, 3.0)
+    whole = parse_sse([chunk] * 3 + [b"data: [DONE]\n"], t0=0.0)
+    assert (whole.cut, whole.chunks) == (False, 3)
+
+
+def test_decode_report_bounds_a_ratio_by_the_cap_when_llama_server_outlived_it() -> None:
+    from bench.decode import conc_ratios, conc_table
+
+    def run(server: str, p50: float, p95: float, tok_s: float, cut: int) -> dict[str, Any]:
+        return {"clients": 2, "server": server, "tok_s": tok_s, "p50": p50, "p95": p95, "wall": 30.0,
+                "requests": 6, "errors": [], "load": 2.0, "cut": cut, "cap": 30.0}
+
+    rows = [run("chatcli serve", 1.5, 3.0, 60.0, 0), run("llama-server", 20.0, float("inf"), 2.0, 2)]
+    ratios = conc_ratios(rows)[2]
+    assert ratios == "| 2 | 30.00 | 0.07 | < 0.10 |"  # p95: 3.0 s against more than 30 s
+    table = "\n".join(conc_table(rows))
+    assert "> 30" in table and "(2 cut at 30 s)" in table
+
+
 def test_serve_evaluated_tokens_per_server_kind() -> None:
     from bench.serve import Reply, evaluated_tokens, llama_cpp_evaluated
 
