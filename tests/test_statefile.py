@@ -78,18 +78,22 @@ def test_load_cells_from_a_mapped_view_is_bit_identical(engine: Engine, tmp_path
 
 
 def test_a_record_made_from_parts_and_appended_unjoined_is_the_joined_ones_bytes(tmp_path: Path) -> None:
-    """The write path of a turn's cells copies each record once and never joins the records (megabytes
-    each): the file holds exactly what encoding the joined payload and appending one joined blob wrote."""
-    toks, kv = [5, 6, 7], bytes(range(256)) * 40
+    """The write path of a turn's cells never copies them (a view of the buffer llama.cpp wrote, megabytes)
+    and never joins a record or the records: the file holds exactly what encoding the joined payload and
+    appending (or rewriting with) one joined blob wrote."""
+    toks, kv = [5, 6, 7], memoryview(np.frombuffer(bytes(range(256)) * 40, dtype=np.uint8)).toreadonly()
     parts = sf.encode_record_parts(sf.CELLS, 0, 3, sf.cells_parts(toks, kv), flags=sf.NOT_A_POINT)
-    assert parts == sf.encode_record(sf.CELLS, 0, 3, sf.cells_payload(toks, kv), flags=sf.NOT_A_POINT)
-    recs = [parts, sf.encode_record(sf.LOGITS, 3, 3, b"\0" * 40), sf.encode_record(sf.TRUNCATE, 3, 3, b"")]
-    a, b = tmp_path / "a.kv", tmp_path / "b.kv"
-    sf.StateWriter(a).append(recs)
+    joined = sf.encode_record(sf.CELLS, 0, 3, sf.cells_payload(toks, bytes(kv)), flags=sf.NOT_A_POINT)
+    assert isinstance(parts, sf.RecordParts) and sf.raw_bytes(parts) == joined and len(parts) == len(joined)
+    recs: list[sf.Raw] = [parts, sf.encode_record(sf.LOGITS, 3, 3, b"\0" * 40), sf.encode_record(sf.TRUNCATE, 3, 3, b"")]
+    a, b, c = tmp_path / "a.kv", tmp_path / "b.kv", tmp_path / "c.kv"
+    assert sf.StateWriter(a).append(recs) == sum(len(r) for r in recs)
     from chatcli.core.files.fsutil import append_durably
 
-    append_durably(b, b"".join(recs))
-    assert a.read_bytes() == b.read_bytes() and sf.StateWriter(a).append([]) == 0 and a.stat().st_size == b.stat().st_size
+    append_durably(b, b"".join(sf.raw_bytes(r) for r in recs))
+    assert sf.StateWriter(c).rewrite(recs) == a.stat().st_size
+    assert a.read_bytes() == b.read_bytes() == c.read_bytes() and sf.StateWriter(a).append([]) == 0
+    assert sf.records_at(recs, 0)[1] == a.stat().st_size
 
 
 def _revive(path: Path, rec: sf.Record, p0: int | None = None) -> bytes:
@@ -157,5 +161,5 @@ def test_every_public_name_of_the_records_module_is_in_its_all() -> None:
     import types
 
     own = {name for name, v in vars(sf).items() if not name.startswith("_") and not isinstance(v, types.ModuleType)
-           and (getattr(v, "__module__", None) == sf.__name__ or name.isupper())}
+           and (getattr(v, "__module__", None) == sf.__name__ or name.isupper() or isinstance(v, types.UnionType))}
     assert own == set(sf.__all__)

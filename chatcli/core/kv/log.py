@@ -173,9 +173,9 @@ class CellLog:
         self._needs_snapshot = False
         # A user message's records not written yet (see user_evaluated's ``defer``), with the record itself
         # where it had to be read out at once.
-        self._pending: tuple[int, list[int], TurnStats, bytes | None] | None = None
+        self._pending: tuple[int, list[int], TurnStats, sf.Raw | None] | None = None
         # A reply's record kept back by ``hold``: (p0, p1, stats, the record where it had to be read out at once).
-        self._pending_reply: tuple[int, int, TurnStats, bytes | None] | None = None
+        self._pending_reply: tuple[int, int, TurnStats, sf.Raw | None] | None = None
         self.hold = False
 
     @property
@@ -301,7 +301,7 @@ class CellLog:
                 report.reason = ""  # not damage: the /alt's records, written now
         # Catch up: evaluate only the tail the state file did not have.
         tail = want[n_ok:]
-        rebuilt: list[bytes] = []
+        rebuilt: list[sf.Raw] = []
         if tail:
             t1 = time.perf_counter()
             # Batched as the tokens were when first evaluated, so the rebuilt KV is bit-identical (rebuild.py).
@@ -432,7 +432,7 @@ class CellLog:
             return
         stats.state_bytes += self._append(self._user_records(p0, tokens), stats)
 
-    def _point_record(self, p0: int, p1: int) -> bytes:
+    def _point_record(self, p0: int, p1: int) -> sf.RecordParts:
         """The record of cells [p0, p1) saved now (the sequence ends at p1): CELLS, or on a whole-sequence
         memory a SNAPSHOT of everything up to p1 (which is then a point of its own)."""
         eng = self.eng
@@ -440,7 +440,7 @@ class CellLog:
             return sf.encode_record_parts(sf.SNAPSHOT, 0, p1, sf.cells_parts(eng.tokens[:p1], eng.save_cells(0, p1)))
         return sf.encode_record_parts(sf.CELLS, p0, p1, sf.cells_parts(eng.tokens[p0:p1], eng.save_cells(p0, p1)))
 
-    def _user_records(self, p0: int, tokens: list[int], saved: bytes | None = None) -> list[bytes]:
+    def _user_records(self, p0: int, tokens: list[int], saved: sf.Raw | None = None) -> list[sf.Raw]:
         p1 = p0 + len(tokens)
         recs = [saved if saved is not None else self._point_record(p0, p1)]
         if self._turn_logits is not None and self._turn_logits[0] == p1:
@@ -605,7 +605,7 @@ class CellLog:
         if self._whole:
             return (yield from self._put_back_whole(tokens))
         read = self._read_back(tokens)
-        back = [self._revive(rec, payload) for rec, payload in read]  # what makes the cells read back live
+        back: list[sf.Raw] = [self._revive(rec, payload) for rec, payload in read]  # what makes the cells read back live
         loaded = sum(rec.p1 - rec.p0 for rec, _ in read)
         if loaded < len(tokens):
             yield from evaluate(eng, tokens[loaded:], PUT_BACK)
@@ -837,7 +837,7 @@ class CellLog:
     def _header(self) -> bytes:
         return sf.encode_record(sf.HEADER, 0, 0, sf.header_payload(self.identity))
 
-    def _append(self, records: list[bytes], stats: TurnStats | None, *, sync: bool = True) -> int:
+    def _append(self, records: Sequence[sf.Raw], stats: TurnStats | None, *, sync: bool = True) -> int:
         t0 = time.perf_counter()
         try:
             if self.state.header is None:
@@ -880,7 +880,7 @@ class CellLog:
                                 flags=sf.NOT_A_POINT)
         self._rewrite_points(kept=keep[i:], added=[], lead=[lead], spares=spares)
 
-    def _rewrite_points(self, *, kept: list[sf.Record], added: list[bytes], lead: Sequence[bytes] = (),
+    def _rewrite_points(self, *, kept: list[sf.Record], added: Sequence[sf.Raw], lead: Sequence[bytes] = (),
                         spares: Sequence[sf.Record] = ()) -> None:
         """Rewrite the state file as ``kept`` records of the current file (copied, crc-checked), then
         ``added`` ones, then ``spares`` (as SPARE records), then the logits: the points survive. On any read
@@ -916,7 +916,7 @@ class CellLog:
         pos, arr = self._turn_logits
         return [sf.encode_record(sf.LOGITS, pos, pos, arr.astype("<f4").tobytes())]
 
-    def _rewrite_state(self, spares: Sequence[sf.Record] = (), extra: Sequence[bytes] = ()) -> bytes | None:
+    def _rewrite_state(self, spares: Sequence[sf.Record] = (), extra: Sequence[bytes] = ()) -> sf.Buffer | None:
         """Write the whole live state as one snapshot (compaction, shifts, recovery), then copies of the
         ``spares`` records of the current file (compaction) and the ``extra`` records (encoded SPARE
         records: a restore's cells past the transcript's end); returns the snapshot's cells."""

@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any, Callable, Self
 
 from chatcli.core.files import migrations
-from chatcli.core.files.fsutil import append_durably, atomic_write_bytes
+from chatcli.core.files.fsutil import append_durably, atomic_write_with, write_all
 from chatcli.errors import ChatcliError, Kind
 
 MAGIC = b"CKV1"
@@ -120,26 +120,59 @@ class Record:
         return HEADER_SIZE + self.length
 
 
+Buffer = bytes | memoryview
+
+
+class RecordParts:
+    """An encoded record kept as its parts (header with crc, then the payload's parts), never joined: a
+    reply's second token waits for the user message's CELLS record (~11 MB for 465 tokens of the bundled
+    model), and each copy of that size cost 5-9 ms (its pages are new to the process each time). The parts
+    go to the file with one ``writev``; the bytes on disk are those of the joined record."""
+
+    __slots__ = ("nbytes", "parts")
+
+    def __init__(self, parts: Sequence[Buffer]) -> None:
+        self.parts: tuple[Buffer, ...] = tuple(parts)
+        self.nbytes = sum(_nbytes(p) for p in self.parts)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+
+Raw = bytes | RecordParts
+"""An encoded record: its bytes, or its parts."""
+
+
+def _nbytes(buf: Buffer) -> int:
+    return buf.nbytes if isinstance(buf, memoryview) else len(buf)
+
+
+def raw_parts(raw: Raw) -> tuple[Buffer, ...]:
+    return (raw,) if isinstance(raw, bytes) else raw.parts
+
+
+def raw_bytes(raw: Raw) -> bytes:
+    return raw if isinstance(raw, bytes) else b"".join(raw.parts)
+
+
 def encode_record(kind: int, p0: int, p1: int, payload: bytes, flags: int = 0) -> bytes:
-    return encode_record_parts(kind, p0, p1, (payload,), flags)
+    return raw_bytes(encode_record_parts(kind, p0, p1, (payload,), flags))
 
 
-def encode_record_parts(kind: int, p0: int, p1: int, parts: Sequence[bytes], flags: int = 0) -> bytes:
-    """``encode_record`` of the payload ``b"".join(parts)``, copied once: a reply's first token waits for
-    the user message's CELLS record (~11 MB for 500 tokens of the bundled model), and each copy of that
-    size costs milliseconds (its pages are new to the process each time)."""
-    head = struct.pack("<4sBBHiiQ", MAGIC, kind, flags, 0, p0, p1, sum(len(p) for p in parts))
+def encode_record_parts(kind: int, p0: int, p1: int, parts: Sequence[Buffer], flags: int = 0) -> RecordParts:
+    """``encode_record`` of the payload ``b"".join(parts)``, as parts: nothing is copied (see ``RecordParts``)."""
+    head = struct.pack("<4sBBHiiQ", MAGIC, kind, flags, 0, p0, p1, sum(_nbytes(p) for p in parts))
     crc = zlib.crc32(head)
     for part in parts:
         crc = zlib.crc32(part, crc)
-    return b"".join((head, struct.pack("<I", crc), *parts))
+    return RecordParts((head + struct.pack("<I", crc), *parts))
 
 
-def records_at(raws: list[bytes], offset: int) -> tuple[list[Record], int]:
+def records_at(raws: Sequence[Raw], offset: int) -> tuple[list[Record], int]:
     """Index encoded records written at ``offset``: their headers, and the offset after the last one."""
     out = []
     for raw in raws:
-        _, kind, flags, _, p0, p1, length, _ = _HDR.unpack_from(raw, 0)
+        _, kind, flags, _, p0, p1, length, _ = _HDR.unpack_from(raw_parts(raw)[0], 0)
         out.append(Record(kind, p0, p1, offset, length, flags=flags))
         offset += len(raw)
     return out, offset
@@ -169,11 +202,11 @@ def revive_target(payload: bytes | memoryview) -> int:
     return int(_REVIVE.unpack(payload)[0]) if len(payload) == _REVIVE.size else -1
 
 
-def cells_payload(tokens: list[int], kv: bytes) -> bytes:
+def cells_payload(tokens: list[int], kv: Buffer) -> bytes:
     return b"".join(cells_parts(tokens, kv))
 
 
-def cells_parts(tokens: list[int], kv: bytes) -> tuple[bytes, bytes]:
+def cells_parts(tokens: list[int], kv: Buffer) -> tuple[bytes, Buffer]:
     """A CELLS/SNAPSHOT payload in its two parts (token ids, llama.cpp's cell bytes): ``encode_record_parts``."""
     import numpy as np  # here, not at the top: `chatcli ls` reads headers and must not load numpy
 
@@ -262,12 +295,12 @@ class ScanResult:
                 pts = [r for r in pts if r.p1 <= rec.p0]
         return pts
 
-    def add(self, raws: list[bytes]) -> None:
+    def add(self, raws: Sequence[Raw]) -> None:
         """Index records just appended at the end of the valid bytes (the file's only writer calls this)."""
         added, self.valid_bytes = records_at(raws, self.valid_bytes)
         for rec, raw in zip(added, raws, strict=True):
             if rec.kind == REVIVE:
-                payload = raw[HEADER_SIZE:]
+                payload = raw_bytes(raw)[HEADER_SIZE:]  # a few bytes: REVIVE records are never parts
                 at = revive_target(payload)
                 target = next((r for r in reversed(self.records) if r.file is None and r.offset == at), None)
                 rec.of = revived(rec, payload, target, None)  # this process wrote it, with the crc it read
@@ -725,8 +758,9 @@ class StateWriter:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def append(self, records: list[bytes], *, sync: bool = True) -> int:
-        append_durably(self.path, records, sync=sync)  # a failed append leaves no partial record behind
+    def append(self, records: Sequence[Raw], *, sync: bool = True) -> int:
+        # One writev of every part; a failed append leaves no partial record behind.
+        append_durably(self.path, [p for r in records for p in raw_parts(r)], sync=sync)
         return sum(len(r) for r in records)
 
     def cut(self, valid_bytes: int) -> None:
@@ -736,12 +770,12 @@ class StateWriter:
             fh.flush()
             os.fsync(fh.fileno())
 
-    def rewrite(self, records: list[bytes]) -> int:
+    def rewrite(self, records: Sequence[Raw]) -> int:
         """Replace the file by ``records`` (self-contained: no BASE record); its base links go."""
-        data = b"".join(records)
-        atomic_write_bytes(self.path, data)
+        parts = [p for r in records for p in raw_parts(r)]
+        atomic_write_with(self.path, lambda fd: write_all(fd, parts))
         drop_bases(self.path)
-        return len(data)
+        return sum(len(r) for r in records)
 
 
 def drop_bases(path: Path, keep: Sequence[str] = ()) -> None:
@@ -775,9 +809,12 @@ __all__ = [
     "SNAPSHOT",
     "SPARE",
     "TRUNCATE",
+    "Buffer",
     "LiveChunk",
     "MappedState",
+    "Raw",
     "Record",
+    "RecordParts",
     "ScanResult",
     "StateFileError",
     "StateWriter",
@@ -792,6 +829,8 @@ __all__ = [
     "encode_record_parts",
     "header_payload",
     "map_state",
+    "raw_bytes",
+    "raw_parts",
     "read_payload",
     "read_tokens",
     "record_size_for_cells",
