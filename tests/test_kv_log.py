@@ -270,3 +270,36 @@ def test_the_first_tokens_save_is_written_at_once_and_fsynced_with_the_reply(ses
         assert saved == sess.engine.tokens
     finally:
         conv.close()
+
+
+def test_tok_s_counts_the_tokens_after_the_first_over_first_to_last_shown(sess: Any) -> None:
+    """The stats line's tok/s is llama-server's (and the benchmarks'): tokens after the first over the time
+    from the first token shown to the last one. A consumer that takes 0.3 s over the first token (as the
+    user message's save between the first two tokens does, shorter) is in it; what follows the last token
+    shown (its decode, the closing, the save: a consumer's 0.3 s there) is not, and neither is the first
+    token's sampling (the time to first token)."""
+    import time
+
+    from chatcli.core.events import ReplyText
+
+    conv = new_conv(sess)
+    conv.max_tokens = 12
+    try:
+        seen: list[float] = []
+        end = None
+        for ev in conv.send("Count from 1 to 50, separated by commas."):
+            if isinstance(ev, ReplyText):
+                seen.append(time.perf_counter())
+                if len(seen) in (1, conv.max_tokens):
+                    time.sleep(0.3)
+            elif isinstance(ev, ReplyEnd):
+                end = ev
+        assert end is not None and end.stats.stop_reason == "length"
+        st = end.stats
+        assert st.n_generated == len(seen) == 12  # no end of turn: every token was shown as text
+        span = seen[-1] - seen[0]
+        assert st.decode_seconds == pytest.approx(span, abs=0.005) and st.gen_seconds > span + 0.3
+        assert st.tokens_per_second == pytest.approx(11 / st.decode_seconds)
+        assert conv.session_stats.tokens_per_second == pytest.approx(st.tokens_per_second)
+    finally:
+        conv.close()

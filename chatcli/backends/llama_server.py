@@ -620,7 +620,7 @@ class LlamaServerBackend:
                             res.tokens.append(tok)
                             self.tokens.append(tok)
                             text += piece
-                            yield TokenEvent(tok, b"" if eog else piece, eog, time.perf_counter() - t0)
+                            yield TokenEvent(tok, b"" if eog else piece, eog, res.shown(time.perf_counter() - t0))
                         if stop_strings and any(s in text.decode("utf-8", "ignore") for s in stop_strings):
                             res.stop_reason = "stop"
                             return

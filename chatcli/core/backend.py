@@ -122,9 +122,20 @@ class GenerationResult:
     ttft: float = 0.0
     seconds: float = 0.0
     n_decoded: int = 0
+    # When the first and the last token were handed out (seconds since the generation started; -1: none
+    # yet): the span a decoding rate is counted over (``TurnStats.tokens_per_second``).
+    first_shown: float = -1.0
+    last_shown: float = -1.0
     # Engines that evaluate prompts lazily (a remote server) report what the prompt cost them here.
     n_prompt_evaluated: int | None = None
     n_prompt_cached: int | None = None
+
+    def shown(self, at: float) -> float:
+        """A token handed out ``at`` seconds after the start; returns ``at``."""
+        if self.first_shown < 0:
+            self.first_shown = at
+        self.last_shown = at
+        return at
 
 
 class Backend(Protocol):

@@ -370,6 +370,7 @@ class Conversation(ConversationViews):
         stats.ttft = stats.prompt_seconds + res.ttft
         stats.n_generated = len(res.tokens)
         stats.gen_seconds = res.seconds
+        stats.decode_seconds = max(0.0, res.last_shown - res.first_shown) if res.first_shown >= 0 else 0.0
         stats.stop_reason = res.stop_reason
         stats.n_eval += stats.n_prompt + len(reply_tokens)
         try:

@@ -62,7 +62,8 @@ class TurnStats:
     prompt_seconds: float = 0.0
     ttft: float = 0.0
     n_generated: int = 0
-    gen_seconds: float = 0.0
+    gen_seconds: float = 0.0  # from asking for the first token to the reply's end
+    decode_seconds: float = 0.0  # from the first token shown to the last one (``tokens_per_second``)
     stop_reason: str = ""
     n_past: int = 0
     n_ctx: int = 0
@@ -79,7 +80,19 @@ class TurnStats:
 
     @property
     def tokens_per_second(self) -> float:
-        return self.n_generated / self.gen_seconds if self.gen_seconds > 0 else 0.0
+        """Decoding speed as llama-server's ``timings``, its streamed clients and the benchmarks count it, so
+        that users can compare the two: the tokens after the first over the time from the first token shown
+        to the last one. The first token's wait is the time to first token; after the last one nothing is
+        waited for (its decode, the reply's closing and save), so neither is in it. A reply of one token
+        has no such span: its one token over the generation's time."""
+        return decode_rate(self.n_generated, self.decode_seconds, self.gen_seconds)
+
+
+def decode_rate(n_generated: int, decode_seconds: float, gen_seconds: float) -> float:
+    """``TurnStats.tokens_per_second`` of these counts."""
+    if n_generated > 1 and decode_seconds > 0:
+        return (n_generated - 1) / decode_seconds
+    return n_generated / gen_seconds if gen_seconds > 0 else 0.0
 
 
 @dataclass
@@ -105,16 +118,25 @@ class SessionStats:
     n_eval: int = 0
     n_generated: int = 0
     gen_seconds: float = 0.0
+    # Over the replies with two tokens or more: tokens after each one's first, and their spans.
+    n_after_first: int = 0
+    decode_seconds: float = 0.0
 
     def add(self, s: TurnStats) -> None:
         self.turns += 1
         self.n_eval += s.n_eval
         self.n_generated += s.n_generated
         self.gen_seconds += s.gen_seconds
+        if s.n_generated > 1 and s.decode_seconds > 0:
+            self.n_after_first += s.n_generated - 1
+            self.decode_seconds += s.decode_seconds
 
     @property
     def tokens_per_second(self) -> float:
-        return self.n_generated / self.gen_seconds if self.gen_seconds > 0 else 0.0
+        """``TurnStats.tokens_per_second`` over the session's replies."""
+        if self.n_after_first and self.decode_seconds > 0:
+            return self.n_after_first / self.decode_seconds
+        return decode_rate(self.n_generated, 0.0, self.gen_seconds)
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,7 @@ def token_loop(
             eog = is_eog(tok)
             shown = b"" if eog else piece(tok)
             text += shown
-            yield TokenEvent(tok, shown, eog, time.perf_counter() - t0)
+            yield TokenEvent(tok, shown, eog, res.shown(time.perf_counter() - t0))
             decode(tok, not eog)
             pending = None
             if eog:

@@ -259,8 +259,10 @@ def _stats(ctx: CommandContext, arg: str) -> None:
         rows = [("evaluated", f"{last.n_eval} tokens ({last.n_prompt} of your message, read in "
                               f"{last.prompt_seconds * 1000:.0f} ms)")]
         if last.n_generated:
+            # The rate as the stats line and llama-server count it (after the first token), not n / seconds.
             rows.append(("generated", f"{last.n_generated} tokens in {last.gen_seconds:.1f} s "
-                                      f"({last.tokens_per_second:.1f} tok/s), first after {last.ttft * 1000:.0f} ms"))
+                                      f"({last.tokens_per_second:.1f} tok/s after the first), "
+                                      f"first after {last.ttft * 1000:.0f} ms"))
         rows.append(("stopped", {"eog": "the model finished", "length": "at --max-tokens",
                                  "cancelled": "by Ctrl-C (partial reply kept)", "context": "context full",
                                  "stop": "at a stop string"}.get(last.stop_reason, last.stop_reason or "-")))
