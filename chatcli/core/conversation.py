@@ -318,11 +318,13 @@ class Conversation(ConversationViews):
         stream = stream_reply(eng, self.sampling, draft, seed=use_seed, max_tokens=limit,
                               stop_strings=self._stop_strings, turn=turn, alt=alt,
                               reasoning=ReasoningStream(self.template))
+        flushed = False
         try:
             try:
                 for ev in stream:
                     yield ev
-                    if isinstance(ev, ReplyText):
+                    if not flushed and isinstance(ev, ReplyText):
+                        flushed = True  # once: nothing else is kept back until the reply's end
                         self.log.flush()  # the user message's cells, kept back until the first token was out
             finally:
                 stream.close()
