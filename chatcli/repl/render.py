@@ -119,7 +119,11 @@ class _Area:
     def __init__(self, live: Live, interval: float = 0.1) -> None:
         self.live = live
         self.lock = threading.RLock()
-        self._stop = threading.Event()
+        # The ticker sleeps on this while nothing is animated (a streaming reply): not even a 10 Hz wake-up
+        # to look, since a thread that runs while ggml's threads decode takes a core from one of them and
+        # stalls each of that decode's barriers.
+        self._wake = threading.Condition(self.lock)
+        self._closed = False
         self._interval = interval
         self._animated = True
         self._thread = threading.Thread(target=self._tick, name="chatcli-live", daemon=True)
@@ -130,20 +134,29 @@ class _Area:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
+        with self.lock:
+            self._closed = True
+            self._wake.notify()
         if self._thread.is_alive():
             self._thread.join()
 
     def _tick(self) -> None:
-        while not self._stop.wait(self._interval):
-            with self.lock:
-                if self._animated and not self._stop.is_set():
+        with self.lock:
+            while not self._closed:
+                if not self._animated:
+                    self._wake.wait()
+                    continue
+                self._wake.wait(self._interval)
+                if self._animated and not self._closed:
                     self.live.refresh()
 
     def show(self, renderable: Any) -> None:
         with self.lock:
+            was = self._animated
             self._animated = isinstance(renderable, (_Waiting, RichProgress))
             self.live.update(renderable, refresh=True)
+            if self._animated != was:
+                self._wake.notify()  # ticking from now on, or asleep from now on (not at its next tick)
 
     def print(self, renderable: Any) -> None:
         with self.lock:
