@@ -171,3 +171,45 @@ def test_an_operation_streams_only_once_the_markdown_warm_up_is_over(monkeypatch
     assert spans[0][2] == ("chatcli-warm-markdown" if delay == 0.0 else "MainThread")
     time.sleep(0.05)
     assert not [t for t in threading.enumerate() if t.name == "chatcli-warm-markdown"]  # cancelled or ended
+
+
+def test_a_piped_reply_is_flushed_at_once_then_at_most_every_window() -> None:
+    """Each flush of a piped reply wakes its reader, which takes a core from ggml's decode threads: the
+    first token goes out at once, later ones at most every ``PIPE_WINDOW`` (a token waits at most for the
+    next), and the whole reply is out at its end."""
+    from chatcli.repl.render import PIPE_WINDOW
+
+    class Pipe(io.StringIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.flushed: list[str] = []
+
+        def flush(self) -> None:
+            self.flushed.append(self.getvalue())
+
+    out = Pipe()
+    renderer = Renderer(Console(file=out, width=60, highlight=False), plain=True, err=io.StringIO())
+    pieces = [f"{i}, " for i in range(40)]
+    msg = ActiveMessage(1, "assistant", "".join(pieces), [1], 0, 0)
+    seen_first: list[list[str]] = []
+
+    def events(gap: float) -> Iterator[Any]:
+        yield ReplyStart(0, 0)
+        for i, piece in enumerate(pieces):
+            yield ReplyText(piece)
+            if i == 0:
+                seen_first.append(list(out.flushed))
+            time.sleep(gap)
+        yield ReplyEnd(msg, TurnStats())
+
+    t0 = time.monotonic()
+    renderer.stream(events(0.001))  # ~1000 tokens a second
+    took = time.monotonic() - t0
+    assert seen_first[0] == ["0, "]  # the first token is never held back
+    assert out.flushed[-1] == "".join(pieces) + "\n"
+    assert len(out.flushed) <= took / PIPE_WINDOW + 3 < len(pieces)  # not once a token
+    out.flushed.clear()
+    out.seek(0)
+    out.truncate()
+    renderer.stream(events(PIPE_WINDOW * 1.5))  # slower than the window: every token at once
+    assert len(out.flushed) >= len(pieces)

@@ -35,6 +35,10 @@ from chatcli.units import counted, format_size
 MAX_REPLY_WIDTH = 100
 # Nothing appears for operations shorter than this; longer ones get a spinner.
 SPINNER_DELAY = 0.3
+# A piped reply is flushed at most this often (the first token at once; text waits at most one token): each
+# flush wakes the reader, which then takes a core from one of ggml's decode threads. serve's stream waits
+# as long for more text (server/bridge.py WINDOW).
+PIPE_WINDOW = 0.02
 # Markdown is re-rendered at most this often while a reply streams...
 FRAME_SECONDS = 1 / 10
 # ...and rendering may take at most this share of the time: it runs between two decodes, so its time is the
@@ -332,6 +336,7 @@ class Renderer:
         out = self.console.file
         sanitize = _isatty(out)  # a model's stray escape codes must not drive the user's terminal
         reasoning, n_reasoning, said = "", 0, False
+        flushed = -PIPE_WINDOW
         try:
             for ev in it:
                 if isinstance(ev, ReplyText) and ev.reasoning:
@@ -342,7 +347,10 @@ class Renderer:
                         said = True
                         self.reasoning(reasoning, n_reasoning, full=self.show_reasoning)
                     out.write(_CONTROL.sub("", ev.text) if sanitize else ev.text)
-                    out.flush()
+                    now = time.monotonic()
+                    if now - flushed >= PIPE_WINDOW:
+                        out.flush()
+                        flushed = now
                 elif isinstance(ev, ReplyEnd):
                     end = ev
                     break
