@@ -82,7 +82,9 @@ class Conversation(ConversationViews):
         self.after_save: Callable[[], str | None] | None = None
         self._pending_notices: list[Notice] = []
         self._meta_due = False  # the metadata changed while writes are held (``defer_writes``): ``commit`` writes it
-        self._closing_due: list[int] = []  # a reply's closing, in the transcript, decoded by ``commit`` (held writes)
+        # A reply's closing, in the transcript, not decoded yet (held writes: see ``_reply``): the next user
+        # message is evaluated with it, any other operation decodes it first (``_settle_closing``).
+        self._closing_due: list[int] = []
         self.log.on_saved = self._saved
         self.log.replan = lambda: rebuild.segments(len(self.r.prefix_tokens), list(self.r.active), self._closing_len)
         self.log.reusable = self._reusable
@@ -218,7 +220,8 @@ class Conversation(ConversationViews):
     # A server answers a reply's end before its state is written (the transcript, the truth, is written
     # first either way): ``defer_writes`` keeps each reply's cells and the metadata back, ``commit`` writes
     # them. Every operation commits first, and so does ``unlock``: another process never finds the state
-    # file behind while it holds the lock, and nothing changes the context before its cells are read out.
+    # file behind while it holds the lock (but for a reply's closing, 1-2 tokens a resume evaluates), and
+    # nothing changes the context before its cells are read out.
     def defer_writes(self, on: bool = True) -> None:
         """Keep a reply's state records and the metadata back until ``commit`` (``on``), or not (writes
         what was kept back)."""
@@ -228,12 +231,8 @@ class Conversation(ConversationViews):
 
     def commit(self) -> None:
         """Write what ``defer_writes`` kept back: the turn's cells (and logits), then the metadata. A failure
-        is said by the next operation, as any failed save is — but a closing that cannot be decoded raises
-        (``BackendError``): the context then no longer holds what the transcript says, so its holder must
-        restore the conversation before using it again."""
-        closing, self._closing_due = self._closing_due, []
-        if closing:
-            finish(evaluate(self.backend, closing, "closing the reply"))
+        is said by the next operation, as any failed save is. A reply's closing stays due: what is written
+        is what the context holds (a resume evaluates the closing's 1-2 tokens)."""
         try:
             self.log.commit()
         except (BackendError, OSError) as exc:
@@ -242,8 +241,25 @@ class Conversation(ConversationViews):
             self._failures.append(f"could not save the KV state ({exc}); the transcript is intact")
         if self._meta_due:
             self._meta_due = False
-            self._meta_fields()  # the context's length with the closing decoded
+            self._meta_fields()
             self._write_meta()
+
+    def close_reply(self) -> None:
+        """Decode a reply's closing still due and save its cells (a server shutting down: the state file then
+        holds the whole conversation, and its next resume evaluates nothing)."""
+        self._settle_closing()
+        self._touch_meta()
+
+    def _settle_closing(self) -> None:
+        """Decode a reply's closing still due (see ``_reply``) alone and save its cells: before anything but
+        the next user message touches the context. A closing that cannot be decoded raises (``BackendError``):
+        the context then no longer holds what the transcript says, so its holder must restore the
+        conversation before using it again."""
+        closing, self._closing_due = self._closing_due, []
+        if closing:
+            finish(evaluate(self.backend, closing, "closing the reply"))
+            reply = self.r.active[-1]  # the reply it closes (anything appended after it folds or settles it)
+            self.log.cells_evaluated(reply.p0, reply.p1)
 
     # A long-lived process (the server) keeps a conversation open between requests without holding it:
     # ``unlock`` lets ``chatcli resume`` take it meanwhile, ``lock`` takes it back (LockedError if taken).
@@ -284,15 +300,18 @@ class Conversation(ConversationViews):
         self.backend.reset_cancel()
         stats = TurnStats()
         eng = self.backend
+        if self._closing_due and self._plan_room(self._n_past, self.r.active, len(tokens))[0]:
+            self._settle_closing()  # a context shift moves whole messages, closings included
         yield from self._make_room(len(tokens), stats)
         turn = self.r.max_turn + 1
-        p0 = eng.n_past
+        closing = len(self._closing_due)
+        p0 = eng.n_past + closing
         # Transcript first: whatever happens next, the user's words are on disk. A bar only for messages
         # that take more than one batch.
         stats.prompt_seconds = yield from self._append_evaluated("user", text, tokens, turn,
                                                                  label="reading your message", bar_above=eng.n_batch)
-        stats.n_prompt = len(tokens)
-        self.log.user_evaluated(p0, tokens, stats, defer=True)  # written after the first token
+        stats.n_prompt = closing + len(tokens)  # what this call evaluated (llama-server's prompt_n counts it too)
+        self.log.user_evaluated(p0, tokens, stats, defer=True, closing=closing)  # written after the first token
         yield from self._notices()
         if not self.title:
             self.meta["title"] = make_title(text)
@@ -353,9 +372,11 @@ class Conversation(ConversationViews):
             closing = []  # a dead server cannot tokenize the closing: the partial reply is kept without it
         if closing and eng.n_past + len(closing) <= eng.n_ctx:
             if self.log.hold and failed is None and eng.caps.truncate:
-                # Decoded by ``commit``, after a server sent the reply's end (one decode less before it): the
-                # transcript names these tokens already, and nothing touches the context before a commit.
-                # (A memory that cannot be cut back saves its point after the closing: decoded now.)
+                # Not decoded now: a server sends the reply's end, writes what was computed, and the next user
+                # message is evaluated with these tokens in one call, as llama-server evaluates the closing
+                # with the next prompt (one decode less per turn); any other operation decodes them first.
+                # The transcript names them already. (A memory that cannot be cut back saves its point after
+                # the closing: decoded now.)
                 self._closing_due = list(closing)
                 reply_tokens = [*eng.tokens[p0:], *closing]
             else:
@@ -374,7 +395,7 @@ class Conversation(ConversationViews):
         stats.gen_seconds = res.seconds
         stats.decode_seconds = max(0.0, res.last_shown - res.first_shown) if res.first_shown >= 0 else 0.0
         stats.stop_reason = res.stop_reason
-        stats.n_eval += stats.n_prompt + len(reply_tokens)
+        stats.n_eval += stats.n_prompt + len(reply_tokens) - len(self._closing_due)  # a closing due: the next turn's
         try:
             parts = reasoning_parts(eng, self.template, draft.text, reply_tokens)
         except BackendError:
@@ -387,9 +408,9 @@ class Conversation(ConversationViews):
             self._closing_due = []
             finish(self.log.rollback(p0, persist=False))
             raise
-        self.log.reply_done(p0, reply_tokens, stats)
+        self.log.reply_done(p0, eng.tokens[p0:], stats)  # what the context holds (without a closing due)
         self._touch_meta()
-        stats.n_past = eng.n_past + len(self._closing_due)
+        stats.n_past = self._n_past
         stats.n_ctx = eng.n_ctx
         self.last_stats = stats
         self.session_stats.add(stats)
@@ -457,8 +478,9 @@ class Conversation(ConversationViews):
         tokens = self._user_tokens(self.r.active, text)
         self._check_fits(tokens)
         turn = self.r.max_turn + 1
+        closing = len(self._closing_due)
         yield from self._append_evaluated("user", text, tokens, turn)
-        self.log.user_evaluated(self.r.active[-1].p0, tokens, TurnStats())
+        self.log.user_evaluated(self.r.active[-1].p0, tokens, TurnStats(), closing=closing)
         if not self.title:
             self.meta["title"] = make_title(text)
 
@@ -469,6 +491,7 @@ class Conversation(ConversationViews):
         self.commit()
         if not self.pending_user:
             raise ConversationError("a reply must follow a user message")
+        self._settle_closing()  # none is due after a user message: kept for the rule (see _settle_closing)
         closing = self.template.closing([*self.history(), Message("assistant", text)])
         tokens = self.backend.tokenize(text + closing, add_special=False)
         self._check_fits(tokens)
@@ -480,26 +503,39 @@ class Conversation(ConversationViews):
 
     def _check_fits(self, tokens: Sequence[int]) -> None:
         eng = self.backend
-        if eng.n_past + len(tokens) + self.reserve > eng.n_ctx:
-            raise MessageTooLongError(f"the history does not fit the context ({eng.n_past + len(tokens)} tokens, "
+        if self._n_past + len(tokens) + self.reserve > eng.n_ctx:
+            raise MessageTooLongError(f"the history does not fit the context ({self._n_past + len(tokens)} tokens, "
                                    f"n_ctx {eng.n_ctx})")
+
+    @property
+    def _n_past(self) -> int:
+        """The conversation's length: the context's, with a reply's closing still due."""
+        return self.backend.n_past + len(self._closing_due)
 
     def _append_evaluated(self, role: str, text: str, tokens: list[int], turn: int, *, alt: int = 0,
                           stop: str = "", label: str = "reading the history",
                           bar_above: int = 0) -> Generator[Progress, None, float]:
         """Record a message (transcript first) and evaluate it, a ``Progress`` per batch when it has more than
-        ``bar_above`` tokens; returns the seconds the evaluation took."""
+        ``bar_above`` tokens; returns the seconds the evaluation took. A user message is evaluated with a
+        reply's closing still due, in one call (the transcript says so: rebuild.py replays it)."""
         eng = self.backend
-        p0 = eng.n_past
-        self.transcript.message(role, text, tokens, p0, turn, alt=alt, stop=stop)
+        if role != "user":
+            self._settle_closing()
+        closing = self._closing_due
+        c0 = eng.n_past
+        p0 = c0 + len(closing)
+        self.transcript.message(role, text, tokens, p0, turn, alt=alt, stop=stop, with_closing=len(closing))
+        self._closing_due = []
         try:
-            seconds = yield from evaluate(eng, tokens, label, stoppable=True, above=bar_above)
+            seconds = yield from evaluate(eng, [*closing, *tokens], label, stoppable=True, above=bar_above)
         except BaseException:
             # Closed early or failed: not in the context means not in the conversation (kept in the
-            # transcript, out of the active path; a front end gives the text back to the user).
+            # transcript, out of the active path; a front end gives the text back to the user). The context
+            # goes back to where it was, the closing due again.
             self.transcript.append({"type": "truncate", "to": p0, "reason": "failed"})
-            if eng.n_past > p0:
-                finish(self.log.rollback(p0, persist=False))  # on the way out: nothing can be shown
+            if eng.n_past > c0:
+                finish(self.log.rollback(c0, persist=False))  # on the way out: nothing can be shown
+            self._closing_due = closing
             raise
         return seconds
 
@@ -511,6 +547,7 @@ class Conversation(ConversationViews):
         self.backend.reset_cancel()
         if not self.r.active:
             raise ConversationError("nothing to regenerate yet")
+        self._settle_closing()  # the reply becomes an alternative: its cells whole, for /alt to read back
         stats = TurnStats()
         last = self.r.active[-1]
         turn = last.turn
@@ -564,6 +601,7 @@ class Conversation(ConversationViews):
         return to_the_end(self._undo(users[-n].p0))
 
     def _undo(self, to: int) -> Generator[Progress, None, TurnStats]:
+        self._settle_closing()  # the exchanges undone keep their cells whole, for /redo to read back
         stats = TurnStats(kept=to, reevaluated=0)
         stats.dropped = yield from self._truncate(to, "undo")
         stats.reevaluated = self._rolled_again
@@ -580,11 +618,12 @@ class Conversation(ConversationViews):
             raise ConversationError("nothing to redo")
         mids = self.r.redo[-1]
         total = sum(len(self.r.all[m]["tokens"]) for m in mids)
-        if self.backend.n_past + total > self.backend.n_ctx:
+        if self._n_past + total > self.backend.n_ctx:
             raise ConversationError("the undone exchanges no longer fit in the context")
         return to_the_end(self._redo(list(mids)))
 
     def _redo(self, mids: list[int]) -> Generator[Progress, None, TurnStats]:
+        self._settle_closing()
         stats = TurnStats(kept=self.backend.n_past, dropped=0)
         tokens: list[int] = []
         p0 = self.backend.n_past
@@ -611,7 +650,8 @@ class Conversation(ConversationViews):
 
     def _switch_alt(self, mid: int, active: bool) -> Generator[Progress, None, TurnStats]:
         if active:
-            return TurnStats(kept=self.backend.n_past, dropped=0, reevaluated=0)
+            return TurnStats(kept=self._n_past, dropped=0, reevaluated=0)
+        self._settle_closing()  # the reply switched from keeps its cells whole, for /alt to read back
         to = self.r.active[-1].p0
         stats = TurnStats(kept=to)
         stats.dropped = yield from self._truncate(to, "alt")
@@ -641,6 +681,7 @@ class Conversation(ConversationViews):
         if self.title == make_title(target.text):
             # The title was made from the message being replaced (not set by the user): it follows the edit.
             self.meta["title"] = make_title(text)
+        self._settle_closing()  # what the edit cuts keeps its cells whole, for /redo to read back
         yield from self._truncate(target.p0, "edit")
         yield from self._notices()
         yield from self._send(text, tokens, seed)
@@ -725,7 +766,7 @@ class Conversation(ConversationViews):
     def _meta_fields(self) -> None:
         self.meta["updated"] = time.time()
         self.meta["turns"] = self.n_turns
-        self.meta["tokens"] = self.backend.n_past + len(self._closing_due)
+        self.meta["tokens"] = self._n_past
         # What `chatcli ls` shows, so that it reads one small file per conversation (the transcript is on
         # disk already: every event is appended before its effect, so the stamp matches these counts).
         self.meta["summary"] = self.dir.make_summary(self.n_exchanges, self.n_turns, self.dir.transcript_stamp())

@@ -35,6 +35,9 @@ class ActiveMessage:
     reasoning: str = ""  # a reply's reasoning, apart from its answer (same token ids: ``reasoning_tokens``)
     answer: str | None = None  # the reply without its reasoning; None: ``text`` is all answer
     reasoning_tokens: int = 0  # the reply's first tokens that hold its reasoning (tags included)
+    # A user message evaluated in one call with the ``with_closing`` tokens before it, the previous reply's
+    # closing (a server decodes that with the next prompt, not after the reply's end): rebuild.py replays it.
+    with_closing: int = 0
 
     @property
     def p1(self) -> int:
@@ -171,6 +174,7 @@ def _parse_message(ev: dict[str, Any], p0: int | None = None) -> ActiveMessage:
         p0=int(ev["span"][0]) if p0 is None else p0, turn=int(ev.get("turn", 0)), alt=int(ev.get("alt", 0)),
         stop=str(ev.get("stop", "")), ts=float(ev.get("ts", 0.0)),
         reasoning=reasoning, answer=answer, reasoning_tokens=n_reasoning,
+        with_closing=int(ev.get("with_closing", 0)),
     )
 
 
@@ -200,15 +204,18 @@ class Transcript:
         return ev
 
     def message(self, role: str, text: str, tokens: list[int], p0: int, turn: int, *, alt: int = 0,
-                stop: str = "", parts: dict[str, Any] | None = None) -> ActiveMessage:
+                stop: str = "", parts: dict[str, Any] | None = None, with_closing: int = 0) -> ActiveMessage:
         """Append a message at position ``p0`` (the end of the context); returns it as now active.
-        ``parts``: a reply's reasoning and answer (``reply.reasoning_parts``)."""
+        ``parts``: a reply's reasoning and answer (``reply.reasoning_parts``); ``with_closing``: see
+        ``ActiveMessage`` (an optional field, added without a version change: older versions ignore it)."""
         ev: dict[str, Any] = {"type": "message", "mid": self.r.next_mid, "role": role, "text": text,
                               "tokens": list(tokens), "span": [p0, p0 + len(tokens)], "turn": turn, "alt": alt}
         if stop:
             ev["stop"] = stop
         if parts:
             ev.update(parts)
+        if with_closing:
+            ev["with_closing"] = with_closing
         self.append(ev)
         msg = self.r.active[-1] if self.r.active else None
         if msg is None or msg.mid != ev["mid"]:

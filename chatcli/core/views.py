@@ -39,6 +39,7 @@ class ConversationViews:
     last_stats: TurnStats | None
     session_stats: SessionStats
     _meta_error: str
+    _closing_due: list[int]  # a reply's closing not decoded yet (``Conversation._reply``)
 
     @property
     def id(self) -> str:
@@ -128,11 +129,11 @@ class ConversationViews:
 
     @property
     def context(self) -> ContextUsage:
-        return ContextUsage(self.backend.n_past, self.backend.n_ctx)
+        return ContextUsage(self.backend.n_past + len(self._closing_due), self.backend.n_ctx)
 
     def holds_context(self) -> bool:
         """The backend's sequence is this conversation's (another one may have been loaded since)."""
-        return list(self.backend.tokens) == self.r.tokens()
+        return [*self.backend.tokens, *self._closing_due] == self.r.tokens()
 
     def state_bytes(self) -> int:
         return self.log.size_bytes()

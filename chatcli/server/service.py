@@ -692,11 +692,30 @@ class ChatService:
                 if s.busy:
                     s.engine.cancel()
             self._cond.wait_for(lambda: not any(s.busy for s in self._slots), timeout)
+            for s in self._slots:
+                if s.conv is not None and not s.busy:
+                    self._close_reply(s, s.conv)
             self.index.save()
             for s in self._slots:
                 s.conv = None
             for s in self._slots[1:]:
                 s.engine.close()  # siblings first: the first context's engine owns the model
+
+
+    def _close_reply(self, slot: _Slot, conv: Conversation) -> None:
+        """A resident conversation's last reply's closing, decoded and saved at shutdown (it waits for the next
+        prompt otherwise): unless another process took the conversation or wrote it since."""
+        try:
+            conv.lock()
+        except (LockedError, StoreError, OSError):
+            return
+        try:
+            if _stamp(self.store.dir(conv.id))[:KV_STAMP] == slot.stamp[:KV_STAMP]:
+                conv.close_reply()
+        except (BackendError, OSError):
+            pass  # the state file only lags behind the transcript: a resume evaluates the closing
+        finally:
+            conv.unlock()
 
 
 def _drain(opening: Opening[Conversation], cancelled: Callable[[], bool] | None = None) -> Conversation:

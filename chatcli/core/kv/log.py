@@ -87,10 +87,17 @@ class StateLog(Protocol):
         before their records, and the cells they would have read back are read back."""
         ...
 
-    def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats, *, defer: bool = False) -> None:
+    def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats, *, defer: bool = False,
+                       closing: int = 0) -> None:
         """A user message is in the backend. ``defer``: its reply follows at once, so its cells are written by
         ``flush`` once the reply's first token is out (off the time to first token); any other operation
-        writes them first."""
+        writes them first. ``closing``: the previous reply's last ``closing`` tokens were evaluated with it
+        (the conversation decodes a reply's closing with the next prompt): their cells are saved with it."""
+        ...
+
+    def cells_evaluated(self, p0: int, p1: int) -> None:
+        """The backend's cells [p0, p1) are one message (a reply whose closing was decoded late): saved now,
+        whole, in place of the part of it saved before."""
         ...
 
     def flush(self) -> None:
@@ -173,7 +180,7 @@ class CellLog:
         self._needs_snapshot = False
         # A user message's records not written yet (see user_evaluated's ``defer``), with the record itself
         # where it had to be read out at once.
-        self._pending: tuple[int, list[int], TurnStats, sf.Raw | None] | None = None
+        self._pending: tuple[int, list[int], TurnStats, sf.Raw | None, int] | None = None
         # A reply's record kept back by ``hold``: (p0, p1, stats, the record where it had to be read out at once).
         self._pending_reply: tuple[int, int, TurnStats, sf.Raw | None] | None = None
         self.hold = False
@@ -343,6 +350,11 @@ class CellLog:
             if self._has_spare(res.records, cut_span, cut_part):
                 cut_part = []  # the interrupted rollback's SPARE record made it to the file (its TRUNCATE did not)
             self._append([*cut_part, sf.encode_record(sf.TRUNCATE, n_ok, n_ok, b"")], None)
+        elif usable and tail and self._cuts and not res.dropped_bytes and n_ok == n_live:
+            # The file is whole and only lags behind the transcript (typically a reply's closing, which a server
+            # decodes with the next prompt, or a process killed mid-turn): the cells evaluated are appended.
+            sf.drop_bases(self.path, keep=res.bases)
+            self._append(self._whole_message(max((p for p in points if p <= n_ok), default=n_ok), len(want)), None)
         elif not usable or res.dropped_bytes or n_ok < n_live or tail:
             spares: list[sf.Record] = []
             if usable:
@@ -403,7 +415,8 @@ class CellLog:
                 eng.set_logits(self._turn_logits[1])
         return True
 
-    def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats, *, defer: bool = False) -> None:
+    def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats, *, defer: bool = False,
+                       closing: int = 0) -> None:
         self._flush()
         eng = self.eng
         logits = eng.logits()
@@ -428,9 +441,23 @@ class CellLog:
             # operation of this log flushes first.
             # A memory that cannot be cut back is read out now (a copy, no disk): its state moves on with
             # the first token, and only the state at the message's end is a regenerate point.
-            self._pending = (p0, list(tokens), stats, None if self._cuts else self._point_record(p0, eng.n_past))
+            self._pending = (p0, list(tokens), stats, None if self._cuts else self._point_record(p0, eng.n_past),
+                             closing)
             return
-        stats.state_bytes += self._append(self._user_records(p0, tokens), stats)
+        stats.state_bytes += self._append(self._user_records(p0, tokens, closing=closing), stats)
+
+    def cells_evaluated(self, p0: int, p1: int) -> None:
+        self._flush()
+        self._append(self._whole_message(p0, p1), None)
+
+    def _whole_message(self, p0: int, p1: int) -> list[sf.Raw]:
+        """Records that save the backend's cells [p0, p1) as one record, cutting the saved part of it: records
+        are found again (/alt, /redo) by their start and tokens, so a message's cells never end in a record
+        of their own that another alternative's identical closing could be mistaken for."""
+        n = self.state.live()[2]
+        p0 = min(p0, n)
+        cut = [sf.encode_record(sf.TRUNCATE, p0, p0, b"")] if n > p0 else []
+        return [*cut, self._point_record(p0, p1)]
 
     def _point_record(self, p0: int, p1: int) -> sf.RecordParts:
         """The record of cells [p0, p1) saved now (the sequence ends at p1): CELLS, or on a whole-sequence
@@ -440,9 +467,12 @@ class CellLog:
             return sf.encode_record_parts(sf.SNAPSHOT, 0, p1, sf.cells_parts(eng.tokens[:p1], eng.save_cells(0, p1)))
         return sf.encode_record_parts(sf.CELLS, p0, p1, sf.cells_parts(eng.tokens[p0:p1], eng.save_cells(p0, p1)))
 
-    def _user_records(self, p0: int, tokens: list[int], saved: sf.Raw | None = None) -> list[sf.Raw]:
+    def _user_records(self, p0: int, tokens: list[int], saved: sf.Raw | None = None,
+                      closing: int = 0) -> list[sf.Raw]:
         p1 = p0 + len(tokens)
-        recs = [saved if saved is not None else self._point_record(p0, p1)]
+        # The closing evaluated with the message is saved in its record (one call, one record; never a record
+        # of the closing alone: see ``_whole_message``).
+        recs = [saved if saved is not None else self._point_record(p0 - closing, p1)]
         if self._turn_logits is not None and self._turn_logits[0] == p1:
             recs.append(sf.encode_record(sf.LOGITS, p1, p1, self._turn_logits[1].astype("<f4").tobytes()))
         return recs
@@ -459,7 +489,7 @@ class CellLog:
         state file); after a reply, compact as ``reply_done`` does."""
         pending, reply = self._pending, self._pending_reply
         self._pending = self._pending_reply = None
-        recs = self._user_records(pending[0], pending[1], pending[3]) if pending is not None else []
+        recs = self._user_records(pending[0], pending[1], pending[3], pending[4]) if pending is not None else []
         if reply is not None:
             p0, p1, stats, saved = reply
             recs.append(saved if saved is not None else self._point_record(p0, p1))
@@ -497,7 +527,7 @@ class CellLog:
             return
         rec = self._point_record(p0, n)
         pending, self._pending = self._pending, None
-        first = self._user_records(pending[0], pending[1], pending[3]) if pending else []
+        first = self._user_records(pending[0], pending[1], pending[3], pending[4]) if pending else []
         stats.state_bytes += self._append([*first, rec], stats)
         self.settle()
 
@@ -1056,7 +1086,8 @@ class CheckpointLog:
             report.reevaluated = len(tail)
         self.settle()
 
-    def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats, *, defer: bool = False) -> None:
+    def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats, *, defer: bool = False,
+                       closing: int = 0) -> None:
         eng = self.eng
         n = eng.n_past - 1  # the regenerate point's save: all but the message's last token (see the class)
         if not self._regen_points or n <= 0:
@@ -1075,6 +1106,9 @@ class CheckpointLog:
             # Reading the message (all of it but one token) happened here: part of the time to first token.
             stats.prompt_seconds += time.perf_counter() - t0
         self._write_meta()
+
+    def cells_evaluated(self, p0: int, p1: int) -> None:
+        pass  # a checkpoint is saved at the points above; nothing is kept back here (``hold`` is never set)
 
     def flush(self) -> None:
         pass

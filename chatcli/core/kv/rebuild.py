@@ -9,7 +9,9 @@ rebuild replays the original batching, which the transcript determines:
 - a user message: one evaluation;
 - a reply: each sampled token decoded alone, then the template's closing (e.g. the ``\\n`` after
   ``<|im_end|>``) in one evaluation;
-- a reply a client wrote (``stop == "client"``, appended by the server): one evaluation, closing included.
+- a reply a client wrote (``stop == "client"``, appended by the server): one evaluation, closing included;
+- a user message whose ``with_closing`` is set (a server's: it decodes a reply's closing with the next
+  prompt): one evaluation with the previous reply's closing.
 
 Then an evicted conversation (or one resumed with another KV type, or whose state was damaged) continues
 exactly as if its state had been loaded. The cost: reply tokens are decoded one by one, as when they were
@@ -28,6 +30,7 @@ class _Message(Protocol):
     tokens: list[int]
     p0: int
     stop: str
+    with_closing: int
 
 
 class _Engine(Protocol):
@@ -43,7 +46,10 @@ def segments(prefix_len: int, messages: Sequence[_Message], closing_len: Callabl
     for i, m in enumerate(messages):
         p0, p1 = m.p0, m.p0 + len(m.tokens)
         if m.role != "assistant" or m.stop == "client":  # evaluated as one call when it was appended
-            if p1 > p0:
+            fold = m.with_closing
+            if fold and out and out[-1] == (p0 - fold, p0):
+                out[-1] = (p0 - fold, p1)  # the reply's closing and this message: one call
+            elif p1 > p0:
                 out.append((p0, p1))
             continue
         n_close = max(0, min(closing_len(i), p1 - p0))

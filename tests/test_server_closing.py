@@ -1,0 +1,196 @@
+"""A served reply's closing (the ``<|im_end|>\\n`` after it) is evaluated with the next prompt, as llama-server
+evaluates it: no decode after ``[DONE]``, one decode less per turn, and what is saved is what was computed.
+
+- after a reply the state file holds the reply without its closing, and nothing is decoded after the end;
+- the next message of that conversation is evaluated with the closing in one call, and the transcript says so;
+- a conversation whose state is gone is rebuilt with the same calls (the rebuild replays the folded one);
+- the operations that are not a new prompt (a regenerate, a shutdown) decode the closing first;
+- a conversation left with its closing due resumes (the closing's tokens evaluated) to the tokens an
+  uninterrupted server gives, and its state file is appended to, not rewritten.
+
+Real model (the bundled SmolLM2), greedy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import llama_cpp
+import pytest
+
+from chatcli.core.steps import drain
+from chatcli.core.template import Message
+from chatcli.core.transcript import replay_events
+from chatcli.server.service import ChatRequest, ChatService, Finished
+from tests.golden import state_tokens
+
+BASE_SESSION = {"max_tokens": 16}
+SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+TURNS = ["Hi! What is your name?", "What is the capital of France?", "And of Italy?"]
+
+
+def _req(msgs: list[dict[str, str]]) -> ChatRequest:
+    return ChatRequest(messages=[Message(m["role"], m["content"]) for m in msgs], temperature=0.0, seed=7,
+                       max_tokens=16)
+
+
+@pytest.fixture
+def decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The batch size of every ``llama_decode`` from now on."""
+    sizes: list[int] = []
+    real = llama_cpp.llama_decode
+
+    def spy(ctx: Any, batch: Any) -> int:
+        sizes.append(int(batch.n_tokens))
+        return int(real(ctx, batch))
+
+    monkeypatch.setattr(llama_cpp, "llama_decode", spy)
+    return sizes
+
+
+def _turn(svc: ChatService, msgs: list[dict[str, str]], decodes: list[int]) -> tuple[Finished, list[int], list[int]]:
+    """One request: its Finished, the decodes up to it, and the decodes after it (the state write)."""
+    decodes.clear()
+    it: Iterator[Any] = svc.complete(_req(msgs))
+    fin = next(e for e in it if isinstance(e, Finished))
+    before = list(decodes)
+    decodes.clear()
+    for _ in it:
+        pass
+    return fin, before, list(decodes)
+
+
+def _conversation(svc: ChatService, decodes: list[int], turns: int) -> tuple[list[dict[str, str]], list[Any]]:
+    msgs: list[dict[str, str]] = [SYSTEM]
+    out = []
+    for t in TURNS[:turns]:
+        msgs.append({"role": "user", "content": t})
+        res = _turn(svc, msgs, decodes)
+        out.append(res)
+        msgs.append({"role": "assistant", "content": res[0].text})
+    return msgs, out
+
+
+def test_the_closing_is_evaluated_with_the_next_prompt(chat_service: ChatService, sess: Any,
+                                                       decodes: list[int]) -> None:
+    _msgs, [(fin1, _, after1), (fin2, during2, after2)] = _conversation(chat_service, decodes, 2)
+    assert fin1.conversation == fin2.conversation
+    assert after1 == after2 == []  # nothing decoded after the end: the closing waits for the next prompt
+    conv_dir = sess.store.dir(fin1.conversation)
+    r = replay_events(conv_dir.read_transcript().events)
+    reply1, user2, reply2 = r.active[-3:]
+    n_close = user2.with_closing
+    assert n_close > 0 and reply1.tokens[-n_close:] == sess.engine.tokenize("<|im_end|>\n", add_special=False)
+    # The second request's first decode: the first reply's closing and the new message, one batch.
+    assert during2[0] == n_close + len(user2.tokens)
+    assert fin2.prompt_n == fin2.evaluated == during2[0]
+    # Saved: everything but the last reply's closing, which the context does not hold either.
+    want = r.tokens()
+    n_close2 = len(sess.engine.tokenize("<|im_end|>\n", add_special=False))
+    assert reply2.tokens[-n_close2:] == want[-n_close2:]
+    assert state_tokens(conv_dir.state_path) == want[:-n_close2] == list(sess.engine.tokens)
+
+
+def _after_prefix(sizes: list[int], n_prefix: int) -> list[int]:
+    """The decodes after those that evaluated the persona prefix (a new conversation's, or a rebuild's)."""
+    done = i = 0
+    while i < len(sizes) and done < n_prefix:
+        done += sizes[i]
+        i += 1
+    assert done in (0, n_prefix)
+    return sizes[i:]
+
+
+def test_a_rebuilt_conversation_replays_the_calls_the_server_made(chat_service: ChatService, sess: Any,
+                                                                   decodes: list[int]) -> None:
+    _msgs, turns = _conversation(chat_service, decodes, 3)
+    fin = turns[0][0]
+    eng = sess.engine
+    n = eng.n_past
+    live, toks = bytes(eng.save_cells(0, n)), list(eng.tokens)
+    made = [d for _f, during, after in turns for d in [*during, *after]]
+    decodes.clear()
+    chat_service.close()  # decodes the last closing: the state file holds everything
+    made += decodes
+    conv_dir = sess.store.dir(fin.conversation)
+    r = replay_events(conv_dir.read_transcript().events)
+    assert state_tokens(conv_dir.state_path) == r.tokens()
+    assert [m.with_closing > 0 for m in r.active if m.role == "user"] == [False, True, True]
+    conv_dir.state_path.unlink()  # evicted: rebuilt from the transcript
+    eng.clear()
+    decodes.clear()
+    done = drain(sess.open_conversation(fin.conversation))
+    conv = done.conversation
+    assert conv is not None
+    try:
+        assert done.report is not None and done.report.reevaluated == len(r.tokens())
+        # The same calls, batch for batch: each folded closing with the message after it.
+        n_prefix = len(r.prefix_tokens)
+        assert _after_prefix(decodes, n_prefix) == _after_prefix(made, n_prefix)
+        assert list(eng.tokens[:n]) == toks
+        assert bytes(eng.save_cells(0, n)) == live
+    finally:
+        conv.close()
+
+
+def test_a_fork_at_a_user_message_decodes_no_closing(chat_service: ChatService, sess: Any,
+                                                      decodes: list[int]) -> None:
+    msgs, [(fin, _, _)] = _conversation(chat_service, decodes, 1)
+    # The same history again ending at the user message: a new reply to it, forked from the resident cells.
+    res, during, _ = _turn(chat_service, msgs[:-1], decodes)
+    assert res.forked_from == fin.conversation
+    assert during == [1] * len(during)  # only the new reply's tokens: the parent's closing is not needed
+    parent = sess.store.dir(fin.conversation)
+    want = replay_events(parent.read_transcript().events).tokens()
+    saved = state_tokens(parent.state_path)
+    assert saved is not None and len(saved) < len(want) and saved == want[:len(saved)]
+
+
+def test_a_regenerate_decodes_the_closing_first_and_keeps_the_reply_whole(sess: Any, decodes: list[int]) -> None:
+    sess.engine.clear()
+    conv = sess.new_conversation("alice").conversation
+    try:
+        # Sampled (a greedy regenerate gives the same reply, whose cells would do for the old one).
+        conv.set_options(max_tokens=12, sampling=dataclasses.replace(conv.sampling, temperature=1.5))
+        conv.defer_writes()  # as the server does
+        drain(conv.send(TURNS[0]))
+        conv.commit()
+        n_close = len(conv._closing_due)
+        assert n_close > 0
+        decodes.clear()
+        drain(conv.regen())
+        assert decodes[0] == n_close  # the old reply's closing, alone (its rebuild plan), before the rollback
+        conv.commit()
+        r = replay_events(conv.dir.read_transcript().events)
+        old, new = r.alternatives(r.active[-1].turn)
+        assert old["tokens"] != new["tokens"]
+        assert state_tokens(conv.dir.state_path) == r.tokens()[:-len(conv._closing_due)]
+        # The old reply's cells were saved whole before the rollback: /alt back to it evaluates nothing.
+        decodes.clear()
+        stats = conv.switch_alt(0)
+        assert stats.n_eval == 0
+    finally:
+        conv.close()
+
+
+def test_a_conversation_left_with_its_closing_due_resumes_by_appending(chat_service: ChatService, sess: Any,
+                                                                        decodes: list[int]) -> None:
+    msgs, [(fin, _, _)] = _conversation(chat_service, decodes, 1)
+    conv_dir = sess.store.dir(fin.conversation)
+    want = replay_events(conv_dir.read_transcript().events).tokens()
+    saved = state_tokens(conv_dir.state_path)
+    assert saved is not None and saved == want[:len(saved)] and len(saved) < len(want)
+    size = conv_dir.state_path.stat().st_size
+    head = conv_dir.state_path.read_bytes()
+    # Another context takes over (as after an eviction or a server killed here): the resume evaluates the
+    # closing and appends its cells; the records before it are left as they are.
+    sess.engine.clear()
+    chat_service._slots[0].conv = None
+    decodes.clear()
+    msgs.append({"role": "user", "content": TURNS[1]})
+    res, during, _ = _turn(chat_service, msgs, decodes)
+    assert res.conversation == fin.conversation and res.state == "disk"
+    assert during[0] == len(want) - len(saved)  # the closing, its own call (as the transcript says)
+    assert conv_dir.state_path.read_bytes()[:size] == head
