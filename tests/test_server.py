@@ -200,10 +200,22 @@ def converse(srv: Server, system: str, questions: list[str], *,
 QUESTIONS = ["Name a fruit.", "Name a colour.", "Name an animal.", "Name a city."]
 
 
-def user_span(srv: Server, cid: str, n: int) -> tuple[int, int]:
-    """Token span of the n-th user message (0-based) of a stored conversation."""
-    users = [m for m in srv.replay(cid).active if m.role == "user"]
-    return users[n].p0, users[n].p1
+def closing_of(m: Any) -> int:
+    """Tokens of a served reply's closing (ChatML's ``<|im_end|>\n``; a reply that ended at its end-of-turn
+    token decoded that one already), which the server evaluates with the next prompt, not after the reply."""
+    if m.role != "assistant" or m.stop == "client":
+        return 0
+    return 1 if m.stop == "eog" else 2
+
+
+def user_span(srv: Server, cid: str, n: int, *, closing: bool = True) -> tuple[int, int]:
+    """Token span the request that sent the n-th user message (0-based) of a stored conversation evaluated:
+    the message, after the previous reply's closing (``closing``)."""
+    r = srv.replay(cid)
+    users = [m for m in r.active if m.role == "user"]
+    i = r.active.index(users[n])
+    before = closing_of(r.active[i - 1]) if closing and i > 0 else 0
+    return users[n].p0 - before, users[n].p1
 
 
 def file_hash(path: Path) -> str:
@@ -310,7 +322,7 @@ def test_edit_forks_and_the_original_stays_intact(server: Server) -> None:
     # Edit of message 2: the first exchange's cells are copied, only the new message is evaluated.
     e2 = chat(server, [*msgs[:3], {"role": "user", "content": "Name a planet."}])
     assert e2.conv not in (cid, e1.conv) and e2.ext["forked_from"] == cid
-    assert e2.cached == user_span(server, cid, 1)[0]
+    assert e2.cached == user_span(server, cid, 1, closing=False)[0]  # the closing is in the parent's state
     assert e2.ext["evaluated_tokens"] == e2.prompt - e2.cached
     assert server.replay(e2.conv).active[0].tokens == server.replay(cid).active[0].tokens
     assert (file_hash(conv.transcript_path), file_hash(conv.state_path)) == before
@@ -347,7 +359,7 @@ def test_shared_fork_equals_a_copied_one(server: Server, tmp_path: Path) -> None
     _, replies = converse(server, "You are terse. (fork copy)", QUESTIONS[:2])
     conv = server.conv(replies[-1].conv)  # type: ignore[union-attr]
     r = server.replay(conv.id)
-    for k in range(len(r.active) + 1):
+    for k in range(len(r.active)):  # not the last reply's end: its closing waits for the next prompt
         cut = r.active[k - 1].p1 if k else len(r.prefix_tokens)
         (tmp_path / f"a{k}").mkdir()
         (tmp_path / f"b{k}").mkdir()
@@ -474,14 +486,15 @@ def test_disconnect_mid_stream_records_the_reply_so_far(server: Server, model_pa
     assert last.text.startswith(got.strip()) and len(last.tokens) < 400
     # The state is written after the transcript (the truth first): under load (fsync behind other IO) it
     # came 0.4-0.9 s later, after the loop above had seen the reply.
-    while (res := sf.scan(server.conv(cid).state_path)).live()[2] != last.p1 and time.monotonic() < deadline:
+    while (res := sf.scan(server.conv(cid).state_path)).live()[2] != last.p1 - closing_of(last) \
+            and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert res.live()[2] == last.p1
+    assert res.live()[2] == last.p1 - closing_of(last)  # its closing waits for the next prompt
     # Nothing is lost: resending the history with the recorded reply continues the same conversation.
     msgs.append({"role": "assistant", "content": last.text})
     msgs.append({"role": "user", "content": "Thanks."})
     nxt = chat(server, msgs)
-    assert nxt.conv == cid and nxt.cached == last.p1
+    assert nxt.conv == cid and nxt.cached == last.p1 - closing_of(last)
 
 
 LONG = "The river runs past the old mill and the orchard, and the miller counts his sacks. " * 95
@@ -663,7 +676,8 @@ def test_context_full_shifts_like_the_repl_and_is_reported(tmp_path: Path) -> No
         msgs.append({"role": "user", "content": "Thanks."})
         nxt = chat(srv, msgs)
         assert nxt.conv == cid
-        assert nxt.cached == srv.replay(cid).active[-2].p0
+        user = srv.replay(cid).active[-2]
+        assert user.with_closing and nxt.cached == user.p0 - user.with_closing
     finally:
         srv.stop()
 
