@@ -232,8 +232,10 @@ def usage(ev: Finished) -> dict[str, Any]:
 def timings(ev: Finished) -> dict[str, Any]:
     """llama-server's ``timings`` (tools/server ``server_slot_stats::to_json``): the request's new messages
     as evaluated (``prompt_*``; ``cache_n`` the context's tokens it did not evaluate) and the reply's tokens
-    as sampled and decoded (``predicted_*``, first token to last)."""
-    p_ms, g_ms = 1000 * ev.prompt_seconds, 1000 * ev.gen_seconds
+    as sampled and decoded (``predicted_*``: from the first token to the last, as llama-server's
+    ``t_token_generation`` runs from its first token's sampling; a reply of one token has no such span)."""
+    p_ms = 1000 * ev.prompt_seconds
+    g_ms = 1000 * (ev.decode_seconds if ev.decode_seconds > 0 else ev.gen_seconds)
     p_n, g_n = ev.prompt_n, ev.completion_tokens
     return {"cache_n": ev.cached_tokens,
             "prompt_n": p_n, "prompt_ms": p_ms, "prompt_per_token_ms": p_ms / p_n if p_n else 0.0,

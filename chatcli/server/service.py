@@ -122,10 +122,12 @@ class Finished:
     state: str = ""  # memory | disk | fork | new (see Started)
     reasoning: str = ""  # the reply's reasoning, returned apart from its answer (``text``)
     # The request's new messages as evaluated (llama-server's ``timings``): tokens and seconds; the reply's
-    # sampling and decoding, first token to last.
+    # sampling and decoding, first token to last (``decode_seconds``, as llama-server's ``predicted_ms``
+    # and talk's tok/s count it; ``gen_seconds`` adds the first token's wait and the last token's decode).
     prompt_n: int = 0
     prompt_seconds: float = 0.0
     gen_seconds: float = 0.0
+    decode_seconds: float = 0.0
 
     @property
     def cached_tokens(self) -> int:
@@ -355,7 +357,8 @@ class ChatService:
             yield Finished(conv.id, prep.forked_from, text, reason, started.prompt_tokens, started.evaluated,
                            st.n_generated, notices, len(conv.out_of_context) - shifted0, rq.how,
                            end.message.reasoning, prompt_n=n_app + st.n_prompt,
-                           prompt_seconds=t_app + st.prompt_seconds, gen_seconds=st.gen_seconds)
+                           prompt_seconds=t_app + st.prompt_seconds, gen_seconds=st.gen_seconds,
+                           decode_seconds=st.decode_seconds)
         finally:
             self._release(conv, rq, indexed=True)
 
