@@ -286,17 +286,21 @@ class CellLog:
                 del arr
         read_back: list[tuple[sf.Record, bytes]] = []
         mismatch = report.reason == "saved state does not match the transcript"
-        if usable and 0 <= brought_back == n_ok < len(want) and (n_ok == res.live()[2] or mismatch):
+        # A whole-sequence memory loads one point, the newest: after an /alt it is the reply switched from,
+        # which does not match, and nothing is loaded (its read-back replaces the backend's state anyway).
+        reached = brought_back == n_ok or (self._whole and mismatch and n_ok < brought_back)
+        if usable and 0 <= brought_back < len(want) and reached and (n_ok == res.live()[2] or mismatch):
             # The transcript goes on where the state file's use ends, with what a /redo or /alt brought
             # back: one killed after its transcript events and before its records were written whole (or
             # between a /redo's events: the opening finished it); an /alt also before its TRUNCATE (the
             # state still holds the reply it switched from). The records it would have made live again are
             # read back, as it would have (a torn tail of its records is cut by the append below).
             self.state = res
-            read_back = self._read_back_whole(want) if self._whole else self._read_back(want[n_ok:])
-            n_ok = eng.n_past
-            report.restored_tokens = n_ok
-            report.restored_bytes += sum(rec.size for rec, _ in read_back)
+            read_back = self._read_back_whole(want, brought_back) if self._whole else self._read_back(want[n_ok:])
+            loaded = read_back[-1:] if self._whole else read_back  # a whole-sequence memory loads its last
+            report.restored_bytes += sum(rec.size for rec, _ in loaded)
+            read_back += self._logits_back(read_back)
+            n_ok = report.restored_tokens = eng.n_past
             if mismatch and n_ok == len(want):
                 report.reason = ""  # not damage: the /alt's records, written now
         # Catch up: evaluate only the tail the state file did not have.
@@ -333,8 +337,8 @@ class CellLog:
         elif not self._cuts and (tail or not usable or res.dropped_bytes or n_ok < n_live):
             kept = [c.record for c in chunks[:n_loaded]] if usable else []
             # What was read back, as the state sees it (a SPARE record's cells are live CELLS there).
-            kept += [sf.Record(sf.SNAPSHOT if r.p0 == 0 else sf.CELLS, r.p0, r.p1, r.offset, r.length, file=r.file,
-                               flags=r.flags) for r, _ in read_back]
+            kept += [sf.Record(sf.live_kind(r.p0), r.p0, r.p1, r.offset, r.length, file=r.file, flags=r.flags)
+                     for r, _ in read_back if r.kind != sf.LOGITS]  # the logits: _turn_logits, written last
             self._rewrite_points(kept=kept, added=rebuilt, spares=self._spares(kept) if usable else [])
         elif usable and not res.dropped_bytes and not tail and n_ok < n_live:
             # The interrupted rollback's records, appended now: the rest of the file (what /redo and /alt
@@ -605,8 +609,9 @@ class CellLog:
         if self._whole:
             return (yield from self._put_back_whole(tokens))
         read = self._read_back(tokens)
-        back: list[sf.Raw] = [self._revive(rec, payload) for rec, payload in read]  # what makes the cells read back live
         loaded = sum(rec.p1 - rec.p0 for rec, _ in read)
+        # What makes the cells read back live, and the logits saved with the last user message among them.
+        back: list[sf.Raw] = [self._revive(rec, payload) for rec, payload in [*read, *self._logits_back(read)]]
         if loaded < len(tokens):
             yield from evaluate(eng, tokens[loaded:], PUT_BACK)
             back.append(self._point_record(p0 + loaded, eng.n_past))
@@ -651,62 +656,93 @@ class CellLog:
 
         The cells are not saved again from the backend: what was loaded is what the record holds (on a
         memory that cannot be cut back that includes the state at its end, so the revived record is a point
-        as the record was), and a resume loads the same bytes from the same offset."""
-        live = sf.SNAPSHOT if rec.p0 == 0 else sf.CELLS
-        if rec.file is None and rec.kind in sf.REVIVED_KINDS:
+        as the record was), and a resume loads the same bytes from the same offset. A LOGITS record
+        (``_logits_back``) is revived the same way, by a REVIVE_LOGITS record."""
+        logits = rec.kind == sf.LOGITS
+        if rec.file is None and (logits or rec.kind in sf.REVIVED_KINDS):
             try:
                 crc = sf.stored_crc(self.path, rec)
             except (OSError, sf.StateFileError):
                 pass
             else:
-                return sf.encode_record(sf.REVIVE, rec.p0, rec.p1, sf.revive_payload(rec.offset, crc))
-        return sf.encode_record(live, rec.p0, rec.p1, payload, rec.flags)
+                return sf.encode_record(sf.REVIVE_LOGITS if logits else sf.REVIVE, rec.p0, rec.p1,
+                                        sf.revive_payload(rec.offset, crc))
+        return sf.encode_record(sf.LOGITS if logits else sf.live_kind(rec.p0), rec.p0, rec.p1, payload, rec.flags)
 
-    def _whole_points(self, want: list[int]) -> Iterator[tuple[sf.Record, bytes, bytes]]:
-        """Saved points of a whole-sequence memory holding exactly ``want``, newest first: (record, payload, its
-        cells). A record that cannot be read is passed over (the backend is not touched here)."""
+    def _logits_back(self, read: Sequence[tuple[sf.Record, bytes]]) -> list[tuple[sf.Record, bytes]]:
+        """The LOGITS record saved with the last user message among the records ``read`` back (the one
+        right after its record in the file: the same append, so the same history), made the turn's logits:
+        /regen right after /redo or /alt samples from them instead of evaluating the message's last token
+        again. Returned as ``read`` is, for ``_revive``; none found or unreadable: []."""
+        recs = self.state.records
+        where = {id(r): i for i, r in enumerate(recs)}
+        best: sf.Record | None = None
+        for rec, _ in read:
+            i = where.get(id(rec), len(recs)) + 1
+            nxt = recs[i] if i < len(recs) else None
+            if (nxt is not None and nxt.kind == sf.LOGITS and nxt.p0 == rec.p1 and nxt.file == rec.file
+                    and nxt.p0 <= self.eng.n_past and (best is None or nxt.p0 > best.p0)):
+                best = nxt
+        if best is None:
+            return []
+        try:
+            payload = sf.read_payload(self.path, best)
+        except (OSError, sf.StateFileError):
+            return []
+        arr = np.frombuffer(payload, dtype="<f4")
+        if arr.shape != (self.eng.n_vocab,):
+            return []
+        self._turn_logits = (best.p0, arr.copy())
+        return [(best, payload)]
+
+    def _whole_points(self, want: list[int], lo: int) -> list[tuple[sf.Record, bytes]]:
+        """Saved points of a whole-sequence memory holding ``want[:p1]`` for ``lo < p1 <= len(want)``: the
+        newest for each p1, in order of p1, with their payloads. A record that cannot be read is passed
+        over (an older one of the same p1 may do); the backend is not touched here."""
+        found: dict[int, tuple[sf.Record, bytes]] = {}
         for rec in reversed(self.state.records):
-            if rec.kind not in (sf.SNAPSHOT, sf.SPARE) or rec.p0 != 0 or rec.p1 != len(want):
+            if (rec.kind not in (sf.SNAPSHOT, sf.SPARE) or rec.p0 != 0 or not lo < rec.p1 <= len(want)
+                    or rec.p1 in found):
                 continue
             try:
-                payload = sf.read_payload(self.path, rec)
-                toks, kv = sf.split_cells(payload, rec.p1)
+                if sf.read_tokens(self.path, rec) != want[:rec.p1]:
+                    continue
+                found[rec.p1] = (rec, sf.read_payload(self.path, rec))
             except (OSError, sf.StateFileError):
                 continue
-            if toks == want:
-                yield rec, payload, kv
+        return [found[p] for p in sorted(found)]
 
-    def _read_back_whole(self, want: list[int]) -> list[tuple[sf.Record, bytes]]:
+    def _read_back_whole(self, want: list[int], lo: int) -> list[tuple[sf.Record, bytes]]:
         """On a whole-sequence memory, load a saved point holding exactly ``want`` instead of what the backend
-        holds; the record used and its payload (none found: nothing changes). A point llama.cpp rejects
-        leaves the backend empty (the caller evaluates everything then)."""
+        holds; the records to make live again, as /redo's own records would be: the points after ``lo`` on
+        the way to ``want`` (regenerate and undo rewind to them), the one loaded last. None found: [] and
+        nothing changes; a point llama.cpp rejects leaves the backend empty (the caller evaluates then)."""
         eng = self.eng
-        for rec, payload, kv in self._whole_points(want):
+        points = self._whole_points(want, lo)
+        if not points or points[-1][0].p1 != len(want):
+            return []
+        rec, payload = points[-1]
+        eng.clear()
+        try:
+            eng.load_cells(0, rec.p1, sf.split_cells(payload, rec.p1)[1], list(want))
+        except Exception:
             eng.clear()
-            try:
-                eng.load_cells(0, rec.p1, kv, list(want))
-            except Exception:
-                eng.clear()
-                return []
-            return [(rec, payload)]
-        return []
+            return []
+        return points
 
     def _put_back_whole(self, tokens: list[int]) -> Generator[Progress, None, int]:
         """``put_back`` on a whole-sequence memory: a saved point holding exactly the sequence wanted is
-        loaded (and revived, live); else the tokens are evaluated."""
+        loaded (it and the points on the way to it revived, live); else the tokens are evaluated."""
         eng = self.eng
+        p0 = eng.n_past
         want = [*eng.tokens, *tokens]
-        for rec, payload, kv in self._whole_points(want):
-            eng.clear()
-            try:
-                eng.load_cells(0, rec.p1, kv, list(want))
-            except Exception:
-                eng.clear()
-                # Back to where we were (only reached when llama.cpp rejects a saved state).
-                yield from evaluate(eng, want[:len(want) - len(tokens)], "rebuilding context")
-                continue
-            self._append([self._revive(rec, payload)], None)
+        read = self._read_back_whole(want, p0)
+        if read:
+            self._append([self._revive(rec, payload) for rec, payload in [*read, *self._logits_back(read)]], None)
             return len(tokens)
+        if eng.n_past != p0:
+            # Back to where we were (only reached when llama.cpp rejects a saved state).
+            yield from evaluate(eng, want[:p0], "rebuilding context")
         yield from evaluate(eng, tokens, PUT_BACK)
         self._append([self._point_record(0, eng.n_past)], None)
         return 0
