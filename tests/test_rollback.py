@@ -456,8 +456,8 @@ def test_redo_and_alt_append_no_copy_of_what_they_read_back(copies: bool, monkey
     from chatcli.core.kv.log import CellLog
 
     if copies:
-        monkeypatch.setattr(CellLog, "_revive", lambda self, rec, payload: sf.encode_record(
-            sf.LOGITS if rec.kind == sf.LOGITS else sf.live_kind(rec.p0), rec.p0, rec.p1, payload, rec.flags))
+        monkeypatch.setattr(CellLog, "_revive", lambda self, rec, payload: [sf.encode_record(
+            sf.LOGITS if rec.kind == sf.LOGITS else sf.live_kind(rec.p0), rec.p0, rec.p1, payload, rec.flags)])
     session = build_session(temperature=0.9, seed=3)
     conv, _, _ = drain(session.new_conversation("alice"))
     assert conv is not None
