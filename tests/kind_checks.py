@@ -31,8 +31,8 @@ OTHER = "say something else"
 LONG = "a rather long message about the weather and the sea, told at length so it fills the context fast"
 N_CTX = 256
 DSV4_ATOL = 1e-4
-CHECKS = ("resume", "regen", "undo", "undo_resume", "redo", "redo_compacted", "redo_resume", "redo_torn", "edit", "alt",
-          "fork", "evict", "shift")
+CHECKS = ("resume", "regen", "undo", "undo_resume", "redo", "redo_compacted", "redo_resume", "redo_torn", "redo_regen",
+          "edit", "alt", "alt_torn", "fork", "evict", "shift")
 
 
 class CheckFailed(AssertionError):
@@ -230,6 +230,67 @@ class Kind:
                f"(restored {report.restored_tokens}, reason {report.reason!r})")
         expect(list(self.engine.tokens) == full["tokens"], f"{what}: tokens differ")
         self.continues_like_control(conv, 3, what)
+        conv.close()
+
+    def check_redo_regen(self) -> None:
+        """/regen right after /redo, in the same process and after a resume: the logits saved with the redone
+        user message are live again, so nothing is evaluated before the reply, which is sampled from logits
+        bit-identical to the first reply's (the same greedy reply), and the conversation continues as the
+        control."""
+        for resume in (False, True):
+            what = "regen after redo" + (" and a resume" if resume else "")
+            full = self.talk(M[:3])
+            conv, _ = self.open(full["id"])
+            conv.undo(1)
+            conv.redo()
+            if resume:
+                conv.close()
+                conv, _ = self.open(full["id"])
+            self._regen_samples_the_first_logits(conv, what)
+            self.continues_like_control(conv, 3, what)
+            conv.close()
+
+    def _regen_samples_the_first_logits(self, conv: Any, what: str) -> None:
+        from tests.drive import drain
+
+        before = self.engine.n_evaluated_total
+        _, _, ends = drain(conv.regen())
+        end = ends[-1]
+        expect(end.stats.reevaluated == 0, f"{what} re-evaluated {end.stats.reevaluated} "
+               f"(evaluated {self.engine.n_evaluated_total - before} for a {len(end.message.tokens)}-token reply)")
+        expect(conv.turn_logits is not None, f"{what}: no logits saved for the last user message")
+        self.same(conv.turn_logits[1], self.control["logits"][2], what)
+        expect(end.message.tokens == self.control["replies"][2], f"{what} gave another greedy reply")
+
+    def check_alt_torn(self) -> None:
+        """An /alt killed after its transcript events, before its state records (the state file still ends
+        with the reply it switched from): the resume reads the reply switched to back, evaluates nothing,
+        says nothing of damage, and the conversation continues as the control."""
+        from chatcli.core.backend import Sampling
+        from tests.drive import drain
+
+        first = self.talk(M[:2])
+        conv, _ = self.open(first["id"])
+        conv.set_options(sampling=Sampling(temperature=2.0, top_k=0, top_p=1.0, repeat_penalty=1.0))
+        for seed in range(5):  # another reply than the greedy one (random weights: the first try gives one)
+            drain(conv.regen(seed=seed))
+            if conv.messages[-1].tokens != first["replies"][1]:
+                break
+        expect(conv.messages[-1].tokens != first["replies"][1], "no other reply to switch from")
+        original = next(a for a in conv.alternatives() if conv.r.all[a.mid]["tokens"] == first["replies"][1])
+        to = conv.messages[-1].p0
+        # What _switch_alt writes before put_back and the state records (the kill comes after them).
+        conv.transcript.append({"type": "truncate", "to": to, "reason": "alt"})
+        conv.transcript.append({"type": "activate", "mid": original.mid, "p0": to})
+        conv.close()
+        before = self.engine.n_evaluated_total
+        conv, report = self.open(first["id"])
+        expect(report.reevaluated == 0 and self.engine.n_evaluated_total == before,
+               f"resume after a torn /alt evaluated {self.engine.n_evaluated_total - before} "
+               f"(restored {report.restored_tokens}, reason {report.reason!r})")
+        expect(report.reason == "", f"resume after a torn /alt reported {report.reason!r}")
+        expect(list(self.engine.tokens) == first["tokens"], "resume after a torn /alt: tokens differ")
+        self.continues_like_control(conv, 2, "resume after a torn /alt")
         conv.close()
 
     def check_edit(self) -> None:

@@ -899,3 +899,35 @@ def test_the_servers_persona_lookups_match_a_walk_of_every_conversation(chatcli_
     idx = again
     agree()
     assert len(idx) == 2
+
+
+def test_a_servers_row_holds_its_persona_once_and_format_4_rows_are_rebuilt(chatcli_home: Path) -> None:
+    """A prefix row stored the persona's messages twice (its document and, again, its key); now once, the
+    key made from the document when the row is dropped. An index of format 4 (its ``prefix_convs`` table,
+    left to a server of that version that may still run) is rebuilt under format 5's names and answers."""
+    from chatcli.server.index import PrefixIndex
+
+    store = _store()
+    for i in range(3):
+        _conv(store, f"t{i}", "hello", "world", persona=f"p{i % 2}")
+    assert store.index is not None
+    # What format 4 left: its table (with a row), and no table of format 5's.
+    db = store.index.prefix_rows("server-prefix-4-x")._db()
+    db.execute("DROP TABLE prefix_conv_rows")
+    db.execute("CREATE TABLE prefix_convs(name TEXT NOT NULL, conv TEXT NOT NULL, size INTEGER NOT NULL, "
+               "mtime INTEGER NOT NULL, root TEXT NOT NULL, persona TEXT, persona_key TEXT, updated REAL NOT NULL, "
+               "n_active INTEGER NOT NULL, owner TEXT NOT NULL, UNIQUE(name, conv))")
+    db.execute("INSERT INTO prefix_convs VALUES('server-prefix-4-x', 'c', 1, 1, 'r', NULL, NULL, 0, 0, 'repl')")
+    idx = PrefixIndex(_store(), get_paths().data_dir / "server" / "index.json",
+                      model_identity={"name": "SmolLM2 test"}, n_ctx=0, template_source="t")
+    idx.refresh(full=True)
+    assert len(idx) == 3 and len(idx.personas()) == 2
+    root = next(iter(idx._rows.dump().values()))["root"]
+    assert idx.persona_for_root(root) is not None
+    db = idx._rows._db()
+    assert db.execute("SELECT COUNT(*) FROM prefix_convs").fetchone() == (1,)
+    rows = db.execute("SELECT * FROM prefix_conv_rows WHERE name=?", (idx._name,)).fetchall()
+    assert len(rows) == 3
+    for row in rows:
+        messages = json.dumps(json.loads(row[5])["messages"], ensure_ascii=False)
+        assert sum(messages in str(col) for col in row) == 1, row

@@ -303,3 +303,56 @@ def test_tok_s_counts_the_tokens_after_the_first_over_first_to_last_shown(sess: 
         assert conv.session_stats.tokens_per_second == pytest.approx(st.tokens_per_second)
     finally:
         conv.close()
+
+
+# -- /redo and /alt read back only cells computed on the current history -------------------------------------
+
+
+def test_put_back_reads_back_no_cells_computed_after_other_tokens(sess: Any) -> None:
+    """``put_back`` (/redo, /alt, and the resume's read-back) reads dead cells back only when the tokens
+    before them are those they were computed after (each record's HISTORY): the reply's cells, at the same
+    positions and of the same tokens but after another user message, are evaluated instead, and the context
+    then gives the logits of one that never had the first message, bit for bit."""
+    from chatcli.core.steps import evaluate, finish
+
+    conv = new_conv(sess, MSGS[0])
+    eng = sess.engine
+    user, answer = conv.messages[-2], conv.messages[-1]
+    other = list(user.tokens)
+    other[len(other) // 2] = (other[len(other) // 2] + 1) % eng.n_vocab  # another message, of the same length
+    finish(conv.log.rollback(user.p0))
+    assert finish(conv.log.put_back(other)) == 0  # nothing saved holds it: evaluated
+    reused = finish(conv.log.put_back(list(answer.tokens)))
+    assert reused == 0, "the reply's cells, computed after the first message, were read back"
+    eng.ensure_logits()  # the last token evaluated again on the cells before it
+    here = eng.logits().copy()
+    finish(conv.log.rollback(user.p0, persist=False))
+    finish(evaluate(eng, other, "reference"))
+    finish(evaluate(eng, list(answer.tokens), "reference"))
+    eng.ensure_logits()
+    assert np.array_equal(here, eng.logits())
+    # The cells just evaluated carry their own history: put back after the same message they are read back.
+    finish(conv.log.rollback(user.p0))
+    assert finish(conv.log.put_back(other)) == len(other)
+    assert finish(conv.log.put_back(list(answer.tokens))) == len(answer.tokens)
+    conv.close()
+
+
+def test_a_state_file_without_histories_loads_and_redoes_evaluating_nothing(sess: Any) -> None:
+    """A state file written before HISTORY records (each record's history dropped here) still resumes with
+    nothing evaluated, and /undo then /redo reads its cells back: a record without a history is read back
+    by its positions and tokens, as before."""
+    conv = new_conv(sess, MSGS[0], MSGS[1])
+    cid, path, want = conv.id, conv.dir.state_path, list(sess.engine.tokens)
+    conv.close()
+    data = path.read_bytes()
+    recs = sf.scan(path).records
+    assert sf.HISTORY in [r.kind for r in recs]
+    path.write_bytes(b"".join(data[r.offset:r.offset + r.size] for r in recs if r.kind != sf.HISTORY))
+    assert sf.HISTORY not in [r.kind for r in sf.scan(path).records] and not sf.scan(path).problem
+    before = sess.engine.n_evaluated_total
+    conv, report, _ = open_conv(sess, cid)
+    assert report.reevaluated == 0 and sess.engine.n_evaluated_total == before, report.reason
+    conv.undo(1)
+    assert conv.redo().n_eval == 0 and sess.engine.tokens == want and sess.engine.n_evaluated_total == before
+    conv.close()

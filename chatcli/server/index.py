@@ -43,7 +43,8 @@ if TYPE_CHECKING:  # the index is loaded without the conversation's engine-side 
 # 2: a reply's key is its answer (reasoning left out): keys of version 1 are recomputed
 # 3: each conversation's owner (API clients are matched only with their own)
 # 4: rows in tables of their own, looked up per request (core/files/index.py PrefixRows)
-INDEX_VERSION = 4
+# 5: the persona stored once per row (its key made from it when a row is dropped)
+INDEX_VERSION = 5
 LOOKUP_LIMIT = 32  # entries a lookup returns per owner: the candidates a request tries, not every sharer
 UPDATE_WAIT_S = 0.05  # the longest a reply's re-index waits for another process's write (then: retried later)
 BUILD_NOTICE = 2000  # a refresh that checks this many conversations says so in the log (a first start)

@@ -1427,16 +1427,19 @@ class Index:
         return rows
 
 
+# The rows' table was ``prefix_convs`` until index format 4, which also stored the persona's messages a second
+# time (its key, now made from the persona document when needed). A server of format 4 may still run on
+# the same data directory: its table is left to it (its rows are under its own names in the others).
 _PREFIX_SCHEMA = """
-CREATE TABLE IF NOT EXISTS prefix_convs(
+CREATE TABLE IF NOT EXISTS prefix_conv_rows(
     name TEXT NOT NULL, conv TEXT NOT NULL,
     size INTEGER NOT NULL, mtime INTEGER NOT NULL,  -- the transcript this row was built from
     root TEXT NOT NULL,         -- the key of its persona ('' : not usable by this server)
     persona TEXT,               -- {"messages", "name", "hash"} as JSON (NULL: not usable)
-    persona_key TEXT,           -- its messages as JSON, counted in prefix_personas (NULL: no boundaries)
+    counted INTEGER NOT NULL,   -- 1: it has boundaries, counted in prefix_personas under its messages' JSON
     updated REAL NOT NULL, n_active INTEGER NOT NULL, owner TEXT NOT NULL,
     UNIQUE(name, conv));
-CREATE INDEX IF NOT EXISTS prefix_convs_root ON prefix_convs(name, root, owner);
+CREATE INDEX IF NOT EXISTS prefix_conv_rows_root ON prefix_conv_rows(name, root, owner);
 CREATE TABLE IF NOT EXISTS prefix_keys(
     name TEXT NOT NULL, conv TEXT NOT NULL, k INTEGER NOT NULL, key TEXT NOT NULL, pos INTEGER NOT NULL,
     rest INTEGER NOT NULL, updated REAL NOT NULL, owner TEXT NOT NULL,
@@ -1450,7 +1453,8 @@ CREATE TABLE IF NOT EXISTS prefix_counts(name TEXT PRIMARY KEY, n INTEGER NOT NU
 
 
 # What ``PrefixRows.put`` stores for one conversation: (id, transcript size, mtime, root, persona document,
-# persona key, updated, messages active, owner, warm, boundaries as (key, k, pos)).
+# persona key (None: no boundaries; counted in prefix_personas, not kept in the row), updated, messages
+# active, owner, warm, boundaries as (key, k, pos)).
 PrefixPut = tuple[str, int, int, str, str | None, str | None, float, int, str, bool, list[tuple[str, int, int]]]
 
 
@@ -1493,13 +1497,13 @@ class PrefixRows:
     def ensure(self) -> None:
         with self._lock:
             db = self._db()
-            if db.execute("SELECT 1 FROM sqlite_master WHERE name='prefix_counts'").fetchone() is None:
+            if db.execute("SELECT 1 FROM sqlite_master WHERE name='prefix_conv_rows'").fetchone() is None:
                 with self.write() as w:
                     for stmt in _PREFIX_SCHEMA.split(";"):
                         if stmt.strip():
                             w.execute(stmt)
                     # Rows made before the count was kept (none, unless an earlier build of these tables).
-                    w.execute("INSERT OR IGNORE INTO prefix_counts SELECT name, COUNT(*) FROM prefix_convs "
+                    w.execute("INSERT OR IGNORE INTO prefix_counts SELECT name, COUNT(*) FROM prefix_conv_rows "
                               "GROUP BY name")
 
     def _read(self, sql: str, args: Iterable[Any]) -> list[Any]:
@@ -1516,8 +1520,9 @@ class PrefixRows:
         with self.write() as w:
             if not self._drop(w, cid):
                 self._add_count(w, 1)
-            w.execute("INSERT INTO prefix_convs VALUES(?,?,?,?,?,?,?,?,?,?)",
-                      (self.name, cid, size, mtime, root, persona, persona_key, updated, n_active, owner))
+            w.execute("INSERT INTO prefix_conv_rows VALUES(?,?,?,?,?,?,?,?,?,?)",
+                      (self.name, cid, size, mtime, root, persona, int(persona_key is not None), updated, n_active,
+                       owner))
             w.executemany("INSERT OR REPLACE INTO prefix_keys VALUES(?,?,?,?,?,?,?,?,?)",
                           [(self.name, cid, k, key, pos, n_active - k, updated, owner, int(warm))
                            for key, k, pos in entries])
@@ -1533,8 +1538,8 @@ class PrefixRows:
             for cid in known:
                 self._drop(w, cid)
             self._add_count(w, len(latest) - len(known))
-            w.executemany("INSERT INTO prefix_convs VALUES(?,?,?,?,?,?,?,?,?,?)",
-                          [(self.name, *p[:8], p[8]) for p in latest.values()])
+            w.executemany("INSERT INTO prefix_conv_rows VALUES(?,?,?,?,?,?,?,?,?,?)",
+                          [(self.name, *p[:5], int(p[5] is not None), *p[6:9]) for p in latest.values()])
             w.executemany("INSERT OR REPLACE INTO prefix_keys VALUES(?,?,?,?,?,?,?,?,?)",
                           [(self.name, p[0], k, key, pos, p[7] - k, p[6], p[8], int(p[9]))
                            for p in latest.values() for key, k, pos in p[10]])
@@ -1550,7 +1555,7 @@ class PrefixRows:
         for start in range(0, len(cids), 500):
             part = cids[start:start + 500]
             out += [str(r[0]) for r in w.execute(
-                f"SELECT conv FROM prefix_convs WHERE name=? AND conv IN ({','.join('?' * len(part))})",
+                f"SELECT conv FROM prefix_conv_rows WHERE name=? AND conv IN ({','.join('?' * len(part))})",
                 (self.name, *part))]
         return out
 
@@ -1572,17 +1577,19 @@ class PrefixRows:
                   (self.name, n, n))
 
     def _drop(self, w: sqlite3.Connection, cid: str) -> bool:
-        row = w.execute("SELECT persona_key, owner FROM prefix_convs WHERE name=? AND conv=?",
+        row = w.execute("SELECT persona, counted, owner FROM prefix_conv_rows WHERE name=? AND conv=?",
                         (self.name, cid)).fetchone()
         if row is None:
             return False
-        if row[0] is not None:
+        if row[1] and row[0] is not None:
+            # Its key, as ``put`` was given it: the persona's messages as JSON (the server's json.dumps).
+            key = json.dumps(json.loads(row[0])["messages"], ensure_ascii=False)
             w.execute("UPDATE prefix_personas SET n = n - 1 WHERE name=? AND persona=? AND owner=?",
-                      (self.name, row[0], row[1]))
+                      (self.name, key, row[2]))
             w.execute("DELETE FROM prefix_personas WHERE name=? AND persona=? AND owner=? AND n <= 0",
-                      (self.name, row[0], row[1]))
+                      (self.name, key, row[2]))
         w.execute("DELETE FROM prefix_keys WHERE name=? AND conv=?", (self.name, cid))
-        w.execute("DELETE FROM prefix_convs WHERE name=? AND conv=?", (self.name, cid))
+        w.execute("DELETE FROM prefix_conv_rows WHERE name=? AND conv=?", (self.name, cid))
         return True
 
     def set_warm(self, cid: str, warm: bool) -> None:
@@ -1594,7 +1601,7 @@ class PrefixRows:
     def stamp(self, cid: str) -> tuple[int, int, str, bool] | None:
         """(transcript size, mtime, owner, warm) the conversation's row was built from; None if unknown."""
         got = self._read("SELECT c.size, c.mtime, c.owner, COALESCE((SELECT warm FROM prefix_keys k WHERE "
-                         "k.name=c.name AND k.conv=c.conv LIMIT 1), 0) FROM prefix_convs c "
+                         "k.name=c.name AND k.conv=c.conv LIMIT 1), 0) FROM prefix_conv_rows c "
                          "WHERE c.name=? AND c.conv=?", (self.name, cid))
         return None if not got else (int(got[0][0]), int(got[0][1]), str(got[0][2]), bool(got[0][3]))
 
@@ -1605,13 +1612,13 @@ class PrefixRows:
             part = cids[start:start + 500]
             for cid, size, mtime, owner, warm in self._read(
                     "SELECT c.conv, c.size, c.mtime, c.owner, COALESCE((SELECT warm FROM prefix_keys k WHERE "
-                    "k.name=c.name AND k.conv=c.conv LIMIT 1), 0) FROM prefix_convs c "
+                    "k.name=c.name AND k.conv=c.conv LIMIT 1), 0) FROM prefix_conv_rows c "
                     f"WHERE c.name=? AND c.conv IN ({','.join('?' * len(part))})", (self.name, *part)):
                 out[str(cid)] = (int(size), int(mtime), str(owner), bool(warm))
         return out
 
     def ids(self) -> list[str]:
-        return [str(r[0]) for r in self._read("SELECT conv FROM prefix_convs WHERE name=?", (self.name,))]
+        return [str(r[0]) for r in self._read("SELECT conv FROM prefix_conv_rows WHERE name=?", (self.name,))]
 
     def count(self) -> int:
         with self._lock:
@@ -1644,12 +1651,12 @@ class PrefixRows:
     def persona_for_root(self, root: str, owners: frozenset[str] | None) -> str | None:
         """The persona (JSON) of the first indexed conversation with this root, of ``owners`` when given."""
         if owners is None:
-            got = self._read("SELECT rowid, persona FROM prefix_convs WHERE name=? AND root=? AND persona IS NOT "
+            got = self._read("SELECT rowid, persona FROM prefix_conv_rows WHERE name=? AND root=? AND persona IS NOT "
                              "NULL ORDER BY rowid LIMIT 1", (self.name, root))
         else:
             got = []
             for owner in owners:
-                got += self._read("SELECT rowid, persona FROM prefix_convs WHERE name=? AND root=? AND owner=? "
+                got += self._read("SELECT rowid, persona FROM prefix_conv_rows WHERE name=? AND root=? AND owner=? "
                                   "AND persona IS NOT NULL ORDER BY rowid LIMIT 1", (self.name, root, owner))
         return str(min(got)[1]) if got else None
 
@@ -1657,7 +1664,7 @@ class PrefixRows:
         """Every row (the JSON file kept without a shared index)."""
         out: dict[str, dict[str, Any]] = {}
         for cid, size, mtime, root, persona, updated, n_active, owner in self._read(
-                "SELECT conv, size, mtime, root, persona, updated, n_active, owner FROM prefix_convs WHERE name=? "
+                "SELECT conv, size, mtime, root, persona, updated, n_active, owner FROM prefix_conv_rows WHERE name=? "
                 "ORDER BY rowid", (self.name,)):
             out[str(cid)] = {"size": size, "mtime": mtime, "root": root,
                              "persona": None if persona is None else json.loads(persona), "updated": updated,

@@ -33,6 +33,11 @@ the rest from the transcript, says so in one line and rewrites the file. Slower 
 a bump would have to be in every file's header (written before any /redo), and that version would
 refuse every conversation instead.
 
+REVIVE_LOGITS (the logits /redo and /alt bring back with the last user message) and HISTORY (a digest of the
+tokens before a record's cells, checked before /redo or /alt reads dead cells back) are additions under format
+1 that an older reader skips whole, as every kind it does not know: it then evaluates one token for /regen
+right after a /redo, or reads dead cells back by their positions and tokens alone, as it always did.
+
 This module imports nothing of chatcli's: the store and the state file use it, the front ends may.
 """
 

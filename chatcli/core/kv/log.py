@@ -180,9 +180,9 @@ class CellLog:
         self._needs_snapshot = False
         # A user message's records not written yet (see user_evaluated's ``defer``), with the record itself
         # where it had to be read out at once.
-        self._pending: tuple[int, list[int], TurnStats, sf.Raw | None, int] | None = None
+        self._pending: tuple[int, list[int], TurnStats, list[sf.Raw] | None, int] | None = None
         # A reply's record kept back by ``hold``: (p0, p1, stats, the record where it had to be read out at once).
-        self._pending_reply: tuple[int, int, TurnStats, sf.Raw | None] | None = None
+        self._pending_reply: tuple[int, int, TurnStats, list[sf.Raw] | None] | None = None
         self.hold = False
 
     @property
@@ -267,7 +267,7 @@ class CellLog:
                         # What the interrupted rollback would have saved (``_cut_part``): /redo or /alt
                         # reads those cells back.
                         cut_span = (end, ch.end)
-                        cut_part = [self._spare_record(end, ch.end, toks[end - rec.p0:ch.end - rec.p0])]
+                        cut_part = self._spare_record(end, ch.end, toks[end - rec.p0:ch.end - rec.p0])
                     if end < rec.p1:
                         eng.truncate(end)
                     loaded_bytes += rec.size
@@ -293,17 +293,21 @@ class CellLog:
                 del arr
         read_back: list[tuple[sf.Record, bytes]] = []
         mismatch = report.reason == "saved state does not match the transcript"
-        if usable and 0 <= brought_back == n_ok < len(want) and (n_ok == res.live()[2] or mismatch):
+        # A whole-sequence memory loads one point, the newest: after an /alt it is the reply switched from,
+        # which does not match, and nothing is loaded (its read-back replaces the backend's state anyway).
+        reached = brought_back == n_ok or (self._whole and mismatch and n_ok < brought_back)
+        if usable and 0 <= brought_back < len(want) and reached and (n_ok == res.live()[2] or mismatch):
             # The transcript goes on where the state file's use ends, with what a /redo or /alt brought
             # back: one killed after its transcript events and before its records were written whole (or
             # between a /redo's events: the opening finished it); an /alt also before its TRUNCATE (the
             # state still holds the reply it switched from). The records it would have made live again are
             # read back, as it would have (a torn tail of its records is cut by the append below).
             self.state = res
-            read_back = self._read_back_whole(want) if self._whole else self._read_back(want[n_ok:])
-            n_ok = eng.n_past
-            report.restored_tokens = n_ok
-            report.restored_bytes += sum(rec.size for rec, _ in read_back)
+            read_back = self._read_back_whole(want, brought_back) if self._whole else self._read_back(want[n_ok:])
+            loaded = read_back[-1:] if self._whole else read_back  # a whole-sequence memory loads its last
+            report.restored_bytes += sum(rec.size for rec, _ in loaded)
+            read_back += self._logits_back(read_back)
+            n_ok = report.restored_tokens = eng.n_past
             if mismatch and n_ok == len(want):
                 report.reason = ""  # not damage: the /alt's records, written now
         # Catch up: evaluate only the tail the state file did not have.
@@ -324,7 +328,7 @@ class CellLog:
                 last = [n_ok]
 
                 def at(pos: int) -> None:
-                    rebuilt.append(self._point_record(last[0], pos))
+                    rebuilt.extend(self._point_record(last[0], pos))
                     last[0] = pos
             yield from progress(rebuild.evaluate(eng, want, n_ok, segs or [(0, len(want))], stops=stops, at=at),
                                 "rebuilding context from the transcript", since=t1)
@@ -336,12 +340,12 @@ class CellLog:
         if read_back and not tail:
             sf.drop_bases(self.path, keep=res.bases)
             cut = [sf.encode_record(sf.TRUNCATE, brought_back, brought_back, b"")] if brought_back < n_live else []
-            self._append([*cut, *(self._revive(rec, payload) for rec, payload in read_back)], None)
+            self._append([*cut, *self._revived(read_back)], None)
         elif not self._cuts and (tail or not usable or res.dropped_bytes or n_ok < n_live):
             kept = [c.record for c in chunks[:n_loaded]] if usable else []
             # What was read back, as the state sees it (a SPARE record's cells are live CELLS there).
-            kept += [sf.Record(sf.SNAPSHOT if r.p0 == 0 else sf.CELLS, r.p0, r.p1, r.offset, r.length, file=r.file,
-                               flags=r.flags) for r, _ in read_back]
+            kept += [sf.Record(sf.live_kind(r.p0), r.p0, r.p1, r.offset, r.length, file=r.file, flags=r.flags)
+                     for r, _ in read_back if r.kind != sf.LOGITS]  # the logits: _turn_logits, written last
             self._rewrite_points(kept=kept, added=rebuilt, spares=self._spares(kept) if usable else [])
         elif usable and not res.dropped_bytes and not tail and n_ok < n_live:
             # The interrupted rollback's records, appended now: the rest of the file (what /redo and /alt
@@ -373,7 +377,7 @@ class CellLog:
         """Whether ``records`` hold a SPARE record of the cells ``part`` (one encoded record over ``span``)."""
         if not part:
             return False
-        toks = np.frombuffer(part[0], dtype="<i4", count=span[1] - span[0], offset=sf.HEADER_SIZE).tolist()
+        toks = np.frombuffer(part[-1], dtype="<i4", count=span[1] - span[0], offset=sf.HEADER_SIZE).tolist()
         for rec in records:
             if rec.kind == sf.SPARE and (rec.p0, rec.p1) == span:
                 try:
@@ -457,22 +461,33 @@ class CellLog:
         n = self.state.live()[2]
         p0 = min(p0, n)
         cut = [sf.encode_record(sf.TRUNCATE, p0, p0, b"")] if n > p0 else []
-        return [*cut, self._point_record(p0, p1)]
+        return [*cut, *self._point_record(p0, p1)]
 
-    def _point_record(self, p0: int, p1: int) -> sf.RecordParts:
-        """The record of cells [p0, p1) saved now (the sequence ends at p1): CELLS, or on a whole-sequence
-        memory a SNAPSHOT of everything up to p1 (which is then a point of its own)."""
+    def _point_record(self, p0: int, p1: int) -> list[sf.Raw]:
+        """The record of cells [p0, p1) saved now (the sequence ends at p1): CELLS (after its HISTORY), or on
+        a whole-sequence memory a SNAPSHOT of everything up to p1 (which is then a point of its own)."""
         eng = self.eng
         if self._whole:
-            return sf.encode_record_parts(sf.SNAPSHOT, 0, p1, sf.cells_parts(eng.tokens[:p1], eng.save_cells(0, p1)))
-        return sf.encode_record_parts(sf.CELLS, p0, p1, sf.cells_parts(eng.tokens[p0:p1], eng.save_cells(p0, p1)))
+            return [sf.encode_record_parts(sf.SNAPSHOT, 0, p1, sf.cells_parts(eng.tokens[:p1], eng.save_cells(0, p1)))]
+        return [*self._history(p0, eng.tokens[:p0]),
+                sf.encode_record_parts(sf.CELLS, p0, p1, sf.cells_parts(eng.tokens[p0:p1], eng.save_cells(p0, p1)))]
 
-    def _user_records(self, p0: int, tokens: list[int], saved: sf.Raw | None = None,
+    @staticmethod
+    def _history(p0: int, before: Sequence[int], digest: bytes | None = None) -> list[bytes]:
+        """The HISTORY record to write before a record of cells from ``p0`` computed after ``before`` (or
+        whose history is ``digest``): none from position 0 (nothing comes before) or when not known."""
+        if p0 <= 0:
+            return []
+        if digest is not None:
+            return [sf.encode_record(sf.HISTORY, p0, p0, digest)]
+        return [sf.history_record(p0, before)] if len(before) == p0 else []
+
+    def _user_records(self, p0: int, tokens: list[int], saved: list[sf.Raw] | None = None,
                       closing: int = 0) -> list[sf.Raw]:
         p1 = p0 + len(tokens)
         # The closing evaluated with the message is saved in its record (one call, one record; never a record
         # of the closing alone: see ``_whole_message``).
-        recs = [saved if saved is not None else self._point_record(p0 - closing, p1)]
+        recs = [*(saved if saved is not None else self._point_record(p0 - closing, p1))]
         if self._turn_logits is not None and self._turn_logits[0] == p1:
             recs.append(sf.encode_record(sf.LOGITS, p1, p1, self._turn_logits[1].astype("<f4").tobytes()))
         return recs
@@ -492,7 +507,7 @@ class CellLog:
         recs = self._user_records(pending[0], pending[1], pending[3], pending[4]) if pending is not None else []
         if reply is not None:
             p0, p1, stats, saved = reply
-            recs.append(saved if saved is not None else self._point_record(p0, p1))
+            recs.extend(saved if saved is not None else self._point_record(p0, p1))
         elif pending is not None:
             stats = pending[2]
         if recs:
@@ -528,7 +543,7 @@ class CellLog:
         rec = self._point_record(p0, n)
         pending, self._pending = self._pending, None
         first = self._user_records(pending[0], pending[1], pending[3], pending[4]) if pending else []
-        stats.state_bytes += self._append([*first, rec], stats)
+        stats.state_bytes += self._append([*first, *rec], stats)
         self.settle()
 
     def rollback(self, to: int, *, persist: bool = True) -> Generator[Progress, None, int]:
@@ -556,7 +571,7 @@ class CellLog:
             if at < to and persist:
                 # No point at ``to`` was left (compacted away, damaged, never saved): the one just
                 # evaluated is saved, so the next rollback here is a rewind.
-                self._append([sf.encode_record(sf.TRUNCATE, at, at, b""), self._point_record(at, to)], None)
+                self._append([sf.encode_record(sf.TRUNCATE, at, at, b""), *self._point_record(at, to)], None)
             elif persist:
                 self._append([sf.encode_record(sf.TRUNCATE, to, to, b"")], None)
         if self._turn_logits and self._turn_logits[0] == to:
@@ -574,13 +589,14 @@ class CellLog:
         for ch in self.state.live()[0]:
             rec = ch.record
             if rec.p0 < to < ch.end <= self.eng.n_past:
-                return [self._spare_record(to, ch.end, self.eng.tokens[to:ch.end])]
+                return self._spare_record(to, ch.end, self.eng.tokens[to:ch.end])
         return []
 
-    def _spare_record(self, p0: int, p1: int, tokens: list[int]) -> bytes:
+    def _spare_record(self, p0: int, p1: int, tokens: list[int]) -> list[bytes]:
         """A SPARE record of the context's cells [p0, p1), which hold ``tokens``: what /redo or /alt reads back
         after a cut (``_cut_part``, and the cut a resume finishes for an interrupted rollback)."""
-        return sf.encode_record(sf.SPARE, p0, p1, sf.cells_payload(tokens, self.eng.save_cells(p0, p1)))
+        return [*self._history(p0, self.eng.tokens[:p0]),
+                sf.encode_record(sf.SPARE, p0, p1, sf.cells_payload(tokens, self.eng.save_cells(p0, p1)))]
 
     def _eval(self, tokens: list[int], end: int) -> Generator[Progress, None, int]:
         """Evaluate ``tokens`` so that the backend ends at ``end``; returns how many."""
@@ -635,11 +651,12 @@ class CellLog:
         if self._whole:
             return (yield from self._put_back_whole(tokens))
         read = self._read_back(tokens)
-        back: list[sf.Raw] = [self._revive(rec, payload) for rec, payload in read]  # what makes the cells read back live
         loaded = sum(rec.p1 - rec.p0 for rec, _ in read)
+        # What makes the cells read back live, and the logits saved with the last user message among them.
+        back: list[sf.Raw] = [*self._revived([*read, *self._logits_back(read)])]
         if loaded < len(tokens):
             yield from evaluate(eng, tokens[loaded:], PUT_BACK)
-            back.append(self._point_record(p0 + loaded, eng.n_past))
+            back.extend(self._point_record(p0 + loaded, eng.n_past))
         self._append(back, None)
         return loaded
 
@@ -654,9 +671,12 @@ class CellLog:
         while loaded < len(tokens):
             pos = p0 + loaded
             found = False
+            history = sf.history_digest(eng.tokens[:pos])  # the backend holds exactly the tokens before pos
             for rec in reversed(self.state.records):
                 if not (rec.kind in (sf.CELLS, sf.SPARE) and rec.p0 == pos and pos < rec.p1 <= p0 + len(tokens)):
                     continue
+                if rec.history is not None and rec.history != history:
+                    continue  # cells computed after other tokens (a record without a history: written before it)
                 try:
                     payload = sf.read_payload(self.path, rec)
                     toks, kv = sf.split_cells(payload, rec.p1 - rec.p0)
@@ -673,7 +693,11 @@ class CellLog:
                 break
         return out
 
-    def _revive(self, rec: sf.Record, payload: bytes) -> bytes:
+    def _revived(self, read: Sequence[tuple[sf.Record, bytes]]) -> list[bytes]:
+        """The records that make the records ``read`` back live again, in order (``_revive`` each)."""
+        return [raw for rec, payload in read for raw in self._revive(rec, payload)]
+
+    def _revive(self, rec: sf.Record, payload: bytes) -> list[bytes]:
         """The record that makes ``rec`` (whose cells, ``payload``, were just loaded) live again: a REVIVE
         record naming it, or a copy where a REVIVE cannot name it — a record of a fork's base (the REVIVE's
         offset counts in this file only; a rewrite of the fork makes the base's records its own) or one the
@@ -681,64 +705,99 @@ class CellLog:
 
         The cells are not saved again from the backend: what was loaded is what the record holds (on a
         memory that cannot be cut back that includes the state at its end, so the revived record is a point
-        as the record was), and a resume loads the same bytes from the same offset."""
-        live = sf.SNAPSHOT if rec.p0 == 0 else sf.CELLS
-        if rec.file is None and rec.kind in sf.REVIVED_KINDS:
+        as the record was), and a resume loads the same bytes from the same offset. A LOGITS record
+        (``_logits_back``) is revived the same way, by a REVIVE_LOGITS record."""
+        logits = rec.kind == sf.LOGITS
+        if rec.file is None and (logits or rec.kind in sf.REVIVED_KINDS):
             try:
                 crc = sf.stored_crc(self.path, rec)
             except (OSError, sf.StateFileError):
                 pass
             else:
-                return sf.encode_record(sf.REVIVE, rec.p0, rec.p1, sf.revive_payload(rec.offset, crc))
-        return sf.encode_record(live, rec.p0, rec.p1, payload, rec.flags)
+                return [sf.encode_record(sf.REVIVE_LOGITS if logits else sf.REVIVE, rec.p0, rec.p1,
+                                         sf.revive_payload(rec.offset, crc))]
+        if logits:
+            return [sf.encode_record(sf.LOGITS, rec.p0, rec.p1, payload)]
+        # A copy keeps the history the cells were computed on (the backend's: they were just checked against it).
+        return [*self._history(rec.p0, self.eng.tokens[:rec.p0], rec.history),
+                sf.encode_record(sf.live_kind(rec.p0), rec.p0, rec.p1, payload, rec.flags)]
 
-    def _whole_points(self, want: list[int]) -> Iterator[tuple[sf.Record, bytes, bytes]]:
-        """Saved points of a whole-sequence memory holding exactly ``want``, newest first: (record, payload, its
-        cells). A record that cannot be read is passed over (the backend is not touched here)."""
+    def _logits_back(self, read: Sequence[tuple[sf.Record, bytes]]) -> list[tuple[sf.Record, bytes]]:
+        """The LOGITS record saved with the last user message among the records ``read`` back (the one
+        right after its record in the file: the same append, so the same history), made the turn's logits:
+        /regen right after /redo or /alt samples from them instead of evaluating the message's last token
+        again. Returned as ``read`` is, for ``_revive``; none found or unreadable: []."""
+        recs = self.state.records
+        where = {id(r): i for i, r in enumerate(recs)}
+        best: sf.Record | None = None
+        for rec, _ in read:
+            i = where.get(id(rec), len(recs)) + 1
+            nxt = recs[i] if i < len(recs) else None
+            if (nxt is not None and nxt.kind == sf.LOGITS and nxt.p0 == rec.p1 and nxt.file == rec.file
+                    and nxt.p0 <= self.eng.n_past and (best is None or nxt.p0 > best.p0)):
+                best = nxt
+        if best is None:
+            return []
+        try:
+            payload = sf.read_payload(self.path, best)
+        except (OSError, sf.StateFileError):
+            return []
+        arr = np.frombuffer(payload, dtype="<f4")
+        if arr.shape != (self.eng.n_vocab,):
+            return []
+        self._turn_logits = (best.p0, arr.copy())
+        return [(best, payload)]
+
+    def _whole_points(self, want: list[int], lo: int) -> list[tuple[sf.Record, bytes]]:
+        """Saved points of a whole-sequence memory holding ``want[:p1]`` for ``lo < p1 <= len(want)``: the
+        newest for each p1, in order of p1, with their payloads. A record that cannot be read is passed
+        over (an older one of the same p1 may do); the backend is not touched here."""
+        found: dict[int, tuple[sf.Record, bytes]] = {}
         for rec in reversed(self.state.records):
-            if rec.kind not in (sf.SNAPSHOT, sf.SPARE) or rec.p0 != 0 or rec.p1 != len(want):
+            if (rec.kind not in (sf.SNAPSHOT, sf.SPARE) or rec.p0 != 0 or not lo < rec.p1 <= len(want)
+                    or rec.p1 in found):
                 continue
             try:
-                payload = sf.read_payload(self.path, rec)
-                toks, kv = sf.split_cells(payload, rec.p1)
+                if sf.read_tokens(self.path, rec) != want[:rec.p1]:
+                    continue
+                found[rec.p1] = (rec, sf.read_payload(self.path, rec))
             except (OSError, sf.StateFileError):
                 continue
-            if toks == want:
-                yield rec, payload, kv
+        return [found[p] for p in sorted(found)]
 
-    def _read_back_whole(self, want: list[int]) -> list[tuple[sf.Record, bytes]]:
+    def _read_back_whole(self, want: list[int], lo: int) -> list[tuple[sf.Record, bytes]]:
         """On a whole-sequence memory, load a saved point holding exactly ``want`` instead of what the backend
-        holds; the record used and its payload (none found: nothing changes). A point llama.cpp rejects
-        leaves the backend empty (the caller evaluates everything then)."""
+        holds; the records to make live again, as /redo's own records would be: the points after ``lo`` on
+        the way to ``want`` (regenerate and undo rewind to them), the one loaded last. None found: [] and
+        nothing changes; a point llama.cpp rejects leaves the backend empty (the caller evaluates then)."""
         eng = self.eng
-        for rec, payload, kv in self._whole_points(want):
+        points = self._whole_points(want, lo)
+        if not points or points[-1][0].p1 != len(want):
+            return []
+        rec, payload = points[-1]
+        eng.clear()
+        try:
+            eng.load_cells(0, rec.p1, sf.split_cells(payload, rec.p1)[1], list(want))
+        except Exception:
             eng.clear()
-            try:
-                eng.load_cells(0, rec.p1, kv, list(want))
-            except Exception:
-                eng.clear()
-                return []
-            return [(rec, payload)]
-        return []
+            return []
+        return points
 
     def _put_back_whole(self, tokens: list[int]) -> Generator[Progress, None, int]:
         """``put_back`` on a whole-sequence memory: a saved point holding exactly the sequence wanted is
-        loaded (and revived, live); else the tokens are evaluated."""
+        loaded (it and the points on the way to it revived, live); else the tokens are evaluated."""
         eng = self.eng
+        p0 = eng.n_past
         want = [*eng.tokens, *tokens]
-        for rec, payload, kv in self._whole_points(want):
-            eng.clear()
-            try:
-                eng.load_cells(0, rec.p1, kv, list(want))
-            except Exception:
-                eng.clear()
-                # Back to where we were (only reached when llama.cpp rejects a saved state).
-                yield from evaluate(eng, want[:len(want) - len(tokens)], "rebuilding context")
-                continue
-            self._append([self._revive(rec, payload)], None)
+        read = self._read_back_whole(want, p0)
+        if read:
+            self._append(self._revived([*read, *self._logits_back(read)]), None)
             return len(tokens)
+        if eng.n_past != p0:
+            # Back to where we were (only reached when llama.cpp rejects a saved state).
+            yield from evaluate(eng, want[:p0], "rebuilding context")
         yield from evaluate(eng, tokens, PUT_BACK)
-        self._append([self._point_record(0, eng.n_past)], None)
+        self._append(self._point_record(0, eng.n_past), None)
         return 0
 
     def shifted(self) -> None:
@@ -825,7 +884,8 @@ class CellLog:
             if key in seen:
                 continue  # an older copy of the same cells (an undo and a redo each append one)
             if ranges:
-                ok = any(p0 <= rec.p0 and seq[rec.p0:rec.p1] == toks for p0, seq in wanted)
+                ok = any(p0 <= rec.p0 and seq[rec.p0:rec.p1] == toks
+                         and (rec.history is None or rec.history == sf.history_digest(seq[:rec.p0])) for p0, seq in wanted)
             else:
                 ok = any(seq == toks for _p0, seq in wanted)
             if ok:
@@ -840,7 +900,8 @@ class CellLog:
         out = []
         for rec in spares:
             try:
-                out.append(sf.encode_record(sf.SPARE, rec.p0, rec.p1, sf.read_payload(self.path, rec), rec.flags))
+                payload = sf.read_payload(self.path, rec)
+                out += [*self._history(rec.p0, (), rec.history), sf.encode_record(sf.SPARE, rec.p0, rec.p1, payload, rec.flags)]
             except (OSError, sf.StateFileError):
                 continue
         return out
@@ -918,7 +979,9 @@ class CellLog:
         gone: rollbacks there evaluate)."""
         self._pending = self._pending_reply = None
         try:
-            copies = [sf.encode_record(r.kind, r.p0, r.p1, sf.read_payload(self.path, r), r.flags) for r in kept]
+            # Kept records are live: the cells before each are the backend's.
+            copies = [raw for r in kept for raw in (*self._history(r.p0, self.eng.tokens[:r.p0]),
+                                                    sf.encode_record(r.kind, r.p0, r.p1, sf.read_payload(self.path, r), r.flags))]
         except (OSError, sf.StateFileError):
             self._rewrite_state()
             return

@@ -16,6 +16,12 @@ A state file is a sequence of checksummed records::
                that offset of the same file (an earlier record, its stored crc) is part of the state again,
                as CELLS (or, from position 0, as SNAPSHOT): what ``/redo`` and ``/alt`` append after reading
                cells back, instead of a copy of them. A reader indexes it as that record (``Record.of``).
+- ``REVIVE_LOGITS`` the same for an earlier LOGITS record at p0 (= p1): the logits a /redo or /alt brings
+               back with the user message they follow, so /regen right after it evaluates nothing.
+- ``HISTORY``  payload: a digest of the token ids before p0 (``history_digest``), for the CELLS or SPARE
+               record of cells from p0 >= 1 right after it: the history those cells were computed on. /redo
+               and /alt read dead cells back only where it is the current one (older versions skip the kind;
+               a record without one, written before it, is read back by its positions and tokens alone).
 - ``BASE``     JSON ``{file, length, header_crc, last_offset, last_crc}``: the records of another state file
                (``<this file's stem>.base-<hex>.kv`` in the same folder, a hard link to a fork parent's
                ``state.kv``), bytes [0, length), count as if they stood here. Only right after the header.
@@ -49,6 +55,7 @@ make it refuse the whole conversation.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import os
@@ -73,15 +80,17 @@ BASE_FORMAT = 2  # the first format whose readers follow a BASE record
 _HDR = struct.Struct("<4sBBHiiQI")  # magic kind flags reserved p0 p1 length crc
 HEADER_SIZE = _HDR.size
 
-HEADER, CELLS, TRUNCATE, SNAPSHOT, LOGITS, BASE, SPARE, REVIVE = 1, 2, 3, 4, 5, 6, 7, 8
+HEADER, CELLS, TRUNCATE, SNAPSHOT, LOGITS, BASE, SPARE, REVIVE, REVIVE_LOGITS, HISTORY = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
 # Record flags (the header's flags byte; older versions ignore it). NOT_A_POINT: cells saved while the
 # sequence went on past p1, so the state that is not cells (a recurrent one) is not the state at p1 — a
 # compaction of old turns on a hybrid memory. Loadable as cells, never rewound to.
 NOT_A_POINT = 1
 KIND_NAMES = {HEADER: "header", CELLS: "cells", TRUNCATE: "truncate", SNAPSHOT: "snapshot", LOGITS: "logits",
-              BASE: "base", SPARE: "spare", REVIVE: "revive"}
+              BASE: "base", SPARE: "spare", REVIVE: "revive", REVIVE_LOGITS: "revive-logits",
+              HISTORY: "history"}
 _REVIVE = struct.Struct("<QI")  # a REVIVE record's payload: the revived record's offset and stored crc
 REVIVED_KINDS = (CELLS, SPARE, SNAPSHOT)  # what a REVIVE record may make live again
+REVIVES = (REVIVE, REVIVE_LOGITS)  # records that stand for an earlier one (``Record.of``)
 _MAX_PAYLOAD = 1 << 36
 MAX_BASE_DEPTH = 8  # a fork of a fork of ... : deeper chains are copied instead (forking.py)
 _BASE_NAME = re.compile(r"^[A-Za-z0-9_-]+\.base-[0-9a-f]{8,32}\.kv$")
@@ -108,6 +117,8 @@ class Record:
     # checking crcs in file order waits for the REVIVE record, not only for the older one it names.
     of: Record | None = field(default=None, repr=False, compare=False)
     via: int = -1
+    # The digest of the tokens before p0 the cells were computed after (its HISTORY record), when saved.
+    history: bytes | None = field(default=None, repr=False, compare=False)
 
     @property
     def is_point(self) -> bool:
@@ -169,13 +180,38 @@ def encode_record_parts(kind: int, p0: int, p1: int, parts: Sequence[Buffer], fl
 
 
 def records_at(raws: Sequence[Raw], offset: int) -> tuple[list[Record], int]:
-    """Index encoded records written at ``offset``: their headers, and the offset after the last one."""
-    out = []
+    """Index encoded records written at ``offset``: their headers (and histories), and the offset after
+    the last one."""
+    out: list[Record] = []
     for raw in raws:
         _, kind, flags, _, p0, p1, length, _ = _HDR.unpack_from(raw_parts(raw)[0], 0)
-        out.append(Record(kind, p0, p1, offset, length, flags=flags))
+        rec = Record(kind, p0, p1, offset, length, flags=flags)
+        # Only a HISTORY record is joined (a few bytes): cells are parts, never copied.
+        _follow_history(rec, out[-1] if out else None, raw_bytes(raw)[HEADER_SIZE:] if kind == HISTORY else b"")
+        out.append(rec)
         offset += len(raw)
     return out, offset
+
+
+def history_digest(tokens: Sequence[int]) -> bytes:
+    """A HISTORY record's payload: the digest of the token ids before a record's p0."""
+    import numpy as np  # lazily, as in cells_parts
+
+    return hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).digest()[:16]
+
+
+def history_record(p0: int, before: Sequence[int]) -> bytes:
+    """The HISTORY record of cells from ``p0`` computed after the tokens ``before`` (``len(before) == p0``)."""
+    return encode_record(HISTORY, p0, p0, history_digest(before))
+
+
+def _follow_history(rec: Record, prev: Record | None, payload: bytes | memoryview) -> None:
+    """Index ``rec`` after ``prev`` (the record right before it in the same file): a HISTORY record keeps its
+    digest until the next record, which takes it when it is cells from that position."""
+    if rec.kind == HISTORY:
+        rec.history = bytes(payload)
+    elif prev is not None and prev.kind == HISTORY and rec.kind in (CELLS, SPARE) and prev.p0 == rec.p0 > 0:
+        rec.history = prev.history
 
 
 def revive_payload(offset: int, crc: int) -> bytes:
@@ -184,17 +220,30 @@ def revive_payload(offset: int, crc: int) -> bytes:
 
 
 def revived(rec: Record, payload: bytes | memoryview, target: Record | None, target_crc: int | None) -> Record | None:
-    """The view a REVIVE record ``rec`` makes live (see ``Record.of``), or None if it does not name
-    ``target`` (the record at its payload's offset, with ``target_crc`` stored; None: not compared) as a
-    record of its cells."""
+    """The view a REVIVE (or REVIVE_LOGITS) record ``rec`` makes live (see ``Record.of``), or None if it does
+    not name ``target`` (the record at its payload's offset, with ``target_crc`` stored; None: not compared)
+    as a record of its cells (of its logits)."""
     if len(payload) != _REVIVE.size or target is None:
         return None
     offset, crc = _REVIVE.unpack(payload)
-    if (target.offset != offset or (target_crc is not None and crc != target_crc) or target.kind not in REVIVED_KINDS
-            or target.offset >= rec.offset or (target.p0, target.p1) != (rec.p0, rec.p1) or target.p1 <= target.p0):
+    if target.offset != offset or (target_crc is not None and crc != target_crc) or target.offset >= rec.offset:
         return None
-    return Record(SNAPSHOT if rec.p0 == 0 else CELLS, rec.p0, rec.p1, target.offset, target.length,
-                  file=target.file, flags=target.flags, via=rec.offset)
+    if rec.kind == REVIVE_LOGITS:
+        if target.kind != LOGITS or not target.p0 == target.p1 == rec.p0 == rec.p1:
+            return None
+        kind = LOGITS
+    elif target.kind not in REVIVED_KINDS or (target.p0, target.p1) != (rec.p0, rec.p1) or target.p1 <= target.p0:
+        return None
+    else:
+        kind = live_kind(rec.p0)
+    return Record(kind, rec.p0, rec.p1, target.offset, target.length, file=target.file, flags=target.flags,
+                  via=rec.offset, history=target.history)
+
+
+def live_kind(p0: int) -> int:
+    """The kind of a record of cells from ``p0`` as the state sees it (a revived or spare record made live):
+    from position 0 it replaces everything before it."""
+    return SNAPSHOT if p0 == 0 else CELLS
 
 
 def revive_target(payload: bytes | memoryview) -> int:
@@ -246,7 +295,7 @@ class ScanResult:
         logits: Record | None = None
         n = 0
         for rec in self.records:
-            if rec.kind == REVIVE:
+            if rec.kind in REVIVES:
                 if rec.of is None:
                     break  # not resolved (the scan stops at such a record, so only a writer bug)
                 rec = rec.of
@@ -288,7 +337,7 @@ class ScanResult:
         """
         pts: list[Record] = []
         for rec in self.records:
-            rec = rec.of if rec.kind == REVIVE and rec.of is not None else rec
+            rec = rec.of if rec.kind in REVIVES and rec.of is not None else rec
             if rec.is_point:
                 pts.append(rec)
             elif rec.kind == TRUNCATE:
@@ -299,7 +348,7 @@ class ScanResult:
         """Index records just appended at the end of the valid bytes (the file's only writer calls this)."""
         added, self.valid_bytes = records_at(raws, self.valid_bytes)
         for rec, raw in zip(added, raws, strict=True):
-            if rec.kind == REVIVE:
+            if rec.kind in REVIVES:
                 payload = raw_bytes(raw)[HEADER_SIZE:]  # a few bytes: REVIVE records are never parts
                 at = revive_target(payload)
                 target = next((r for r in reversed(self.records) if r.file is None and r.offset == at), None)
@@ -598,11 +647,11 @@ def _scan_buffer(buf: memoryview, *, check_crc: bool, resolve: _Resolve | None =
             n = base.live()[2]
             offset += rec.size
             continue
-        elif rec.kind == REVIVE:
+        elif rec.kind in REVIVES:
             i = own.get(revive_target(buf[offset + HEADER_SIZE:offset + rec.size]), -1)
             rec.of = revived(rec, buf[offset + HEADER_SIZE:offset + rec.size], res.records[i] if i >= 0 else None,
                              crcs[i] if i >= 0 else None)
-            if rec.of is None or (rec.p0 and rec.p0 != n):
+            if rec.of is None or (rec.p0 > n if rec.kind == REVIVE_LOGITS else rec.p0 and rec.p0 != n):
                 # Names no record of its cells here, or does not continue the state: as a CELLS record
                 # that does not (below), it and everything after it count as damaged.
                 res.problem = f"revive record at {offset} names no record of the state's cells"
@@ -617,6 +666,9 @@ def _scan_buffer(buf: memoryview, *, check_crc: bool, resolve: _Resolve | None =
             n = rec.p1
         elif rec.kind == TRUNCATE:
             n = min(n, rec.p0)
+        prev = res.records[-1] if res.records else None
+        _follow_history(rec, prev if prev is not None and prev.file == file else None,
+                        buf[offset + HEADER_SIZE:offset + rec.size] if rec.kind == HISTORY else b"")
         own[offset] = len(res.records)
         res.records.append(rec)
         crcs.append(crc)
@@ -648,7 +700,7 @@ def _check_record(buf: memoryview, offset: int, size: int, check_crc: bool) -> t
     rec = Record(kind, p0, p1, offset, length, flags=flags)
     # The header's and a BASE record's JSON, and a REVIVE record's target, are read right away: their crc
     # is checked first, always.
-    if (check_crc or kind in (HEADER, BASE, REVIVE)) and _record_crc(buf, rec) != crc:
+    if (check_crc or kind in (HEADER, BASE, HISTORY, *REVIVES)) and _record_crc(buf, rec) != crc:
         return None, 0, "checksum mismatch"
     return rec, crc, ""
 
@@ -798,6 +850,7 @@ __all__ = [
     "FORMAT_VERSION",
     "HEADER",
     "HEADER_SIZE",
+    "HISTORY",
     "KIND_NAMES",
     "LOGITS",
     "MAGIC",
@@ -806,6 +859,8 @@ __all__ = [
     "PLAIN_FORMAT",
     "REVIVE",
     "REVIVED_KINDS",
+    "REVIVES",
+    "REVIVE_LOGITS",
     "SNAPSHOT",
     "SPARE",
     "TRUNCATE",
@@ -828,6 +883,9 @@ __all__ = [
     "encode_record",
     "encode_record_parts",
     "header_payload",
+    "history_digest",
+    "history_record",
+    "live_kind",
     "map_state",
     "raw_bytes",
     "raw_parts",
