@@ -949,16 +949,17 @@ class Engine:
             self._cancel_flag.clear()  # a cancel request ends with the generation it stopped
 
     def _step(self, tok: int, *, logits: bool) -> None:
-        """Decode one generated token: with the siblings generating now, in one batch, else alone here. Once in
-        the batch context a reply stays there to its end, alone or not: leaving copies its cells back and the
+        """Decode one generated token: with the siblings generating now, in one batch, else alone here. Once its
+        tokens are in the batch context a reply stays there to its end, alone or not: leaving copies its cells back and the
         next sibling's message would copy them all in again (measured: a reply went in and out twice in its
         last three tokens, 60-70 ms of copies each time on a busy machine)."""
         group = self._group
+        # This reply's own cells in the batch context (not its message's: those are copied back at once, and
+        # a reply alone from its start decodes here, exactly as a single engine and a resumed one do).
+        replying_there = self._in_batch and self._batch_from < self.n_past
         alone = group is None or group.scheduler.active < 2
-        if group is None or self._shift_pending or (alone and not self._in_batch) or not group.fits(self):
-            if self._in_batch:
-                assert group is not None
-                group.leave_batch(self)  # alone again: this context continues from the cells computed
+        if group is None or self._shift_pending or (alone and not replying_there) or not group.fits(self):
+            self._detach()  # alone again: this context continues from the cells computed
             self._decode([tok], last_logits=logits)
             return
         if self.n_past + 1 > self.n_ctx:
