@@ -243,3 +243,99 @@ def test_eight_siblings_decode_in_one_batch(model_path: Path) -> None:
     finally:
         for e in reversed(engines):
             e.close()
+
+
+class Decodes:
+    """Every llama_decode of the process: (tokens, sequences) of each."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import llama_cpp
+
+        self.calls: list[tuple[int, set[int]]] = []
+        orig = llama_cpp.llama_decode
+
+        def decode(ctx: object, batch: llama_cpp.llama_batch) -> int:
+            n = batch.n_tokens
+            self.calls.append((n, {batch.seq_id[i][0] for i in range(n)}))
+            return int(orig(ctx, batch))
+
+        monkeypatch.setattr(llama_cpp, "llama_decode", decode)
+
+    def fused(self, least: int) -> list[tuple[int, set[int]]]:
+        """Decodes of several sequences holding at least ``least`` tokens (a message's chunk among them)."""
+        return [c for c in self.calls if len(c[1]) > 1 and c[0] >= least]
+
+
+def _continues_exactly(eng: Engine, model_path: Path) -> None:
+    """A fresh context given what ``eng`` saves now (its cells, its logits) replies as ``eng`` does."""
+    n, saved = eng.n_past, eng.logits()
+    assert eng.seq_pos_max() == n - 1  # the cells computed in the batch context are in its own
+    resumed = fresh(model_path, eng, n, saved)
+    try:
+        mem = [ev.token for ev in eng.generate(GREEDY, seed=0, max_tokens=12)]
+        res = [ev.token for ev in resumed.generate(GREEDY, seed=0, max_tokens=12)]
+        assert mem == res and len(mem) > 0
+        eng.ensure_logits()
+        resumed.ensure_logits()
+        assert np.array_equal(eng.logits(), resumed.logits())  # bit-identical, not close
+    finally:
+        resumed.close()
+
+
+def test_a_message_evaluated_while_a_sibling_generates_joins_its_decode_and_resumes_exactly(
+        trio: list[Engine], model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b, _ = trio
+    prompt_all(trio)
+    assert a._group is not None and a.prepare_batching()  # as `serve --parallel` does at start
+    a._group.scheduler.linger = 0.0  # only the generating sibling makes the message go to the batch
+    message = b.tokenize(NEXT)
+    decodes = Decodes(monkeypatch)
+    errors: list[BaseException] = []
+
+    def evaluate() -> None:
+        try:
+            time.sleep(0.1)  # a's reply is under way
+            b.eval(message)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    th = threading.Thread(target=evaluate)
+    th.start()
+    out = together([a], 40)
+    th.join()
+    assert not errors and len(out[0]) > 0
+    # b's whole message and a's next token in one llama_decode (not the message alone, a waiting for it).
+    assert decodes.fused(len(message) + 1), decodes.calls
+    assert b.tokens[-len(message):] == message
+    _continues_exactly(b, model_path)
+    _resumes_exactly(a, model_path)
+
+
+def test_two_messages_sent_together_share_one_decode_and_resume_exactly(
+        trio: list[Engine], model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b, _ = trio
+    prompt_all(trio)
+    assert a._group is not None
+    a._group.scheduler.linger = 10.0  # a loaded machine may take a while to start the threads below
+    together([a, b], 8)  # two replies that ended together: their next messages are expected
+    message = [e.tokenize(NEXT) for e in (a, b)]
+    decodes = Decodes(monkeypatch)
+    start = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def evaluate(eng: Engine, toks: list[int]) -> None:
+        try:
+            start.wait()
+            eng.eval(toks)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    th = [threading.Thread(target=evaluate, args=(e, m)) for e, m in zip((a, b), message, strict=True)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    assert not errors
+    assert decodes.fused(len(message[0]) + len(message[1])), decodes.calls  # both messages in one decode
+    for eng in (a, b):
+        _continues_exactly(eng, model_path)

@@ -196,3 +196,78 @@ def test_a_member_late_by_less_than_a_quarter_decode_is_waited_for() -> None:
     assert sizes == [1, 2, 2, 2, 2, 1]
     # Without patience the late member misses round after round (the same policy as before: 4 ms).
     assert len(late_member(0.0)) >= 7  # 1, 2, 1, 2, ...: every other round split
+
+
+def test_requests_of_several_tokens_share_a_run_up_to_its_limit_oldest_first() -> None:
+    # A prompt's chunk goes into the decode of the others' next tokens; what does not fit leads the next run.
+    model = threading.Lock()
+    run = Recorder()
+    sched: BatchScheduler[int, int] = BatchScheduler(run, gather=0.0, lock=model, size=lambda r: r, limit=10)
+    out: dict[int, int] = {}
+    model.acquire()  # busy: every request below is pending when the model is free
+    th = []
+    for r in (6, 1, 4, 1):  # 6 + 1 fit in 10; 4 would not, so it and the 1 behind it wait for the next run
+        th.append(threading.Thread(target=lambda r=r: out.__setitem__(r, sched.submit(r))))
+        th[-1].start()
+        time.sleep(0.03)
+    model.release()
+    for t in th:
+        t.join()
+    assert run.batches == [[6, 1], [4, 1]]
+    assert out == {6: 60, 1: 10, 4: 40}
+
+
+def test_a_message_waits_for_a_caller_that_just_ended_a_reply_and_a_token_does_not() -> None:
+    run = Recorder()
+    sched: BatchScheduler[int, int] = BatchScheduler(run, gather=0.3, linger=5.0)
+    for _ in range(3):  # three replies, generating together ...
+        sched.join()
+    for _ in range(3):  # ... ended: their clients' next messages are likely to follow
+        sched.leave(linger=True)
+    assert sched.returning() == 3
+    sched.join()  # one of them is back, generating
+    t0 = time.monotonic()
+    assert sched.submit(1) == 10  # a generated token does not wait for those expected back
+    assert time.monotonic() - t0 < 0.2 and run.batches == [[1]]
+    sched.leave()
+    out: dict[int, int] = {}
+
+    def message(r: int) -> None:
+        sched.join()  # each message's caller is joined while it evaluates (it is one of those expected back)
+        try:
+            out[r] = sched.submit(r, gathers_returning=True)
+        finally:
+            sched.leave()
+
+    a = threading.Thread(target=message, args=(2,))
+    a.start()
+    time.sleep(0.05)  # within the gather window: the first message waits for the other one expected back
+    b = threading.Thread(target=message, args=(3,))
+    b.start()
+    a.join()
+    b.join()
+    assert out == {2: 20, 3: 30}
+    assert run.batches == [[1], [2, 3]]  # the two messages in one run
+
+
+def test_after_waiting_for_a_busy_model_the_leader_gathers_the_members_again() -> None:
+    # A sibling's message is evaluated alone (the model's lock); a message that came meanwhile is pending.
+    # The sibling's first token comes just after it: both go into one run, not the message alone first.
+    model = threading.Lock()
+    run = Recorder()
+    sched: BatchScheduler[int, int] = BatchScheduler(run, gather=0.05, lock=model)
+    out: dict[int, int] = {}
+    model.acquire()
+    sched.join()  # the message's caller
+    b = threading.Thread(target=lambda: out.__setitem__(2, sched.submit(2)))
+    b.start()
+    time.sleep(0.1)  # past the gather window: it leads, waiting for the model
+    sched.join()  # the evaluating sibling starts its reply
+    model.release()
+    time.sleep(0.02)  # sampling its first token
+    assert out.get(2) is None
+    assert sched.submit(1) == 10
+    b.join()
+    sched.leave()
+    sched.leave()
+    assert run.batches == [[2, 1]]

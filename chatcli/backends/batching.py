@@ -7,6 +7,14 @@ pending at that moment and runs them together, the others wait for their result.
 little for members that have joined but not yet submitted, so that N conversations in lock step share one
 decode instead of taking turns; a slow consumer only misses a round, it never blocks one.
 
+Requests need not be one token each: a prompt's chunk goes into the same decode as the others' next tokens
+(llama-server's update_slots does the same), so each request has a ``size`` and one run takes, oldest first,
+as many as fit in ``limit``; the rest lead the next run. A prompt's request (``gathers_returning``) also
+waits for callers that ended a generation less than ``linger`` seconds ago (``leave(linger=True)``): clients
+in lock step send their next messages within milliseconds of each other, and two prompts that share one
+decode cost about one prompt's time, where the one that went first alone put the other a whole prompt
+behind. Only prompts wait for them: a round of next tokens never waits for a caller that is not generating.
+
 How little: ``gather`` (4 ms), or a quarter of a decode (``patience``) when that is longer. After a decode
 the members come back one by one, each sampling under the GIL: measured with 8 clients on a busy 2-core
 machine they came 1-18 ms after the decode ended, so 4 ms split a round of 8 into 6 and 2, and the 2
@@ -29,12 +37,15 @@ from dataclasses import dataclass, field
 from typing import ContextManager, Generic, TypeVar
 
 Req = TypeVar("Req")
+_BUSY = 0.001  # a wait for the model's lock longer than this: it was decoding for someone else
 Res = TypeVar("Res")
 
 
 @dataclass
 class _Ticket(Generic[Req, Res]):
     request: Req
+    size: int = 1
+    gathers_returning: bool = False
     done: bool = False
     result: Res | None = None
     error: BaseException | None = None
@@ -62,11 +73,19 @@ class BatchScheduler(Generic[Req, Res]):
         gather: how long a leader waits for joined callers that have not submitted yet (default 4 ms) ...
         patience: ... or this fraction of a decode's duration (a running average), if longer (default 0.25).
         lock: the model's lock, held around ``run`` (taken before the batch is); ``run`` must not take it.
+        size: a request's size (default 1 each) ...
+        limit: ... and the most one run takes (None: no limit); a request larger than it runs alone.
+        linger: how long a caller that left with ``linger=True`` is waited for by a prompt (default 0).
     """
 
     def __init__(self, run: Callable[[list[Req]], list[Res]], *, gather: float = 0.004, patience: float = 0.25,
-                 lock: ContextManager[object] | None = None) -> None:
+                 lock: ContextManager[object] | None = None, size: Callable[[Req], int] | None = None,
+                 limit: int | None = None, linger: float = 0.0) -> None:
         self._run = run
+        self._size = size
+        self.limit = limit
+        self.linger = linger
+        self._returning: list[float] = []  # when each caller that left lingering stops being waited for
         self.gather = gather
         self.patience = patience
         self._decode_seconds = 0.0  # running average of ``run``'s duration (0: none yet)
@@ -83,18 +102,42 @@ class BatchScheduler(Generic[Req, Res]):
         """Callers between ``join`` and ``leave``."""
         return self._active
 
+    @property
+    def busy(self) -> bool:
+        """Whether a run is going on or requests wait for one."""
+        with self._cond:
+            return self._running or bool(self._pending)
+
+    def returning(self) -> int:
+        """Callers that left lingering less than ``linger`` seconds ago and have not joined since."""
+        with self._cond:
+            return self._count_returning()
+
+    def _count_returning(self) -> int:
+        now = time.monotonic()
+        self._returning = [t for t in self._returning if t > now]
+        return len(self._returning)
+
     def join(self) -> None:
         with self._cond:
             self._active += 1
+            self._count_returning()
+            if self._returning:  # a caller that left lingering is back (which one does not matter: a count)
+                self._returning.pop(0)
 
-    def leave(self) -> None:
+    def leave(self, *, linger: bool = False) -> None:
+        """``linger``: the caller is likely to come back with a prompt soon (it ended a reply)."""
         with self._cond:
             self._active -= 1
+            if linger and self.linger > 0:
+                self._returning.append(time.monotonic() + self.linger)
             self._cond.notify_all()  # a leader waiting for this caller's request need not wait any more
 
-    def submit(self, request: Req) -> Res:
-        """Decode ``request`` in the next batch; returns its result (or raises the batch's error)."""
-        ticket: _Ticket[Req, Res] = _Ticket(request)
+    def submit(self, request: Req, *, gathers_returning: bool = False) -> Res:
+        """Decode ``request`` in the next batch; returns its result (or raises the batch's error).
+        ``gathers_returning``: the batch also waits for callers that left lingering (a prompt's request)."""
+        size = self._size(request) if self._size is not None else 1
+        ticket: _Ticket[Req, Res] = _Ticket(request, size, gathers_returning)
         with self._cond:
             if not self._pending:
                 self._first = time.monotonic()
@@ -115,7 +158,14 @@ class BatchScheduler(Generic[Req, Res]):
     def _may_lead(self) -> bool:
         if self._running or not self._pending:
             return False
-        return len(self._pending) >= self._active or time.monotonic() - self._first >= self._window()
+        return len(self._pending) >= self._expected() or time.monotonic() - self._first >= self._window()
+
+    def _expected(self) -> int:
+        """How many requests the next run waits for: one per joined caller, and for a prompt's sake one per
+        caller expected back."""
+        if any(t.gathers_returning for t in self._pending):
+            return self._active + self._count_returning()
+        return self._active
 
     def _window(self) -> float:
         """How long after the first pending request a leader waits for the other joined callers."""
@@ -126,19 +176,57 @@ class BatchScheduler(Generic[Req, Res]):
             return None  # woken by the running batch's end or by a new request
         return max(0.0, self._window() - (time.monotonic() - self._first))
 
+    def _regather(self) -> None:
+        """The model was busy (a sibling's message evaluated alone): its owner's first token comes right
+        after, so wait for the joined callers again, up to a window, before taking the batch. Not holding
+        the model's lock: that token's conversation takes it to enter the batch context. Without this the
+        message queued behind the busy model went alone, and that first token decoded alone after it."""
+        # Three windows: that conversation samples, then copies itself into the batch context (measured: its
+        # token came 3 ms after one window, a whole 0.7 s prompt late, on a busy machine).
+        deadline = time.monotonic() + 3 * self._window()
+        while len(self._pending) < self._expected():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._cond.wait(left)
+
+    def _take(self) -> list[_Ticket[Req, Res]]:
+        """The oldest pending requests that fit in ``limit`` together (at least one); the rest stay pending."""
+        if self.limit is None:
+            return list(self._pending)
+        taken: list[_Ticket[Req, Res]] = []
+        total = 0
+        for t in self._pending:
+            if taken and total + t.size > self.limit:
+                break  # in order: a large request is not overtaken again and again by small ones
+            taken.append(t)
+            total += t.size
+        return taken
+
     def _lead(self, own: _Ticket[Req, Res]) -> None:
         results: list[Res] = []
         error: BaseException | None = None
         batch: list[_Ticket[Req, Res]] = []
         try:
+            t_lock = time.monotonic()
+            with self._lock:
+                busy = time.monotonic() - t_lock > _BUSY
+            if busy:
+                with self._cond:
+                    self._regather()
             with self._lock:
                 with self._cond:  # only now: the requests that came while the model was busy go in too
-                    batch, self._pending = self._pending, []
+                    batch = self._take()
+                    self._pending = self._pending[len(batch):]  # what did not fit leads the next run
                 t0 = time.monotonic()
                 results = self._run([t.request for t in batch])
                 took = time.monotonic() - t0
                 # A running average: one slow decode (a long wait for a core) does not set the window alone.
-                self._decode_seconds = took if not self._decode_seconds else 0.75 * self._decode_seconds + 0.25 * took
+                # Of rounds of single requests (next tokens) only: the window is a quarter of such a round, not
+                # of one carrying a prompt.
+                if all(t.size == 1 for t in batch):
+                    self._decode_seconds = (took if not self._decode_seconds
+                                            else 0.75 * self._decode_seconds + 0.25 * took)
             if len(results) != len(batch):
                 error = RuntimeError(f"a batch of {len(batch)} gave {len(results)} results")
         except BaseException as exc:  # every caller of the batch gets it, the leader included

@@ -53,6 +53,10 @@ from chatcli.core.token_loop import check_load, checked_logits, ensure_logits, e
 
 SEQ = 0  # the conversation
 SCRATCH = 1  # staging area for saving/restoring cell ranges
+# How long a sibling that ended a reply is expected back with a message (its closing, the client's next turn):
+# a message evaluated meanwhile waits up to the scheduler's gather window for it, so that messages sent
+# together share one decode. Measured on the bench's clients: the next message came 20-100 ms after a reply.
+_LINGER = 0.3
 
 
 def _fork_probe(operation: Callable[[], object], timeout: float = 10.0) -> bool:
@@ -91,11 +95,12 @@ def _fork_probe(operation: Callable[[], object], timeout: float = 10.0) -> bool:
 
 @dataclass
 class _Step:
-    """One generated token to decode in the shared batch: whose (its sequence there), where, and whether
-    its logits are needed (not after an end-of-turn token)."""
+    """Tokens to decode in the shared batch: one generated token, or a chunk of a prompt; whose (its sequence
+    there), from where, and whether the last one's logits are needed (not after an end-of-turn token, nor
+    for a prompt's chunk before its last)."""
 
     seq: int
-    token: int
+    tokens: list[int]
     pos: int
     logits: bool
 
@@ -132,6 +137,8 @@ class _SharedBatch:
         self.owner = owner
         self.members: list[Engine] = [owner]
         self.capacity = 0  # sequences of the batch context once made (0: not yet)
+        self.alone = 0  # siblings evaluating a message in their own context now (changed under the GIL)
+        self.stale: set[int] = set()  # sequences left behind by ``Engine._detach``, dropped under the lock
         self._ctx: Any = None
         self._mem: Any = None
         self._batch: Any = None
@@ -139,7 +146,7 @@ class _SharedBatch:
         # The scheduler holds the model's decode lock around ``_run`` (taken before the batch is: steps that
         # come while a sibling evaluates its prompt join the same decode).
         self.scheduler: BatchScheduler[_Step, np.ndarray | None] = BatchScheduler(
-            self._run, lock=owner._decode_lock)
+            self._run, lock=owner._decode_lock, size=lambda s: len(s.tokens), linger=_LINGER)
 
     def add(self, member: Engine) -> int:
         self.members.append(member)
@@ -155,8 +162,12 @@ class _SharedBatch:
         cp = type(o._cparams).from_buffer_copy(o._cparams)  # a ctypes struct: copied bytewise
         cp.n_ctx = cap * o.n_ctx  # every sibling may bring its whole context
         cp.n_seq_max = cap + 1  # one sequence each, and the scratch (the last)
-        # One token per sibling per decode; llama.cpp reserves an output row per sequence (the scratch too).
-        cp.n_batch = cp.n_ubatch = max(8, cap + 1)
+        # A prompt's chunk (up to n_batch tokens) and every other sibling's next token fit in one decode;
+        # llama.cpp reserves an output row per sequence (the scratch too). The micro-batch is smaller: its
+        # compute buffer grows with it times the whole cache (659 MiB at 8 siblings of 4,096 tokens for 521,
+        # 11 MiB for 9), and a chat message is a few dozen tokens; longer ones are split by llama.cpp.
+        cp.n_batch = o.n_batch + cap + 1
+        cp.n_ubatch = min(o.n_batch, 128) + cap + 1
         cp.n_outputs_max = 0  # = n_batch
         with _loading():
             ctx = llama_cpp.llama_init_from_model(o._model, cp)
@@ -166,6 +177,7 @@ class _SharedBatch:
         self._mem = llama_cpp.llama_get_memory(ctx)
         self._batch = llama_cpp.llama_batch_init(cp.n_batch, 0, 1)
         self.capacity = cap
+        self.scheduler.limit = cp.n_batch
 
     @property
     def _scratch(self) -> int:
@@ -176,6 +188,7 @@ class _SharedBatch:
         with m._decode_lock:
             if self._ctx is None:
                 self._make()
+            self.stale.discard(m._member)  # its sequence is replaced below
             data = _seq_data(m._ctx, SEQ) if m.n_past else None
             llama_cpp.llama_memory_seq_rm(self._mem, m._member, -1, -1)
             if data is not None:
@@ -189,8 +202,24 @@ class _SharedBatch:
 
     def leave_batch(self, m: Engine) -> None:
         """Copy the cells ``m`` decoded here back into its own context; drop its sequence here."""
+        self._copy_back(m, keep=False)
+
+    def sync(self, m: Engine) -> None:
+        """Copy the cells ``m`` decoded here back into its own context and keep its sequence here (a prompt
+        evaluated here: its reply continues here while siblings generate, and its own context must hold the
+        message's cells for the state log, which saves them before the reply's first token is decoded)."""
+        try:
+            self._copy_back(m, keep=True)
+        except BaseException:
+            m._in_batch = False
+            with m._decode_lock:
+                llama_cpp.llama_memory_seq_rm(self._mem, m._member, -1, -1)
+            raise
+
+    def _copy_back(self, m: Engine, *, keep: bool) -> None:
         p0, p1 = m._batch_from, m.n_past
-        m._in_batch = False
+        m._in_batch = keep
+        m._batch_from = p1
         with m._decode_lock:
             try:
                 if p1 > p0:
@@ -202,7 +231,8 @@ class _SharedBatch:
                     finally:
                         llama_cpp.llama_memory_seq_rm(self._mem, s, -1, -1)
             finally:
-                llama_cpp.llama_memory_seq_rm(self._mem, m._member, -1, -1)
+                if not keep:
+                    llama_cpp.llama_memory_seq_rm(self._mem, m._member, -1, -1)
         if p1 > p0:
             try:
                 m._put_cells(p0, p1, data)
@@ -216,13 +246,20 @@ class _SharedBatch:
         """Decode ``steps`` in one batch; called by the scheduler with the model's decode lock held."""
         o = self.owner
         b = self._batch
-        b.n_tokens = len(steps)
-        for i, s in enumerate(steps):
-            b.token[i] = s.token
-            b.pos[i] = s.pos
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = s.seq
-            b.logits[i] = s.logits
+        self._drop_stale()
+        rows: list[int] = []  # each step's last token: its logits' row
+        i = 0
+        for s in steps:
+            for k, tok in enumerate(s.tokens):
+                b.token[i] = tok
+                b.pos[i] = s.pos + k
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = s.seq
+                b.logits[i] = False
+                i += 1
+            b.logits[i - 1] = s.logits
+            rows.append(i - 1)
+        b.n_tokens = i
         self._applied_threads = _apply_threads(self._ctx, o._decode_threads(), self._applied_threads)
         rc = COMPUTE.run(llama_cpp.llama_decode, self._ctx, b)
         if rc != 0:
@@ -230,13 +267,18 @@ class _SharedBatch:
                 llama_cpp.llama_memory_seq_rm(self._mem, s.seq, s.pos, -1)
             raise BackendError(f"llama_decode failed ({rc}): {_last_error() or 'no detail'}")
         out: list[np.ndarray | None] = []
-        for i, s in enumerate(steps):
+        for i, s in zip(rows, steps, strict=True):
             if s.logits:
                 ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
                 out.append(np.ctypeslib.as_array(ptr, shape=(o.n_vocab,)).copy())
             else:
                 out.append(None)
         return out
+
+    def _drop_stale(self) -> None:
+        """Drop the sequences of siblings that left the batch context (the model's lock is held)."""
+        while self.stale:
+            llama_cpp.llama_memory_seq_rm(self._mem, self.stale.pop(), -1, -1)
 
     def seq_pos_max(self, seq: int) -> int:
         """The last position sequence ``seq`` holds in the batch context (-1: none)."""
@@ -532,6 +574,12 @@ class Engine:
         self._logits_view: tuple[int, np.ndarray] | None = None
         self.can_shift = bool(llama_cpp.llama_memory_can_shift(self._mem))
         self.n_swa = int(llama_cpp.llama_model_n_swa(model))  # > 0: some layers attend to a sliding window
+        # Batched decoding with siblings (see _SharedBatch): none until the first sibling is made.
+        self._group: _SharedBatch | None = None
+        self._member = 0  # this engine's sequence in the shared batch context
+        self._in_batch = False  # its sequence is in the shared context (cells from _batch_from not yet here)
+        self._batch_from = 0  # where they start
+        self._shift_pending = False  # a shift's RoPE update waits for the next decode: not copyable yet
         self.n_evaluated_total = 0
         self.memory_kind, self.can_truncate, self.ranges = self._probe_memory()
         self.n_evaluated_total = 0  # the probe's two tokens are not the conversation's
@@ -542,12 +590,6 @@ class Engine:
         self.kv_type = kv_type
         self.kv_params = kv_params
         self._closed = False
-        # Batched decoding with siblings (see _SharedBatch): none until the first sibling is made.
-        self._group: _SharedBatch | None = None
-        self._member = 0  # this engine's sequence in the shared batch context
-        self._in_batch = False  # this generation's latest cells are in the shared context, not yet here
-        self._batch_from = 0  # where they start
-        self._shift_pending = False  # a shift's RoPE update waits for the next decode: not copyable yet
 
     @property
     def caps(self) -> Capabilities:
@@ -735,7 +777,66 @@ class Engine:
         Logits are computed for the last token only. The batch boundaries (every ``n_batch`` tokens) are the
         same however the tokens are evaluated, so the cells are too.
         """
-        return eval_batches(self, tokens, lambda part, last: self._decode(part, last_logits=last))
+        group = self._group
+        if group is None:
+            return eval_batches(self, tokens, lambda part, last: self._decode(part, last_logits=last))
+        return self._group_eval(group, tokens)
+
+    def _group_eval(self, group: _SharedBatch, tokens: Sequence[int]) -> Iterator[tuple[int, int]]:
+        """``eval_steps`` of a sibling: with the siblings' next tokens in one decode of the batch context when
+        others generate, evaluate or are expected back with a message (``_fuses``), else alone here."""
+        sched = group.scheduler
+        sched.join()
+        fused = self._fuses(group)
+        if not fused:
+            sched.leave(linger=True)  # not counted while evaluating alone: no round waits for this one
+            group.alone += 1  # a message that comes meanwhile goes to the batch context, to meet our reply
+        try:
+            yield from eval_batches(self, tokens, lambda part, last: (
+                self._fused_decode(group, part, last) if fused else self._decode_alone(part, last)))
+        finally:
+            if fused:
+                sched.leave(linger=True)  # a reply or the next message follows
+            else:
+                group.alone -= 1
+
+    def _fuses(self, group: _SharedBatch) -> bool:
+        """Whether this evaluation goes into the batch context (this engine already joined its scheduler).
+
+        Not from an empty context: a persona prefix is evaluated alone, as the prefix cache's copy was. Not
+        while alone: a single conversation computes exactly as a single engine does."""
+        if self.n_past == 0 or self._shift_pending or group._ctx is None or not group.fits(self):
+            return False
+        sched = group.scheduler
+        return sched.active > 1 or sched.busy or sched.returning() > 0 or group.alone > 0
+
+    def _fused_decode(self, group: _SharedBatch, part: list[int], last: bool) -> None:
+        if not self._in_batch:
+            group.enter_batch(self)
+        row = group.scheduler.submit(_Step(self._member, list(part), self.n_past, last), gathers_returning=True)
+        self.tokens.extend(part)
+        self.n_evaluated_total += len(part)
+        self._logits = row  # a copy of this sequence's last row (None before a prompt's last chunk)
+        self._ctx_logits = False
+        group.sync(self)
+
+    def _decode_alone(self, part: list[int], last: bool) -> None:
+        self._detach()
+        self._decode(part, last_logits=last)
+
+    def _detach(self) -> None:
+        """Before this context changes by itself: out of the batch context (whose copy would go stale). With
+        nothing to copy back (a message evaluated there was copied at once), its sequence there is dropped
+        by the next decode or entry, under the lock they take anyway: a ``clear`` waited 0.9 s for that lock
+        behind a sibling's prompt, on a busy machine."""
+        if self._in_batch:
+            group = self._group
+            assert group is not None
+            if self._batch_from < self.n_past:
+                group.leave_batch(self)
+            else:
+                self._in_batch = False
+                group.stale.add(self._member)
 
     def _decode_threads(self) -> int:
         """Threads for the next decode: the cores other processes leave free, or the fixed count."""
@@ -841,26 +942,31 @@ class Engine:
                 max_tokens=max_tokens, stop_strings=stop_strings)
         finally:
             if group is not None:
-                group.scheduler.leave()
+                group.scheduler.leave(linger=True)  # its closing or next message is likely to follow
                 if self._in_batch:
                     group.leave_batch(self)
             llama_cpp.llama_sampler_free(chain)
             self._cancel_flag.clear()  # a cancel request ends with the generation it stopped
 
     def _step(self, tok: int, *, logits: bool) -> None:
-        """Decode one generated token: with the siblings generating now, in one batch, else alone here."""
+        """Decode one generated token: with the siblings generating now, in one batch, else alone here. Once its
+        tokens are in the batch context a reply stays there to its end, alone or not: leaving copies its cells back and the
+        next sibling's message would copy them all in again (measured: a reply went in and out twice in its
+        last three tokens, 60-70 ms of copies each time on a busy machine)."""
         group = self._group
-        if group is None or self._shift_pending or group.scheduler.active < 2 or not group.fits(self):
-            if self._in_batch:
-                assert group is not None
-                group.leave_batch(self)  # alone again: this context continues from the cells computed
+        # This reply's own cells in the batch context (not its message's: those are copied back at once, and
+        # a reply alone from its start decodes here, exactly as a single engine and a resumed one do).
+        replying_there = self._in_batch and self._batch_from < self.n_past
+        alone = group is None or group.scheduler.active < 2
+        if group is None or self._shift_pending or (alone and not replying_there) or not group.fits(self):
+            self._detach()  # alone again: this context continues from the cells computed
             self._decode([tok], last_logits=logits)
             return
         if self.n_past + 1 > self.n_ctx:
             raise ContextFullError(f"1 token does not fit: {self.n_past}/{self.n_ctx} in use")
         if not self._in_batch:
             group.enter_batch(self)
-        row = group.scheduler.submit(_Step(self._member, tok, self.n_past, logits))
+        row = group.scheduler.submit(_Step(self._member, [tok], self.n_past, logits))
         self.tokens.append(tok)
         self.n_evaluated_total += 1
         self._logits = row  # a copy of this sequence's row, sampled through the candidates array
@@ -991,6 +1097,7 @@ class Engine:
             raise BackendError(f"this model's memory ({self.memory_kind}) cannot be cut back to {n}: it is "
                               "rewound from a saved point instead")
         if dropped:
+            self._detach()
             if not llama_cpp.llama_memory_seq_rm(self._mem, SEQ, n, -1):
                 raise BackendError("llama.cpp could not remove the cells")
             del self.tokens[n:]
@@ -1005,6 +1112,7 @@ class Engine:
         """
         if not self.can_shift:
             raise BackendError("this model's memory cannot be shifted")
+        self._detach()
         if drop <= 0:
             return
         if keep + drop > self.n_past:
@@ -1016,6 +1124,7 @@ class Engine:
         # Logits of the last position do not change by moving cells (relative positions are the same).
 
     def clear(self) -> None:
+        self._detach()
         llama_cpp.llama_memory_clear(self._mem, True)
         self.tokens = []
         self._drop_logits()
@@ -1085,6 +1194,7 @@ class Engine:
         in place (its own copy into the KV cache is the only one).
         """
         check_load(self, p0, p1, tokens)
+        self._detach()
         if p0 == p1:
             return
         if not self.ranges:
