@@ -138,7 +138,7 @@ class RecordParts:
     """An encoded record kept as its parts (header with crc, then the payload's parts), never joined: a
     reply's second token waits for the user message's CELLS record (~11 MB for 465 tokens of the bundled
     model), and each copy of that size cost 5-9 ms (its pages are new to the process each time). The parts
-    go to the file with one ``writev``; the bytes on disk are those of the joined record."""
+    go to the file one after the other (``fsutil.write_all``); the bytes on disk are those of the joined record."""
 
     __slots__ = ("nbytes", "parts")
 
