@@ -405,9 +405,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--omp-wait-policy", choices=["chatcli", "passive", "active", "inherit"], default="chatcli",
                     help="OMP_WAIT_POLICY for every measuring process (default chatcli: unset, as chatcli runs since "
                          "#22; passive = what it set before, faster only while another process holds a core)")
-    ap.add_argument("--before", default="9e58edb",
+    # The before tree restores this tree's state files, so it must read them: 9e58edb (main before #15, the
+    # tables' first "before") takes a record kind it does not know for damage and re-evaluates, and every
+    # turn now writes HISTORY records. 9defbdd (session 10's landing) skips kinds it does not know.
+    ap.add_argument("--before", default="9defbdd",
                     help="git revision whose chatcli is measured next to this tree's for the before/after tables "
-                         "(default 9e58edb, main before issue #15; 'none' to skip)")
+                         "(default 9defbdd, the last before HISTORY records; it must read this tree's state "
+                         "files; 'none' to skip)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds allowed per worker process")
     return ap.parse_args(argv)
 

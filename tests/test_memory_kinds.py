@@ -157,12 +157,15 @@ class Serve:
             self.proc.wait(60)
 
     def user_p0(self, cid: str, n: int) -> int:
-        """Where the n-th user message (0-based) of a stored conversation starts."""
+        """Where the n-th user message (0-based) of a stored conversation starts, or where the previous
+        reply's closing does when it was evaluated with the message (``with_closing``: the server leaves a
+        reply's closing to the next prompt, as llama-server does, so it is not in the saved state)."""
         from chatcli.core.files.store import ConversationDir
         from chatcli.core.transcript import replay_events
 
         rp = replay_events(ConversationDir(self.home / "data" / "conversations" / cid).read_transcript().events)
-        return [m for m in rp.active if m.role == "user"][n].p0
+        m = [m for m in rp.active if m.role == "user"][n]
+        return m.p0 - m.with_closing
 
     def chat(self, messages: list[dict[str, str]]) -> dict[str, Any]:
         import openai
@@ -215,7 +218,10 @@ def test_serve_continues_and_regenerates_after_a_restart(arch_fixtures: ArchFixt
         msgs, [third] = _converse(srv, QUESTIONS[2:], msgs)
         assert third["conv"] == cid
         assert third["evaluated_tokens"] == third["prompt"] - third["cached"] > 0
-        assert third["cached"] == srv.user_p0(cid, 2)  # the whole history before it came from the saved state
+        # The whole history before it came from the saved state but, on a memory that can be cut back, the last
+        # reply's closing: the server left it to the next prompt (as llama-server does) and the kill took it;
+        # it is evaluated with this request. (A memory that cannot be cut back saved its point after it.)
+        assert 0 <= srv.user_p0(cid, 2) - third["cached"] <= 3
         regen = srv.chat(msgs[:-1])
         assert regen["evaluated_tokens"] == 0 and regen["text"] == third["text"]
         srv.stop()

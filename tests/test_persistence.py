@@ -93,9 +93,10 @@ def test_state_file_grows_by_the_new_cells_only(model_path: Path) -> None:
         reply, _ = say(conv, msg)
         user_tokens = conv.messages[-2].tokens
         n_vocab = conv.engine.n_vocab
-        expected = (sf.record_size_for_cells(len(user_tokens), kv_bytes(len(user_tokens)))
+        history = len(sf.history_record(1, [0]))  # before each record of cells: the digest of the tokens before
+        expected = (history + sf.record_size_for_cells(len(user_tokens), kv_bytes(len(user_tokens)))
                     + sf.HEADER_SIZE + 4 * n_vocab  # logits after the user message
-                    + sf.record_size_for_cells(len(reply), kv_bytes(len(reply))))
+                    + history + sf.record_size_for_cells(len(reply), kv_bytes(len(reply))))
         assert path.stat().st_size - before == expected
         assert conv.engine.n_past - n0 == len(user_tokens) + len(reply)
         sizes.append(path.stat().st_size - before)
