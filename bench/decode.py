@@ -597,8 +597,9 @@ def _med_of(rs: list[dict[str, Any]], k: str) -> float | None:
 def _latency_ratio(a: float | None, b: float | None, cap: float | None) -> str:
     """chatcli's latency ÷ llama-server's; when only llama-server's requests outlived the run's cap, the cap
     bounds its latency from below, so the ratio from above ("< x")."""
-    if a is not None and b is not None and math.isinf(b) and not math.isinf(a) and cap:
-        return f"< {a / cap:.2f}"
+    if a is not None and b is not None and math.isinf(b) and cap:
+        # Both outlived it: no ratio is known.
+        return "–" if math.isinf(a) else f"< {a / cap:.2f}"
     return f(a / b if a is not None and b else None, 2)
 
 
