@@ -70,6 +70,15 @@ class Kind:
         assert conv is not None and report is not None
         return conv, report
 
+    def reopen(self, cid: str, what: str) -> tuple[Any, Any]:
+        """Open ``cid`` again, expecting its state restored with nothing evaluated; ``what`` names the check."""
+        before = self.engine.n_evaluated_total
+        conv, report = self.open(cid)
+        expect(report.reevaluated == 0 and self.engine.n_evaluated_total == before,
+               f"{what} evaluated {self.engine.n_evaluated_total - before} "
+               f"(restored {report.restored_tokens}, reason {report.reason!r})")
+        return conv, report
+
     def talk(self, msgs: list[str], conv: Any = None) -> dict[str, Any]:
         """Send ``msgs`` (in a new conversation unless given); the replies, logits and tokens, conversation closed."""
         from tests.drive import say
@@ -105,10 +114,7 @@ class Kind:
 
     def check_resume(self) -> None:
         first = self.talk(M[:2])
-        before = self.engine.n_evaluated_total
-        conv, report = self.open(first["id"])
-        expect(report.reevaluated == 0 and self.engine.n_evaluated_total == before,
-               f"resume evaluated {self.engine.n_evaluated_total - before} tokens ({report.reason})")
+        conv, report = self.reopen(first["id"], "resume")
         expect(report.restored_tokens == len(first["tokens"]), f"restored {report.restored_tokens} of {len(first['tokens'])}")
         self.continues_like_control(conv, 2, "resume")
         conv.close()
@@ -159,11 +165,7 @@ class Kind:
         conv, _ = self.open(full["id"])
         conv.undo(1)
         conv.close()
-        before = self.engine.n_evaluated_total
-        conv, report = self.open(full["id"])
-        expect(report.reevaluated == 0 and self.engine.n_evaluated_total == before,
-               f"resume after undo evaluated {self.engine.n_evaluated_total - before} "
-               f"(restored {report.restored_tokens}, reason {report.reason!r})")
+        conv, _ = self.reopen(full["id"], "resume after undo")
         toks, lg = say(conv, OTHER)
         fresh = self._fresh_other()
         self.same(lg, fresh["logits"][2], "resume after undo")
@@ -223,11 +225,7 @@ class Kind:
         self._resumes_exactly(full, "resume after a torn redo")
 
     def _resumes_exactly(self, full: dict[str, Any], what: str) -> None:
-        before = self.engine.n_evaluated_total
-        conv, report = self.open(full["id"])
-        expect(report.reevaluated == 0 and self.engine.n_evaluated_total == before,
-               f"{what} evaluated {self.engine.n_evaluated_total - before} "
-               f"(restored {report.restored_tokens}, reason {report.reason!r})")
+        conv, _ = self.reopen(full["id"], what)
         expect(list(self.engine.tokens) == full["tokens"], f"{what}: tokens differ")
         self.continues_like_control(conv, 3, what)
         conv.close()
@@ -283,11 +281,7 @@ class Kind:
         conv.transcript.append({"type": "truncate", "to": to, "reason": "alt"})
         conv.transcript.append({"type": "activate", "mid": original.mid, "p0": to})
         conv.close()
-        before = self.engine.n_evaluated_total
-        conv, report = self.open(first["id"])
-        expect(report.reevaluated == 0 and self.engine.n_evaluated_total == before,
-               f"resume after a torn /alt evaluated {self.engine.n_evaluated_total - before} "
-               f"(restored {report.restored_tokens}, reason {report.reason!r})")
+        conv, report = self.reopen(first["id"], "resume after a torn /alt")
         expect(report.reason == "", f"resume after a torn /alt reported {report.reason!r}")
         expect(list(self.engine.tokens) == first["tokens"], "resume after a torn /alt: tokens differ")
         self.continues_like_control(conv, 2, "resume after a torn /alt")
@@ -337,11 +331,7 @@ class Kind:
         bases = sf.base_files(child_state)
         expect(any(os.path.samefile(b, store.resolve(parent["id"]).state_path) for b in bases),
                "the fork does not share the parent's records")
-        before = self.engine.n_evaluated_total
-        conv, report = self.open(child_id)
-        expect(report.reevaluated == 0 and self.engine.n_evaluated_total == before,
-               f"the fork's resume evaluated {self.engine.n_evaluated_total - before} "
-               f"(restored {report.restored_tokens}, reason {report.reason!r})")
+        conv, _ = self.reopen(child_id, "the fork's resume")
         self.continues_like_control(conv, 2, "fork")
         conv.close()
 
