@@ -27,6 +27,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 
+from chatcli.backends.llamacpp import _LINGER  # noqa: E402
 from chatcli.core.files.store import ConversationDir  # noqa: E402
 from chatcli.core.kv import records as sf  # noqa: E402  (after the importorskips)
 from chatcli.core.transcript import Replay, replay_events  # noqa: E402
@@ -419,8 +420,16 @@ def test_resident_conversations_are_not_restored(server: Server, reference: Serv
     c = [{"role": "system", "content": "You are terse. (resident C)"}, {"role": "user", "content": QUESTIONS[0]}]
     seen: dict[str, list[str]] = {"a": [], "b": []}
 
+    def alone(msgs: list[dict[str, str]]) -> Reply:
+        # A caller that just ended a reply is expected back for a while (``_LINGER``), and a message evaluated
+        # meanwhile goes to the batch context to meet it: computed there, not as a single context computes.
+        # Each request here comes once nobody is expected (the previous test's two clients ended together:
+        # the next request counts one of them off, the other would still be waited for).
+        time.sleep(_LINGER + 0.2)
+        return chat(server, msgs)
+
     def turn(msgs: list[dict[str, str]], name: str) -> Reply:
-        r = chat(server, msgs)
+        r = alone(msgs)
         msgs += [{"role": "assistant", "content": r.text}, {"role": "user", "content": QUESTIONS[len(msgs) // 2]}]
         seen[name].append(r.text)
         return r
@@ -430,7 +439,7 @@ def test_resident_conversations_are_not_restored(server: Server, reference: Serv
     ra = turn(a, "a")
     rb = turn(b, "b")
     assert (ra.ext["state_from"], rb.ext["state_from"]) == ("memory", "memory")
-    assert chat(server, c).ext["state_from"] == "new"  # a was the least recently used: released
+    assert alone(c).ext["state_from"] == "new"  # a was the least recently used: released
     ra = turn(a, "a")
     assert ra.ext["state_from"] == "disk" and ra.cached == user_span(server, ra.conv, 2)[0]
     # Contexts of their own compute exactly what a single context does.
