@@ -52,7 +52,7 @@ from bench.serve import Proc, chat, find_llama_server, free_port, http_json
 # Section 1's rounds are short and many: the machine drifts (its rate moved 63-90 tok/s within one run), and
 # each ratio is taken within a round, so shorter rounds see less of the drift and more of them give a median.
 FULL = {"rounds": 12, "prompt": 512, "decode": 96, "clients": [1, 2, 4, 8], "turns": 3, "reply": 48,
-        "conc_reps": 2, "fa_depths": [0, 2048], "fa_rounds": 4,
+        "conc_reps": 4, "fa_depths": [0, 2048], "fa_rounds": 4,
         "loaded": {"rounds": 3, "decode_cap": 15.0, "conc_reps": 1, "conc_cap": 30.0}}
 QUICK = {"rounds": 3, "prompt": 128, "decode": 48, "clients": [1, 2, 4, 8], "turns": 2, "reply": 24,
          "conc_reps": 1, "fa_depths": [0, 1024], "fa_rounds": 2,
