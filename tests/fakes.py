@@ -158,7 +158,7 @@ class FakeBackend:
         self._logits = logits_for(self.tokens)
 
     def generate(self, sampling: Sampling, *, seed: int, max_tokens: int, result: GenerationResult | None = None,
-                 stop_strings: Sequence[str] = ()) -> Iterator[TokenEvent]:
+                 stop_strings: Sequence[str] = (), defer_last: bool = False) -> Iterator[TokenEvent]:
         res = result if result is not None else GenerationResult()
         if not self.has_logits:
             self.ensure_logits()
@@ -169,7 +169,7 @@ class FakeBackend:
                 res, sample=lambda: next(planned), decode=lambda tok, logits: self._decode([tok]),
                 is_eog=self.is_eog, piece=lambda tok: self.piece(tok, special=False),
                 room=lambda: self.n_ctx - self.n_past, cancelled=lambda: self._cancel,
-                max_tokens=max_tokens, stop_strings=stop_strings)
+                max_tokens=max_tokens, stop_strings=stop_strings, defer_last=defer_last)
         finally:
             self._cancel = False
 

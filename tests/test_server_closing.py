@@ -1,12 +1,16 @@
-"""A served reply's closing (the ``<|im_end|>\\n`` after it) is evaluated with the next prompt, as llama-server
-evaluates it: no decode after ``[DONE]``, one decode less per turn, and what is saved is what was computed.
+"""A served reply's end (its last sampled token and the ``<|im_end|>\\n`` after it) is evaluated with the next
+prompt, as llama-server evaluates it: no decode after the last token is sampled, two decodes less per turn, and
+what is saved is what was computed.
 
-- after a reply the state file holds the reply without its closing, and nothing is decoded after the end;
-- the next message of that conversation is evaluated with the closing in one call, and the transcript says so;
+- after a reply the state file holds the reply without its last token and closing, and nothing is decoded
+  after the end; each way a reply ends (end of generation, max_tokens, a stop string, a client gone) leaves
+  the right tokens due;
+- the next message of that conversation is evaluated with them in one call, and the transcript says so;
 - a conversation whose state is gone is rebuilt with the same calls (the rebuild replays the folded one);
-- the operations that are not a new prompt (a regenerate, a shutdown) decode the closing first;
-- a conversation left with its closing due resumes (the closing's tokens evaluated) to the tokens an
-  uninterrupted server gives, and its state file is appended to, not rewritten.
+- a copy rebuilt from what was saved continues exactly as the live one (tokens, bit-identical logits);
+- the operations that are not a new prompt (a regenerate, an undo, an edit, a shutdown) decode them first;
+- a conversation left with its end due resumes (those tokens evaluated, nothing lost), and its state file is
+  appended to, not rewritten.
 
 Real model (the bundled SmolLM2), greedy.
 """
@@ -73,24 +77,36 @@ def _conversation(svc: ChatService, decodes: list[int], turns: int) -> tuple[lis
     return msgs, out
 
 
-def test_the_closing_is_evaluated_with_the_next_prompt(chat_service: ChatService, sess: Any,
-                                                       decodes: list[int]) -> None:
-    _msgs, [(fin1, _, after1), (fin2, during2, after2)] = _conversation(chat_service, decodes, 2)
+def _singles(sizes: list[int]) -> int:
+    """How many one-token decodes end ``sizes`` (a reply's sampled tokens, after its prompt)."""
+    n = 0
+    while n < len(sizes) and sizes[-1 - n] == 1:
+        n += 1
+    return n
+
+
+def test_the_reply_s_end_is_evaluated_with_the_next_prompt(chat_service: ChatService, sess: Any,
+                                                           decodes: list[int]) -> None:
+    _msgs, [(fin1, during1, after1), (fin2, during2, after2)] = _conversation(chat_service, decodes, 2)
     assert fin1.conversation == fin2.conversation
-    assert after1 == after2 == []  # nothing decoded after the end: the closing waits for the next prompt
+    assert fin1.finish_reason == fin2.finish_reason == "length"  # max_tokens: the last one known before its decode
+    # Every sampled token but the last was decoded (the first is sampled from the prompt's logits); nothing
+    # after the end: the last token and the closing wait for the next prompt.
+    assert _singles(during1) == _singles(during2) == fin1.completion_tokens - 1 == fin2.completion_tokens - 1
+    assert after1 == after2 == []
     conv_dir = sess.store.dir(fin1.conversation)
     r = replay_events(conv_dir.read_transcript().events)
     reply1, user2, reply2 = r.active[-3:]
-    n_close = user2.with_closing
-    assert n_close > 0 and reply1.tokens[-n_close:] == sess.engine.tokenize("<|im_end|>\n", add_special=False)
-    # The second request's first decode: the first reply's closing and the new message, one batch.
-    assert during2[0] == n_close + len(user2.tokens)
+    closing = sess.engine.tokenize("<|im_end|>\n", add_special=False)
+    n_due = user2.with_closing
+    assert n_due == 1 + len(closing) and reply1.tokens[-len(closing):] == closing
+    # The second request's first decode: the first reply's last token, its closing and the new message.
+    assert during2[0] == n_due + len(user2.tokens)
     assert fin2.prompt_n == fin2.evaluated == during2[0]
-    # Saved: everything but the last reply's closing, which the context does not hold either.
+    # Saved: everything but the last reply's last token and closing, which the context does not hold either.
     want = r.tokens()
-    n_close2 = len(sess.engine.tokenize("<|im_end|>\n", add_special=False))
-    assert reply2.tokens[-n_close2:] == want[-n_close2:]
-    assert state_tokens(conv_dir.state_path) == want[:-n_close2] == list(sess.engine.tokens)
+    assert reply2.tokens[-n_due:] == want[-n_due:] and want[-len(closing):] == closing
+    assert state_tokens(conv_dir.state_path) == want[:-n_due] == list(sess.engine.tokens)
 
 
 def _after_prefix(sizes: list[int], n_prefix: int) -> list[int]:
@@ -157,11 +173,12 @@ def test_a_regenerate_decodes_the_closing_first_and_keeps_the_reply_whole(sess: 
         conv.defer_writes()  # as the server does
         drain(conv.send(TURNS[0]))
         conv.commit()
-        n_close = len(conv._closing_due)
-        assert n_close > 0
+        n_due = len(conv._closing_due)
+        assert n_due > 1 and conv._due_sampled == 1
         decodes.clear()
         drain(conv.regen())
-        assert decodes[0] == n_close  # the old reply's closing, alone (its rebuild plan), before the rollback
+        # The old reply's last token alone, then its closing (its rebuild plan), before the rollback.
+        assert decodes[:2] == [1, n_due - 1]
         conv.commit()
         r = replay_events(conv.dir.read_transcript().events)
         old, new = r.alternatives(r.active[-1].turn)
@@ -192,5 +209,9 @@ def test_a_conversation_left_with_its_closing_due_resumes_by_appending(chat_serv
     msgs.append({"role": "user", "content": TURNS[1]})
     res, during, _ = _turn(chat_service, msgs, decodes)
     assert res.conversation == fin.conversation and res.state == "disk"
-    assert during[0] == len(want) - len(saved)  # the closing, its own call (as the transcript says)
+    # The reply's last token alone, then its closing (as the transcript says): nothing lost.
+    assert during[:2] == [1, len(want) - len(saved) - 1]
     assert conv_dir.state_path.read_bytes()[:size] == head
+    r = replay_events(conv_dir.read_transcript().events)
+    assert r.tokens()[:len(want)] == want and r.active[-2].with_closing == 0  # the message evaluated alone
+    assert list(sess.engine.tokens) + chat_service._slots[0].conv._closing_due == r.tokens()

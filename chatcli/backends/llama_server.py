@@ -574,9 +574,10 @@ class LlamaServerBackend:
 
     def generate(
         self, sampling: Sampling, *, seed: int, max_tokens: int, result: GenerationResult | None = None,
-        stop_strings: Sequence[str] = (),
+        stop_strings: Sequence[str] = (), defer_last: bool = False,
     ) -> Iterator[TokenEvent]:
-        """Stream a reply sampled by the server. Each token joins ``tokens`` before it is yielded."""
+        """Stream a reply sampled by the server. Each token joins ``tokens`` before it is yielded
+        (``defer_last`` changes nothing: the server evaluates what it sampled when the next request asks)."""
         res = result if result is not None else GenerationResult()
         t0 = time.perf_counter()
         prompt = list(self.tokens)

@@ -911,12 +911,15 @@ class Engine:
         max_tokens: int,
         result: GenerationResult | None = None,
         stop_strings: Sequence[str] = (),
+        defer_last: bool = False,
     ) -> Iterator[TokenEvent]:
         """Sample a reply token by token from the current logits.
 
         Each sampled token is decoded into the context before the next is sampled, so ``tokens`` always
         equals what the KV holds; the end-of-turn token is decoded too, so the next turn starts right after
-        it. Closing the generator early (or ``cancel()``) keeps what was produced and stays consistent.
+        it (unless ``defer_last``: the reply's last token is left in ``result.undecoded``, see
+        ``token_loop``). Closing the generator early (or ``cancel()``) keeps what was produced and stays
+        consistent.
         """
         res = result if result is not None else GenerationResult()
         if not self.has_logits:
@@ -939,7 +942,7 @@ class Engine:
                 decode=lambda tok, logits: self._step(tok, logits=logits),
                 is_eog=self.is_eog, piece=lambda tok: self.piece(tok, special=False),
                 room=lambda: self.n_ctx - self.n_past, cancelled=self._cancel_flag.is_set,
-                max_tokens=max_tokens, stop_strings=stop_strings)
+                max_tokens=max_tokens, stop_strings=stop_strings, defer_last=defer_last)
         finally:
             if group is not None:
                 group.scheduler.leave(linger=True)  # its closing or next message is likely to follow

@@ -122,6 +122,9 @@ class GenerationResult:
     ttft: float = 0.0
     seconds: float = 0.0
     n_decoded: int = 0
+    # Sampled tokens the context does not hold (``generate(defer_last=True)``): the reply's last, which the
+    # caller evaluates later (a server: with the next prompt). Not in ``Backend.tokens``.
+    undecoded: list[int] = field(default_factory=list)
     # When the first and the last token were handed out (seconds since the generation started; -1: none
     # yet): the span a decoding rate is counted over (``TurnStats.tokens_per_second``).
     first_shown: float = -1.0
@@ -181,9 +184,11 @@ class Backend(Protocol):
 
     def generate(
         self, sampling: Sampling, *, seed: int, max_tokens: int, result: GenerationResult | None = None,
-        stop_strings: Sequence[str] = (),
+        stop_strings: Sequence[str] = (), defer_last: bool = False,
     ) -> Iterator[TokenEvent]:
-        """Sample a reply; each token joins ``tokens`` before the next is yielded. Closing early keeps it."""
+        """Sample a reply; each token joins ``tokens`` before the next is yielded. Closing early keeps it.
+        ``defer_last``: the reply's last token may be left out of the context, in ``result.undecoded``
+        (a backend that cannot, or that evaluates lazily anyway, decodes it as any other)."""
         ...
 
     def json_grammar(self, schema: Mapping[str, Any] | None = None) -> str:

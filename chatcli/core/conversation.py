@@ -82,9 +82,11 @@ class Conversation(ConversationViews):
         self.after_save: Callable[[], str | None] | None = None
         self._pending_notices: list[Notice] = []
         self._meta_due = False  # the metadata changed while writes are held (``defer_writes``): ``commit`` writes it
-        # A reply's closing, in the transcript, not decoded yet (held writes: see ``_reply``): the next user
-        # message is evaluated with it, any other operation decodes it first (``_settle_closing``).
+        # The end of a reply, in the transcript, not decoded yet (held writes: see ``_reply``): its last sampled
+        # token (the first ``_due_sampled`` tokens) and the template's closing. The next user message is
+        # evaluated with them, any other operation decodes them first (``_settle_closing``).
         self._closing_due: list[int] = []
+        self._due_sampled = 0
         self.log.on_saved = self._saved
         self.log.replan = lambda: rebuild.segments(len(self.r.prefix_tokens), list(self.r.active), self._closing_len)
         self.log.reusable = self._reusable
@@ -245,19 +247,24 @@ class Conversation(ConversationViews):
             self._write_meta()
 
     def close_reply(self) -> None:
-        """Decode a reply's closing still due and save its cells (a server shutting down: the state file then
-        holds the whole conversation, and its next resume evaluates nothing)."""
+        """Decode a reply's end still due (its last token, its closing) and save its cells (a server shutting
+        down: the state file then holds the whole conversation, and its next resume evaluates nothing)."""
         self._settle_closing()
         self._touch_meta()
 
     def _settle_closing(self) -> None:
-        """Decode a reply's closing still due (see ``_reply``) alone and save its cells: before anything but
-        the next user message touches the context. A closing that cannot be decoded raises (``BackendError``):
-        the context then no longer holds what the transcript says, so its holder must restore the
-        conversation before using it again."""
-        closing, self._closing_due = self._closing_due, []
-        if closing:
-            finish(evaluate(self.backend, closing, "closing the reply"))
+        """Decode a reply's end still due (see ``_reply``) and save its cells: before anything but the next
+        user message touches the context. Its sampled token is decoded alone and the closing in one call, as
+        the rebuild plan has them (rebuild.py). Tokens that cannot be decoded raise (``BackendError``): the
+        context then no longer holds what the transcript says, so its holder must restore the conversation
+        before using it again."""
+        due, self._closing_due = self._closing_due, []
+        sampled, self._due_sampled = self._due_sampled, 0
+        if due:
+            for tok in due[:sampled]:
+                finish(evaluate(self.backend, [tok], "closing the reply"))
+            if due[sampled:]:
+                finish(evaluate(self.backend, due[sampled:], "closing the reply"))
             reply = self.r.active[-1]  # the reply it closes (anything appended after it folds or settles it)
             self.log.cells_evaluated(reply.p0, reply.p1)
 
@@ -310,7 +317,7 @@ class Conversation(ConversationViews):
         # that take more than one batch.
         stats.prompt_seconds = yield from self._append_evaluated("user", text, tokens, turn,
                                                                  label="reading your message", bar_above=eng.n_batch)
-        stats.n_prompt = closing + len(tokens)  # what this call evaluated (llama-server's prompt_n counts it too)
+        stats.n_prompt = closing + len(tokens)  # what this call evaluated (llama-server's prompt_n counts them too)
         self.log.user_evaluated(p0, tokens, stats, defer=True, closing=closing)  # written after the first token
         yield from self._notices()
         if not self.title:
@@ -334,9 +341,13 @@ class Conversation(ConversationViews):
         # still recorded like a Ctrl-C'd one: the context and the transcript must never disagree.
         abandoned = False
         failed: BackendError | None = None
+        # A server (held writes) leaves the reply's end to the next prompt, as llama-server does: its last
+        # sampled token is not decoded either (below). A memory that cannot be cut back saves its point after
+        # the closing: decoded now, as in the REPL.
+        defer = self.log.hold and eng.caps.truncate
         stream = stream_reply(eng, self.sampling, draft, seed=use_seed, max_tokens=limit,
                               stop_strings=self._stop_strings, turn=turn, alt=alt,
-                              reasoning=ReasoningStream(self.template))
+                              reasoning=ReasoningStream(self.template), defer_last=defer)
         flushed = False
         try:
             try:
@@ -358,10 +369,19 @@ class Conversation(ConversationViews):
             res.stop_reason = res.stop_reason or "cancelled"
         if res.stop_reason == "length" and limit < self.max_tokens:
             res.stop_reason = "context"  # stopped by the room left, not by max_tokens
+        # The reply's last sampled token, not decoded (``defer``): it stays due with the closing.
+        last = list(res.undecoded)
+        if failed is not None and last:
+            try:
+                for tok in last:
+                    finish(evaluate(eng, [tok], "rebuilding the reply"))
+            except BackendError:
+                pass  # the engine is gone: the reply is kept as far as the context holds it
+            last = []
         if draft.cut and failed is None:
-            self._back_to_returned(p0, draft.text)
+            last = self._back_to_returned(p0, draft.text, last, defer=defer)
             res.stop_reason = "stop"
-        reply_tokens = eng.tokens[p0:]
+        reply_tokens = [*eng.tokens[p0:], *last]
         # Close the reply now (e.g. the "\n" after <|im_end|>) so every message holds its whole rendering:
         # then whole exchanges can be dropped by a context shift without leaving half a turn behind.
         try:
@@ -370,19 +390,21 @@ class Conversation(ConversationViews):
             if failed is None:
                 raise
             closing = []  # a dead server cannot tokenize the closing: the partial reply is kept without it
-        if closing and eng.n_past + len(closing) <= eng.n_ctx:
-            if self.log.hold and failed is None and eng.caps.truncate:
-                # Not decoded now: a server sends the reply's end, writes what was computed, and the next user
-                # message is evaluated with these tokens in one call, as llama-server evaluates the closing
-                # with the next prompt (one decode less per turn); any other operation decodes them first.
-                # The transcript names them already. (A memory that cannot be cut back saves its point after
-                # the closing: decoded now.)
-                self._closing_due = list(closing)
-                reply_tokens = [*eng.tokens[p0:], *closing]
-            else:
-                # Unseen: a few tokens, and this generator may have been closed already (an abandoned reply).
+        if eng.n_past + len(last) + len(closing) > eng.n_ctx:
+            closing = []  # the closing does not fit (never: a reply leaves it room): the reply is kept without it
+        if defer and failed is None and (last or closing):
+            # Not decoded now: a server sends the reply's end, writes what was computed, and the next user
+            # message is evaluated with these tokens in one call, as llama-server evaluates a slot's last
+            # sampled token and the closing with the next prompt (two decodes less per turn); any other
+            # operation decodes them first. The transcript names them already.
+            self._closing_due, self._due_sampled = [*last, *closing], len(last)
+        else:
+            # Unseen: a few tokens, and this generator may have been closed already (an abandoned reply).
+            for tok in last:
+                finish(evaluate(eng, [tok], "closing the reply"))
+            if closing:
                 finish(evaluate(eng, closing, "closing the reply"))
-                reply_tokens = eng.tokens[p0:]
+        reply_tokens = [*eng.tokens[p0:], *self._closing_due]
         stats.server_evaluated = res.n_prompt_evaluated
         stats.server_cached = res.n_prompt_cached
         if stats.kept is not None and res.n_prompt_evaluated is not None:
@@ -405,10 +427,10 @@ class Conversation(ConversationViews):
                                           stop=res.stop_reason, parts=parts)
         except OSError:
             # Not in the transcript means not in the conversation: the context must not keep it either.
-            self._closing_due = []
+            self._closing_due, self._due_sampled = [], 0
             finish(self.log.rollback(p0, persist=False))
             raise
-        self.log.reply_done(p0, eng.tokens[p0:], stats)  # what the context holds (without a closing due)
+        self.log.reply_done(p0, eng.tokens[p0:], stats)  # what the context holds (without the end still due)
         self._touch_meta()
         stats.n_past = self._n_past
         stats.n_ctx = eng.n_ctx
@@ -421,22 +443,29 @@ class Conversation(ConversationViews):
         yield from self._notices()
         yield ReplyEnd(msg, stats)
 
-    def _back_to_returned(self, p0: int, text: str) -> None:
+    def _back_to_returned(self, p0: int, text: str, undecoded: list[int], *, defer: bool) -> list[int]:
         """A stop string was cut from the reply: roll the context back to the text returned, so later turns
         (and a client sending the same visible history) see what was shown, not the stop string, the rest
         of its token or the whitespace stripped before it. Tokens re-added are decoded one by one, as
-        sampled ones are, so a rebuild's batching (rebuild.py) still matches."""
+        sampled ones are, so a rebuild's batching (rebuild.py) still matches. ``undecoded``: the sampled
+        tokens after the context's (``defer_last``). Returns the reply's last token when it is left due
+        (``defer``: not decoded, as a sampled last one), else nothing."""
         eng = self.backend
-        k, rest = returned_tokens(eng, eng.tokens[p0:], text)
+        sampled = [*eng.tokens[p0:], *undecoded]
+        k, rest = returned_tokens(eng, sampled, text)
+        kept = min(k, eng.n_past - p0)  # sampled tokens kept that the context holds
+        rest = [*sampled[kept:k], *rest]
         if eng.caps.truncate:
-            eng.truncate(p0 + k)
+            eng.truncate(p0 + kept)
         else:
             # A memory that cannot be cut back mid-reply: back to the reply's start (a saved point), then
             # the kept tokens again, one by one as they were sampled.
-            rest = [*eng.tokens[p0:p0 + k], *rest]
+            rest = [*eng.tokens[p0:p0 + kept], *rest]
             finish(self.log.rollback(p0, persist=False))
-        for tok in rest:
+        due = rest[-1:] if defer else []
+        for tok in rest[:len(rest) - len(due)]:
             finish(evaluate(eng, [tok], "rebuilding the reply"))
+        return due
 
     def cancel(self) -> None:
         self.backend.cancel()
@@ -509,7 +538,7 @@ class Conversation(ConversationViews):
 
     @property
     def _n_past(self) -> int:
-        """The conversation's length: the context's, with a reply's closing still due."""
+        """The conversation's length: the context's, with a reply's end still due."""
         return self.backend.n_past + len(self._closing_due)
 
     def _append_evaluated(self, role: str, text: str, tokens: list[int], turn: int, *, alt: int = 0,
@@ -517,15 +546,16 @@ class Conversation(ConversationViews):
                           bar_above: int = 0) -> Generator[Progress, None, float]:
         """Record a message (transcript first) and evaluate it, a ``Progress`` per batch when it has more than
         ``bar_above`` tokens; returns the seconds the evaluation took. A user message is evaluated with a
-        reply's closing still due, in one call (the transcript says so: rebuild.py replays it)."""
+        reply's end still due (its last token, its closing), in one call (the transcript says how many tokens
+        came before the message: rebuild.py replays it)."""
         eng = self.backend
         if role != "user":
             self._settle_closing()
-        closing = self._closing_due
+        closing, sampled = self._closing_due, self._due_sampled
         c0 = eng.n_past
         p0 = c0 + len(closing)
         self.transcript.message(role, text, tokens, p0, turn, alt=alt, stop=stop, with_closing=len(closing))
-        self._closing_due = []
+        self._closing_due, self._due_sampled = [], 0
         try:
             seconds = yield from evaluate(eng, [*closing, *tokens], label, stoppable=True, above=bar_above)
         except BaseException:
@@ -535,7 +565,7 @@ class Conversation(ConversationViews):
             self.transcript.append({"type": "truncate", "to": p0, "reason": "failed"})
             if eng.n_past > c0:
                 finish(self.log.rollback(c0, persist=False))  # on the way out: nothing can be shown
-            self._closing_due = closing
+            self._closing_due, self._due_sampled = closing, sampled
             raise
         return seconds
 

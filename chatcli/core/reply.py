@@ -36,13 +36,14 @@ class Draft:
 
 def stream_reply(backend: Backend, sampling: Sampling, draft: Draft, *, seed: int, max_tokens: int,
                  stop_strings: Sequence[str], turn: int, alt: int,
-                 reasoning: ReasoningStream | None = None) -> Generator[Event, None, None]:
-    """Sample a reply into ``draft``, yielding its text as it comes; each token joins the backend's sequence.
-    With ``reasoning`` the text comes as reasoning and answer runs (``ReplyText.reasoning``), tags left out."""
+                 reasoning: ReasoningStream | None = None, defer_last: bool = False) -> Generator[Event, None, None]:
+    """Sample a reply into ``draft``, yielding its text as it comes; each token joins the backend's sequence
+    (but for the last with ``defer_last``: ``draft.result.undecoded``). With ``reasoning`` the text comes as
+    reasoning and answer runs (``ReplyText.reasoning``), tags left out."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     # Pieces that may begin a stop string are held back until it is clear: markup is never shown.
     gen = hold_back_stops(backend.generate(sampling, seed=seed, max_tokens=max_tokens, result=draft.result,
-                                           stop_strings=stop_strings), stop_strings)
+                                           stop_strings=stop_strings, defer_last=defer_last), stop_strings)
     try:
         yield ReplyStart(turn, alt)
         for ev in gen:

@@ -69,7 +69,7 @@ def ensure_logits(backend: Backend) -> int:
 def token_loop(
     res: GenerationResult, *, sample: Callable[[], int], decode: Callable[[int, bool], None],
     is_eog: Callable[[int], bool], piece: Callable[[int], bytes], room: Callable[[], int],
-    cancelled: Callable[[], bool], max_tokens: int, stop_strings: Sequence[str] = (),
+    cancelled: Callable[[], bool], max_tokens: int, stop_strings: Sequence[str] = (), defer_last: bool = False,
 ) -> Iterator[TokenEvent]:
     """Sample tokens into ``res`` until the end of generation, ``max_tokens``, no ``room()`` left in the
     context, ``cancelled()`` or one of ``stop_strings`` in the text (``res.stop_reason`` says which).
@@ -85,6 +85,11 @@ def token_loop(
         cancelled: asked before each token (a Ctrl-C, a client gone).
         max_tokens: the longest reply.
         stop_strings: texts that end the reply once they appear in it.
+        defer_last: the reply's last token is not decoded but left in ``res.undecoded`` for the caller (a
+            server evaluates it with the next prompt, as llama-server does): the one known to be the last
+            before its decode (the end of generation, ``max_tokens`` reached, no room for another, a stop
+            string in the text, ``cancelled()`` after it was handed out) and the one a consumer closed the
+            loop after.
 
     Each token is yielded before it is decoded, and decoded before the next is sampled, so the context
     always holds the reply so far; a consumer that closes the loop right after a token still gets that token
@@ -112,24 +117,41 @@ def token_loop(
             eog = is_eog(tok)
             shown = b"" if eog else piece(tok)
             text += shown
-            yield TokenEvent(tok, shown, eog, res.shown(time.perf_counter() - t0))
-            decode(tok, not eog)
-            pending = None
-            if eog:
-                res.stop_reason = "eog"
-                break
-            if stop_strings:
+            stop = "eog" if eog else ""
+            if not stop and stop_strings:
                 decoded = text.decode("utf-8", errors="ignore")
                 if any(s in decoded for s in stop_strings):
-                    res.stop_reason = "stop"
-                    break
+                    stop = "stop"
+            if defer_last and not stop:
+                # Known before the decode: the next round would stop here without sampling.
+                if len(res.tokens) >= max_tokens:
+                    stop = "length"
+                elif room() <= 1:
+                    stop = "context"
+            if defer_last and stop:
+                res.stop_reason = stop  # set before the consumer sees the token: its decode is left out
+            yield TokenEvent(tok, shown, eog, res.shown(time.perf_counter() - t0))
+            if defer_last and not stop and cancelled():
+                stop = res.stop_reason = "cancelled"  # seen, and nothing follows: not decoded either
+            if defer_last and stop:
+                break  # left for the caller: ``finally`` hands it over
+            decode(tok, not eog)
+            pending = None
+            if stop:
+                res.stop_reason = stop
+                break
     finally:
         if pending is not None:
-            # Closed between yield and decode: the consumer saw this token, so it joins the context.
-            decode(pending, True)
+            if defer_last:
+                # The reply's last token (or the one a consumer closed the loop after: it saw it): the caller
+                # evaluates it.
+                res.undecoded = [pending]
+            else:
+                # Closed between yield and decode: the consumer saw this token, so it joins the context.
+                decode(pending, True)
             res.stop_reason = res.stop_reason or "cancelled"
         res.seconds = time.perf_counter() - t0
-        res.n_decoded = len(res.tokens)
+        res.n_decoded = len(res.tokens) - len(res.undecoded)
 
 
 __all__ = ["token_loop"]

@@ -39,7 +39,7 @@ class ConversationViews:
     last_stats: TurnStats | None
     session_stats: SessionStats
     _meta_error: str
-    _closing_due: list[int]  # a reply's closing not decoded yet (``Conversation._reply``)
+    _closing_due: list[int]  # a reply's end (last token, closing) not decoded yet (``Conversation._reply``)
 
     @property
     def id(self) -> str:

@@ -10,8 +10,9 @@ rebuild replays the original batching, which the transcript determines:
 - a reply: each sampled token decoded alone, then the template's closing (e.g. the ``\\n`` after
   ``<|im_end|>``) in one evaluation;
 - a reply a client wrote (``stop == "client"``, appended by the server): one evaluation, closing included;
-- a user message whose ``with_closing`` is set (a server's: it decodes a reply's closing with the next
-  prompt): one evaluation with the previous reply's closing.
+- a user message whose ``with_closing`` is set (a server's: it leaves a reply's end, its last sampled token
+  and its closing, to the next prompt, as llama-server does): one evaluation with the ``with_closing`` tokens
+  before it (older servers folded the closing alone: the same rule reads their transcripts).
 
 Then an evicted conversation (or one resumed with another KV type, or whose state was damaged) continues
 exactly as if its state had been loaded. The cost: reply tokens are decoded one by one, as when they were
@@ -46,9 +47,14 @@ def segments(prefix_len: int, messages: Sequence[_Message], closing_len: Callabl
     for i, m in enumerate(messages):
         p0, p1 = m.p0, m.p0 + len(m.tokens)
         if m.role != "assistant" or m.stop == "client":  # evaluated as one call when it was appended
-            fold = m.with_closing
-            if fold and out and out[-1] == (p0 - fold, p0):
-                out[-1] = (p0 - fold, p1)  # the reply's closing and this message: one call
+            start = max(p0 - m.with_closing, messages[i - 1].p0 if i else prefix_len)  # within the reply before
+            if start < p0:
+                # The end of the reply before (its last token, its closing) and this message: one call.
+                while out and out[-1][0] >= start:
+                    out.pop()
+                if out and out[-1][1] > start:
+                    out[-1] = (out[-1][0], start)
+                out.append((start, p1))
             elif p1 > p0:
                 out.append((p0, p1))
             continue
