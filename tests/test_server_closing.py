@@ -24,6 +24,7 @@ from typing import Any
 import llama_cpp
 import pytest
 
+from chatcli.core.events import ReplyText
 from chatcli.core.steps import drain
 from chatcli.core.template import Message
 from chatcli.core.transcript import replay_events
@@ -215,3 +216,153 @@ def test_a_conversation_left_with_its_closing_due_resumes_by_appending(chat_serv
     r = replay_events(conv_dir.read_transcript().events)
     assert r.tokens()[:len(want)] == want and r.active[-2].with_closing == 0  # the message evaluated alone
     assert list(sess.engine.tokens) + chat_service._slots[0].conv._closing_due == r.tokens()
+
+
+def _served(sess: Any, **opts: Any) -> Any:
+    """A new conversation held as the server holds one (writes deferred: a reply's end is left due)."""
+    sess.engine.clear()
+    conv = sess.new_conversation("alice").conversation
+    conv.set_options(**opts)
+    conv.defer_writes()
+    return conv
+
+
+def _gone_after(events: Iterator[Any], n_text: int) -> None:
+    """Read a reply's events, closing the operation after ``n_text`` text pieces (a client that went away)."""
+    seen = 0
+    for ev in events:
+        if isinstance(ev, ReplyText):
+            seen += 1
+            if seen == n_text:
+                break
+    close = getattr(events, "close", None)
+    assert close is not None
+    close()
+
+
+@pytest.mark.parametrize("how", ["eog", "length", "stop", "stop inside a token", "client gone"])
+def test_each_way_a_reply_ends_leaves_its_last_token_due(sess: Any, decodes: list[int], how: str) -> None:
+    closing = sess.engine.tokenize("<|im_end|>\n", add_special=False)
+    opts: dict[str, Any] = {"max_tokens": 5 if how == "length" else 48}
+    # The greedy reply to TURNS[0] is "Hello, I'm Alice! My name is Emily." (end of generation).
+    if how.startswith("stop"):
+        opts["extra_stop"] = ["Alice" if how == "stop" else "ice"]
+    conv = _served(sess, **opts)
+    try:
+        decodes.clear()
+        if how == "client gone":
+            _gone_after(conv.send(TURNS[0]), 3)
+        else:
+            drain(conv.send(TURNS[0]))
+        conv.commit()
+        eng = sess.engine
+        r = replay_events(conv.dir.read_transcript().events)
+        reply = r.active[-1]
+        due = conv._closing_due
+        # The transcript has the whole reply; the context and the state file have all but what is due.
+        assert [*eng.tokens, *due] == r.tokens()
+        assert state_tokens(conv.dir.state_path) == list(eng.tokens)
+        assert due[-len(closing):] == closing
+        n_sampled = conv.last_stats.n_generated
+        # The reply's sampled tokens were decoded but the last (the first is sampled from the prompt's logits).
+        assert _singles(decodes) == n_sampled - 1
+        if how == "eog":
+            assert reply.stop == "eog" and due == closing and conv._due_sampled == 1  # <|im_end|> sampled
+        elif how == "length":
+            assert reply.stop == "length" and n_sampled == 5 and conv._due_sampled == 1 and len(due) == 1 + len(closing)
+        elif how == "stop":
+            # The token that completed the stop string is cut, never decoded: only the closing is due.
+            assert reply.stop == "stop" and reply.text == "Hello, I'm" and conv._due_sampled == 0 and due == closing
+        elif how == "stop inside a token":
+            # The rest of the cut token (" Al") is the reply's last token: due, as a sampled last one.
+            assert reply.stop == "stop" and reply.text == "Hello, I'm Al" and conv._due_sampled == 1
+            assert due[:1] == eng.tokenize(" Al", add_special=False) and len(due) == 1 + len(closing)
+        else:
+            assert reply.stop == "cancelled" and conv._due_sampled == 1 and len(due) == 1 + len(closing)
+        # The next message is evaluated with them, in one call.
+        decodes.clear()
+        drain(conv.send(TURNS[1]))
+        user = conv.r.active[-2]
+        assert user.with_closing == len(due) and decodes[0] == len(due) + len(user.tokens)
+    finally:
+        conv.close()
+
+
+def test_a_copy_rebuilt_from_what_was_saved_continues_as_the_live_one(sess: Any, tmp_path: Any,
+                                                                      decodes: list[int]) -> None:
+    import shutil
+
+    import numpy as np
+
+    conv = _served(sess, max_tokens=16)
+    eng = sess.engine
+    try:
+        for t in TURNS:  # each reply's end folded into the next message's call; the last one settled
+            drain(conv.send(t))
+            conv.commit()
+        users = [m for m in conv.r.active if m.role == "user"]
+        # Each reply ends with <|im_end|> sampled (not decoded) and the closing's \n: folded, two tokens.
+        assert [m.with_closing for m in users] == [0, 2, 2]
+        conv.close_reply()
+        n = eng.n_past
+        live_cells, live_logits = bytes(eng.save_cells(0, n)), eng.logits()
+        saved = tmp_path / "saved"
+        shutil.copytree(conv.dir.path, saved)
+        drain(conv.send("Thanks."))
+        live_reply = conv.r.active[-1].tokens
+        live_turn = conv.log.turn_logits
+        cid = conv.id
+    finally:
+        conv.close()
+    # The copy: what was saved, its state file gone (evicted): rebuilt from the transcript, call for call.
+    conv_dir = sess.store.dir(cid)
+    shutil.rmtree(conv_dir.path)
+    shutil.copytree(saved, conv_dir.path)
+    conv_dir.state_path.unlink()
+    eng.clear()
+    done = drain(sess.open_conversation(cid))
+    copy = done.conversation
+    assert copy is not None
+    try:
+        assert done.report is not None and done.report.reevaluated == n
+        assert bytes(eng.save_cells(0, n)) == live_cells
+        assert np.array_equal(eng.logits(), live_logits)
+        copy.defer_writes()
+        drain(copy.send("Thanks."))
+        assert copy.r.active[-1].tokens == live_reply
+        turn = copy.log.turn_logits
+        assert turn is not None and live_turn is not None and turn[0] == live_turn[0]
+        assert np.array_equal(turn[1], live_turn[1])
+    finally:
+        copy.close()
+
+
+def test_undo_redo_and_edit_after_a_reply_left_due(sess: Any, decodes: list[int]) -> None:
+    conv = _served(sess, max_tokens=5)  # cut by max_tokens: its last token, then <|im_end|>\n, are due
+    eng = sess.engine
+    try:
+        drain(conv.send(TURNS[0]))
+        conv.commit()
+        n_due = len(conv._closing_due)
+        assert n_due == 3 and conv._due_sampled == 1
+        decodes.clear()
+        stats = conv.undo()
+        assert decodes == [1, n_due - 1]  # the reply's end first (its rebuild plan), then the rollback
+        assert conv._closing_due == [] and state_tokens(conv.dir.state_path) == conv.r.tokens() == list(eng.tokens)
+        decodes.clear()
+        stats = conv.redo()
+        assert stats.n_eval == 0 and decodes == []  # the undone exchange's cells were saved whole
+        assert list(eng.tokens) == conv.r.tokens()
+        drain(conv.send(TURNS[1]))  # a reply of its own, left due again
+        conv.commit()
+        assert len(conv._closing_due) == n_due
+        decodes.clear()
+        drain(conv.edit(None, TURNS[2]))
+        assert decodes[:2] == [1, n_due - 1]  # settled before the cut
+        conv.commit()
+        r = replay_events(conv.dir.read_transcript().events)
+        assert r.active[-1].role == "assistant" and r.active[-2].text == TURNS[2]
+        assert [*eng.tokens, *conv._closing_due] == r.tokens()
+        assert state_tokens(conv.dir.state_path) == list(eng.tokens)
+    finally:
+        conv.close()
