@@ -202,16 +202,17 @@ QUESTIONS = ["Name a fruit.", "Name a colour.", "Name an animal.", "Name a city.
 
 
 def closing_of(m: Any) -> int:
-    """Tokens of a served reply's closing (ChatML's ``<|im_end|>\n``; a reply that ended at its end-of-turn
-    token decoded that one already), which the server evaluates with the next prompt, not after the reply."""
+    """Tokens at the end of a served reply the server evaluates with the next prompt, not after the reply: its
+    last sampled token and its closing (ChatML's ``<|im_end|>\n``; a reply that ended at its end-of-turn token
+    sampled that one, and one cut at a stop string whole tokens: only the closing follows its last)."""
     if m.role != "assistant" or m.stop == "client":
         return 0
-    return 1 if m.stop == "eog" else 2
+    return 2 if m.stop in ("eog", "stop") else 3
 
 
 def user_span(srv: Server, cid: str, n: int, *, closing: bool = True) -> tuple[int, int]:
     """Token span the request that sent the n-th user message (0-based) of a stored conversation evaluated:
-    the message, after the previous reply's closing (``closing``)."""
+    the message, after the previous reply's end the saved state lacked (``closing``)."""
     r = srv.replay(cid)
     users = [m for m in r.active if m.role == "user"]
     i = r.active.index(users[n])
