@@ -240,7 +240,17 @@ def _gone_after(events: Iterator[Any], n_text: int) -> None:
     close()
 
 
-@pytest.mark.parametrize("how", ["eog", "length", "stop", "stop inside a token", "client gone"])
+def _cancel_after(conv: Any, n_text: int) -> None:
+    """Read a reply's events, asking the engine to stop after ``n_text`` text pieces (a shutdown), to the end."""
+    seen = 0
+    for ev in conv.send(TURNS[0]):
+        if isinstance(ev, ReplyText):
+            seen += 1
+            if seen == n_text:
+                conv.cancel()
+
+
+@pytest.mark.parametrize("how", ["eog", "length", "stop", "stop inside a token", "client gone", "cancelled"])
 def test_each_way_a_reply_ends_leaves_its_last_token_due(sess: Any, decodes: list[int], how: str) -> None:
     closing = sess.engine.tokenize("<|im_end|>\n", add_special=False)
     opts: dict[str, Any] = {"max_tokens": 5 if how == "length" else 48}
@@ -252,6 +262,8 @@ def test_each_way_a_reply_ends_leaves_its_last_token_due(sess: Any, decodes: lis
         decodes.clear()
         if how == "client gone":
             _gone_after(conv.send(TURNS[0]), 3)
+        elif how == "cancelled":
+            _cancel_after(conv, 3)
         else:
             drain(conv.send(TURNS[0]))
         conv.commit()
