@@ -71,7 +71,7 @@ COUNT_MSG = "Count from 1 to 500, separated by commas, and nothing else."
 def settle(quiet_looks: int = 5, every: float = 0.01, longest: float = 3.0) -> float:
     """Wait until no other process's thread has been running for ``quiet_looks`` looks in a row (or
     ``longest`` s); returns the seconds waited. A method's process goes on working after its answer (serve's
-    closing decode and state write after [DONE], talk's save after the stats line): measured right after it,
+    state write after [DONE], talk's save after the stats line): measured right after it,
     the next method's prompt shared the cores with it, and chatcli's thread policy rightly took one thread
     for it (the Engine row's prompt at 0.51x llama-bench)."""
     from chatcli.backends.cpuload import running_others
