@@ -339,3 +339,39 @@ def test_two_messages_sent_together_share_one_decode_and_resume_exactly(
     assert decodes.fused(len(message[0]) + len(message[1])), decodes.calls  # both messages in one decode
     for eng in (a, b):
         _continues_exactly(eng, model_path)
+
+
+def test_a_fused_messages_first_token_joins_the_siblings_next_decode(
+        trio: list[Engine], model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b, _ = trio
+    prompt_all(trio)
+    assert a._group is not None and a.prepare_batching()
+    sched = a._group.scheduler
+    sched.linger = 0.0
+    sched.gather = 0.05  # b's first token comes 30 ms after its message, within three of these windows
+    message = b.tokenize(NEXT)
+    decodes = Decodes(monkeypatch)
+    errors: list[BaseException] = []
+    reply: list[int] = []
+
+    def turn() -> None:
+        try:
+            time.sleep(0.1)  # a's reply is under way
+            b.eval(message)
+            time.sleep(0.03)  # the server saves the message's cells before the reply starts: a's tokens go on
+            reply.extend(ev.token for ev in b.generate(GREEDY, seed=0, max_tokens=8))
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    th = threading.Thread(target=turn)
+    th.start()
+    out = together([a], 40)
+    th.join()
+    assert not errors and len(out[0]) > 0 and len(reply) > 0
+    fused = decodes.fused(len(message) + 1)
+    assert fused, decodes.calls
+    after = decodes.calls[decodes.calls.index(fused[0]) + 1]
+    # b's first token went with a's next one: not a's token alone, b's a decode later.
+    assert after == (2, {a._member, b._member}), decodes.calls
+    _resumes_exactly(a, model_path)
+    _resumes_exactly(b, model_path)

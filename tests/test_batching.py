@@ -271,3 +271,73 @@ def test_after_waiting_for_a_busy_model_the_leader_gathers_the_members_again() -
     sched.leave()
     sched.leave()
     assert run.batches == [[2, 1]]
+
+
+def test_a_caller_expected_back_is_taken_off_by_its_own_return_only() -> None:
+    # Two replies ended (keys 0 and 1): both are expected back. A third caller's join takes neither entry;
+    # caller 0's join takes its own, and caller 1 is still expected.
+    sched: BatchScheduler[int, int] = BatchScheduler(Recorder(), linger=5.0)
+    for key in (0, 1):
+        sched.join(key)
+        sched.leave(linger=True, key=key)
+    sched.join(2)
+    assert sched.returning() == 2
+    sched.leave(key=2)
+    sched.join(0)
+    assert sched.returning() == 1
+    sched.leave(key=0)
+
+
+def test_a_message_waits_for_the_sibling_evaluating_alone_not_for_whoever_joined_first() -> None:
+    # Sibling 0 evaluates its message alone, expected back (its first token follows). Sibling 1's message
+    # comes meanwhile: its join must not take sibling 0's entry, so its message waits for sibling 0's first
+    # token and both go into one run (before, the message ran alone and the token a decode later).
+    run = Recorder()
+    sched: BatchScheduler[int, int] = BatchScheduler(run, gather=0.3, linger=5.0)
+    sched.join(0)
+    sched.leave(linger=True, key=0)  # evaluating alone: not counted by rounds of tokens, a message waits
+    out: dict[int, int] = {}
+
+    def message() -> None:
+        sched.join(1)
+        try:
+            out[1] = sched.submit(1, gathers_returning=True)
+        finally:
+            sched.leave(key=1, follows=True)
+
+    th = threading.Thread(target=message)
+    th.start()
+    time.sleep(0.05)  # within the window: sibling 0's evaluation ends, its reply starts
+    sched.join(0)
+    out[0] = sched.submit(0)
+    th.join()
+    sched.leave(key=0)
+    assert run.batches == [[1, 0]] and out == {1: 10, 0: 0}
+
+
+def test_a_round_of_tokens_waits_for_a_caller_whose_message_was_just_evaluated() -> None:
+    run = Recorder()
+    window = 0.04
+    sched: BatchScheduler[int, int] = BatchScheduler(run, gather=window, linger=5.0)
+    sched.join(0)  # generating
+    sched.join(1)
+    sched.leave(key=1, follows=True)  # its message was evaluated: its reply's first token follows
+    out: dict[int, int] = {}
+    th = threading.Thread(target=lambda: out.__setitem__(0, sched.submit(0)))
+    th.start()
+    time.sleep(1.5 * window)  # later than one window after the token, within three after the message
+    sched.join(1)
+    out[1] = sched.submit(1)
+    th.join()
+    assert run.batches == [[0, 1]]  # one run, not the token alone and the first token after it
+    # A caller that does not come back holds a round up by at most three windows, and only once.
+    sched.leave(key=1, follows=True)
+    t0 = time.monotonic()
+    assert sched.submit(2) == 20
+    waited = time.monotonic() - t0
+    assert 2.5 * window < waited < 3 * window + 0.2
+    t0 = time.monotonic()
+    assert sched.submit(3) == 30
+    assert time.monotonic() - t0 < window + 0.2  # expected back by a message still, no more by tokens
+    assert sched.returning() == 1
+    sched.leave(key=0)

@@ -13,7 +13,12 @@ as many as fit in ``limit``; the rest lead the next run. A prompt's request (``g
 waits for callers that ended a generation less than ``linger`` seconds ago (``leave(linger=True)``): clients
 in lock step send their next messages within milliseconds of each other, and two prompts that share one
 decode cost about one prompt's time, where the one that went first alone put the other a whole prompt
-behind. Only prompts wait for them: a round of next tokens never waits for a caller that is not generating.
+behind. Each such entry carries its caller's key (its sequence) and only that caller's ``join`` takes it:
+taken by whoever joined first, a sibling's message ran alone while the caller it was waiting for came
+back with its first token a millisecond later, and that token took a decode of its own. A round of next
+tokens waits for a caller that is not generating only when its first token is due: its message was just
+evaluated in the batch (``leave(follows=True)``), and for at most three windows; without that, each
+message batched cost one more decode (the siblings' tokens went alone while it saved and sampled).
 
 How little: ``gather`` (4 ms), or a quarter of a decode (``patience``) when that is longer. After a decode
 the members come back one by one, each sampling under the GIL: measured with 8 clients on a busy 2-core
@@ -52,6 +57,16 @@ class _Ticket(Generic[Req, Res]):
 
 
 @dataclass
+class _Expected:
+    """A caller expected back: ``key`` (its sequence), waited for by a prompt's round until ``until``, by
+    every round until ``tokens_until``."""
+
+    key: object
+    until: float
+    tokens_until: float
+
+
+@dataclass
 class BatchStats:
     """What the scheduler did (for tests and benchmarks)."""
 
@@ -85,7 +100,7 @@ class BatchScheduler(Generic[Req, Res]):
         self._size = size
         self.limit = limit
         self.linger = linger
-        self._returning: list[float] = []  # when each caller that left lingering stops being waited for
+        self._returning: list[_Expected] = []  # callers expected back (left lingering, or their reply follows)
         self.gather = gather
         self.patience = patience
         self._decode_seconds = 0.0  # running average of ``run``'s duration (0: none yet)
@@ -113,24 +128,38 @@ class BatchScheduler(Generic[Req, Res]):
         with self._cond:
             return self._count_returning()
 
-    def _count_returning(self) -> int:
+    def _count_returning(self, *, tokens: bool = False) -> int:
+        """Callers expected back now: by a prompt's round, or (``tokens``) by every round."""
         now = time.monotonic()
-        self._returning = [t for t in self._returning if t > now]
+        self._returning = [e for e in self._returning if e.until > now]
+        if tokens:
+            return sum(1 for e in self._returning if e.tokens_until > now)
         return len(self._returning)
 
-    def join(self) -> None:
+    def join(self, key: object = None) -> None:
+        """A caller starts a generation or an evaluation. ``key`` names it (its sequence): its own entry as
+        a caller expected back is taken out, nobody else's (without a key, the oldest entry without one)."""
         with self._cond:
             self._active += 1
             self._count_returning()
-            if self._returning:  # a caller that left lingering is back (which one does not matter: a count)
-                self._returning.pop(0)
+            for i, e in enumerate(self._returning):
+                if e.key == key:
+                    del self._returning[i]
+                    break
 
-    def leave(self, *, linger: bool = False) -> None:
-        """``linger``: the caller is likely to come back with a prompt soon (it ended a reply)."""
+    def leave(self, *, linger: bool = False, key: object = None, follows: bool = False) -> None:
+        """``linger``: the caller is likely to come back with a prompt soon (it ended a reply). ``follows``:
+        it comes back at once with its reply's first token (its message was just evaluated): every round
+        waits for it then, not only a prompt's, for up to three gather windows (it copies its cells back,
+        the state log saves them, it samples); and a prompt's round, as for ``linger``, after that."""
         with self._cond:
             self._active -= 1
-            if linger and self.linger > 0:
-                self._returning.append(time.monotonic() + self.linger)
+            now = time.monotonic()
+            if follows:
+                soon = now + 3 * self._window()
+                self._returning.append(_Expected(key, max(soon, now + self.linger), soon))
+            elif linger and self.linger > 0:
+                self._returning.append(_Expected(key, now + self.linger, now))
             self._cond.notify_all()  # a leader waiting for this caller's request need not wait any more
 
     def submit(self, request: Req, *, gathers_returning: bool = False) -> Res:
@@ -158,14 +187,18 @@ class BatchScheduler(Generic[Req, Res]):
     def _may_lead(self) -> bool:
         if self._running or not self._pending:
             return False
-        return len(self._pending) >= self._expected() or time.monotonic() - self._first >= self._window()
+        return len(self._pending) >= self._expected() or time.monotonic() >= self._deadline()
 
     def _expected(self) -> int:
-        """How many requests the next run waits for: one per joined caller, and for a prompt's sake one per
-        caller expected back."""
-        if any(t.gathers_returning for t in self._pending):
-            return self._active + self._count_returning()
-        return self._active
+        """How many requests the next run waits for: one per joined caller, one per caller whose first token
+        follows, and for a prompt's sake one per caller expected back."""
+        prompt = any(t.gathers_returning for t in self._pending)
+        return self._active + self._count_returning(tokens=not prompt)
+
+    def _deadline(self) -> float:
+        """When the leader stops waiting: a gather window after the first pending request, or later for a
+        caller whose first token follows (its message was evaluated; it samples, then submits)."""
+        return max([self._first + self._window(), *(e.tokens_until for e in self._returning)])
 
     def _window(self) -> float:
         """How long after the first pending request a leader waits for the other joined callers."""
@@ -174,7 +207,7 @@ class BatchScheduler(Generic[Req, Res]):
     def _wait_time(self) -> float | None:
         if self._running or not self._pending:
             return None  # woken by the running batch's end or by a new request
-        return max(0.0, self._window() - (time.monotonic() - self._first))
+        return max(0.0, self._deadline() - time.monotonic())
 
     def _regather(self) -> None:
         """The model was busy (a sibling's message evaluated alone): its owner's first token comes right

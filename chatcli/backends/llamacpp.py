@@ -786,17 +786,21 @@ class Engine:
         """``eval_steps`` of a sibling: with the siblings' next tokens in one decode of the batch context when
         others generate, evaluate or are expected back with a message (``_fuses``), else alone here."""
         sched = group.scheduler
-        sched.join()
+        key = self._member
+        sched.join(key)
         fused = self._fuses(group)
         if not fused:
-            sched.leave(linger=True)  # not counted while evaluating alone: no round waits for this one
+            # Not counted while evaluating alone: no round waits for this one; a message waits for it.
+            sched.leave(linger=True, key=key)
             group.alone += 1  # a message that comes meanwhile goes to the batch context, to meet our reply
         try:
             yield from eval_batches(self, tokens, lambda part, last: (
                 self._fused_decode(group, part, last) if fused else self._decode_alone(part, last)))
         finally:
             if fused:
-                sched.leave(linger=True)  # a reply or the next message follows
+                # Its reply's first token follows within milliseconds: the next round of the siblings' tokens
+                # waits for it (a few ms), or it decodes alone a round later, one more decode per message.
+                sched.leave(key=key, follows=True)
             else:
                 group.alone -= 1
 
@@ -935,7 +939,7 @@ class Engine:
             sample = lambda: self._sample_candidates(chain, plan.apply(self._current_logits(), self.tokens))
         group = self._group
         if group is not None:
-            group.scheduler.join()
+            group.scheduler.join(self._member)
         try:
             yield from token_loop(
                 res, sample=sample,
@@ -945,7 +949,7 @@ class Engine:
                 max_tokens=max_tokens, stop_strings=stop_strings, defer_last=defer_last)
         finally:
             if group is not None:
-                group.scheduler.leave(linger=True)  # its closing or next message is likely to follow
+                group.scheduler.leave(linger=True, key=self._member)  # its next message is likely to follow
                 if self._in_batch:
                     group.leave_batch(self)
             llama_cpp.llama_sampler_free(chain)
