@@ -124,7 +124,8 @@ class BatchScheduler(Generic[Req, Res]):
             return self._running or bool(self._pending)
 
     def returning(self) -> int:
-        """Callers that left lingering less than ``linger`` seconds ago and have not joined since."""
+        """Callers expected back (left lingering less than ``linger`` seconds ago, or with ``follows``) that
+        have not joined since."""
         with self._cond:
             return self._count_returning()
 
