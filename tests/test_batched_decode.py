@@ -320,6 +320,16 @@ def test_two_messages_sent_together_share_one_decode_and_resume_exactly(
     together([a, b], 8)  # two replies that ended together: their next messages are expected
     message = [e.tokenize(NEXT) for e in (a, b)]
     decodes = Decodes(monkeypatch)
+    # The messages' cells are read out by the decode's leader in the same hold of the model's lock, not by
+    # each message's thread after it (which waited for the lock again, behind the next round).
+    reads: list[bool] = []
+    copy_back = type(a._group)._copy_back
+
+    def recorded(self: object, m: Engine, *, keep: bool) -> None:
+        reads.append(keep)
+        copy_back(self, m, keep=keep)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(type(a._group), "_copy_back", recorded)
     start = threading.Barrier(2)
     errors: list[BaseException] = []
 
@@ -337,6 +347,7 @@ def test_two_messages_sent_together_share_one_decode_and_resume_exactly(
         t.join()
     assert not errors
     assert decodes.fused(len(message[0]) + len(message[1])), decodes.calls  # both messages in one decode
+    assert True not in reads, reads
     for eng in (a, b):
         _continues_exactly(eng, model_path)
 

@@ -103,6 +103,16 @@ class _Step:
     tokens: list[int]
     pos: int
     logits: bool
+    read_back: bool = False  # a message's chunk: its cells are read out in the decode's lock hold (``_run``)
+
+
+@dataclass
+class _Done:
+    """What ``_SharedBatch._run`` gives each step: its logits row (a copy; None when not asked for) and, for a
+    ``read_back`` step, its cells as the bytes ``_put_cells`` takes."""
+
+    logits: np.ndarray | None
+    cells: np.ndarray | None = None
 
 
 def _seq_data(ctx: Any, seq: int, what: str = "read out the cells") -> np.ndarray:
@@ -145,7 +155,7 @@ class _SharedBatch:
         self._applied_threads = owner.n_threads
         # The scheduler holds the model's decode lock around ``_run`` (taken before the batch is: steps that
         # come while a sibling evaluates its prompt join the same decode).
-        self.scheduler: BatchScheduler[_Step, np.ndarray | None] = BatchScheduler(
+        self.scheduler: BatchScheduler[_Step, _Done] = BatchScheduler(
             self._run, lock=owner._decode_lock, size=lambda s: len(s.tokens), linger=_LINGER)
 
     def add(self, member: Engine) -> int:
@@ -204,13 +214,23 @@ class _SharedBatch:
         """Copy the cells ``m`` decoded here back into its own context; drop its sequence here."""
         self._copy_back(m, keep=False)
 
-    def sync(self, m: Engine) -> None:
-        """Copy the cells ``m`` decoded here back into its own context and keep its sequence here (a prompt
-        evaluated here: its reply continues here while siblings generate, and its own context must hold the
-        message's cells for the state log, which saves them before the reply's first token is decoded)."""
+    def sync(self, m: Engine, cells: np.ndarray | None = None, start: int = -1) -> None:
+        """Put the cells ``m`` decoded here into its own context and keep its sequence here (a prompt evaluated
+        here: its reply continues here while siblings generate, and its own context must hold the message's
+        cells for the state log, which saves them before the reply's first token is decoded). ``cells``: those
+        from ``start`` on, read out by the decode's leader (``_run``) in the same hold of the model's lock."""
+        p0, p1 = m._batch_from, m.n_past
         try:
-            self._copy_back(m, keep=True)
+            if cells is None or start != p0:  # not all of them: read them here
+                self._copy_back(m, keep=True)
+                return
+            m._batch_from = p1
+            if p1 > p0:
+                m._put_cells(p0, p1, cells.data)
         except BaseException:
+            if cells is not None and p1 > p0:
+                del m.tokens[p0:]  # the context must hold what the token list says
+                m._drop_logits()
             m._in_batch = False
             with m._decode_lock:
                 llama_cpp.llama_memory_seq_rm(self._mem, m._member, -1, -1)
@@ -242,8 +262,13 @@ class _SharedBatch:
                 m._drop_logits()
                 raise
 
-    def _run(self, steps: list[_Step]) -> list[np.ndarray | None]:
-        """Decode ``steps`` in one batch; called by the scheduler with the model's decode lock held."""
+    def _run(self, steps: list[_Step]) -> list[_Done]:
+        """Decode ``steps`` in one batch; called by the scheduler with the model's decode lock held.
+
+        A message's cells are read out here too, before the lock is let go: read by each message's own
+        thread after the decode, each read waited for the lock again, and the leader of the next round could
+        take it first. Measured after 7 messages decoded together: two first tokens came at once, went
+        alone, and the other five a decode later, each behind the others' reads (5-65 ms)."""
         o = self.owner
         b = self._batch
         self._drop_stale()
@@ -266,14 +291,24 @@ class _SharedBatch:
             for s in steps:
                 llama_cpp.llama_memory_seq_rm(self._mem, s.seq, s.pos, -1)
             raise BackendError(f"llama_decode failed ({rc}): {_last_error() or 'no detail'}")
-        out: list[np.ndarray | None] = []
+        out: list[_Done] = []
         for i, s in zip(rows, steps, strict=True):
+            row = None
             if s.logits:
                 ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
-                out.append(np.ctypeslib.as_array(ptr, shape=(o.n_vocab,)).copy())
-            else:
-                out.append(None)
+                row = np.ctypeslib.as_array(ptr, shape=(o.n_vocab,)).copy()
+            out.append(_Done(row, self._read(s.seq, s.pos, s.pos + len(s.tokens)) if s.read_back else None))
         return out
+
+    def _read(self, seq: int, p0: int, p1: int) -> np.ndarray:
+        """Cells [p0, p1) of ``seq`` as a state buffer (through the scratch sequence; the lock is held)."""
+        sc = self._scratch
+        llama_cpp.llama_memory_seq_rm(self._mem, sc, -1, -1)
+        llama_cpp.llama_memory_seq_cp(self._mem, seq, sc, p0, p1)
+        try:
+            return _seq_data(self._ctx, sc, "save the batched cells")
+        finally:
+            llama_cpp.llama_memory_seq_rm(self._mem, sc, -1, -1)
 
     def _drop_stale(self) -> None:
         """Drop the sequences of siblings that left the batch context (the model's lock is held)."""
@@ -817,12 +852,13 @@ class Engine:
     def _fused_decode(self, group: _SharedBatch, part: list[int], last: bool) -> None:
         if not self._in_batch:
             group.enter_batch(self)
-        row = group.scheduler.submit(_Step(self._member, list(part), self.n_past, last), gathers_returning=True)
+        done = group.scheduler.submit(_Step(self._member, list(part), self.n_past, last, read_back=True),
+                                      gathers_returning=True)
         self.tokens.extend(part)
         self.n_evaluated_total += len(part)
-        self._logits = row  # a copy of this sequence's last row (None before a prompt's last chunk)
+        self._logits = done.logits  # a copy of this sequence's last row (None before a prompt's last chunk)
         self._ctx_logits = False
-        group.sync(self)
+        group.sync(self, done.cells, self.n_past - len(part))
 
     def _decode_alone(self, part: list[int], last: bool) -> None:
         self._detach()
@@ -973,10 +1009,10 @@ class Engine:
             raise ContextFullError(f"1 token does not fit: {self.n_past}/{self.n_ctx} in use")
         if not self._in_batch:
             group.enter_batch(self)
-        row = group.scheduler.submit(_Step(self._member, [tok], self.n_past, logits))
+        done = group.scheduler.submit(_Step(self._member, [tok], self.n_past, logits))
         self.tokens.append(tok)
         self.n_evaluated_total += 1
-        self._logits = row  # a copy of this sequence's row, sampled through the candidates array
+        self._logits = done.logits  # a copy of this sequence's row, sampled through the candidates array
         self._ctx_logits = False
 
     def _current_logits(self) -> np.ndarray:
