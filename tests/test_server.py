@@ -185,6 +185,12 @@ def converse(srv: Server, system: str, questions: list[str], *,
              stream: bool = False) -> tuple[list[dict[str, str]], list[Reply | tuple[str, Any, str]]]:
     msgs = [{"role": "system", "content": system}]
     out: list[Any] = []
+    if srv.parallel > 1:
+        # A new conversation whose replies are compared with the reference's starts once nobody is expected
+        # back: a message evaluated while another slot's caller may return goes to the batch context to
+        # meet it, and is computed there (not as a single context computes). Its own later turns are not
+        # affected (a slot's return is its own).
+        time.sleep(_LINGER + 0.2)
     for q in questions:
         msgs.append({"role": "user", "content": q})
         if stream:
