@@ -78,7 +78,13 @@ def prompt_all(engines: list[Engine]) -> list[np.ndarray]:
 
 
 def continue_alone(eng: Engine) -> tuple[np.ndarray, list[int], np.ndarray]:
-    """Next turn: a new message evaluated, a greedy reply; the logits before and after the reply."""
+    """Next turn: a new message evaluated, a greedy reply; the logits before and after the reply. Alone: once no
+    sibling is expected back (a message evaluated while one may return goes to the batch context to meet it,
+    computed there; on an idle machine the siblings of the test just ended a reply well within the linger)."""
+    group = eng._group
+    deadline = time.monotonic() + 30
+    while group is not None and group.scheduler.returning() and time.monotonic() < deadline:
+        time.sleep(0.01)
     eng.eval(eng.tokenize(NEXT))
     before = eng.logits()
     toks = [ev.token for ev in eng.generate(GREEDY, seed=0, max_tokens=12)]
