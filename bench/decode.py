@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import PARAGRAPHS, REPO, RESULT_PREFIX
 from bench.pty_talk import TalkSession
-from bench.serve import Proc, chat, find_llama_server, free_port, http_json
+from bench.serve import Proc, chat, find_llama_server, free_port
 
 # Section 1's rounds are short and many: the machine drifts (its rate moved 63-90 tok/s within one run), and
 # each ratio is taken within a round, so shorter rounds see less of the drift and more of them give a median.
@@ -348,17 +348,7 @@ class Bench:
         return p, port
 
     def wait(self, p: Proc, port: int, path: str) -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if not p.alive():
-                raise RuntimeError(f"server exited while starting; see {p.log}")
-            try:
-                if http_json(port, "GET", path, timeout=2.0)[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"server not ready; see {p.log}")
+        p.wait_ready(port, path)
 
     def stop(self, p: Proc) -> None:
         p.stop()

@@ -319,6 +319,21 @@ class Proc:
     def alive(self) -> bool:
         return self.p.poll() is None
 
+    def wait_ready(self, port: int, path: str = "/health", *, label: str = "server", timeout: float = 300.0) -> None:
+        """Wait until the process answers 200 on ``path``; raise (with its log's tail) if it exits first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                tail = self.log.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{label} exited with {self.p.returncode} while starting:\n{tail}")
+            try:
+                if http_json(port, "GET", path, timeout=2.0)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"{label} not ready after {timeout:.0f} s; see {self.log}")
+
     def cpu_seconds(self) -> float | None:
         """User + system CPU time this process has used so far (all its threads); None off Linux."""
         return proc_cpu_seconds(self.p.pid)
@@ -365,19 +380,7 @@ class Server:
         return time.perf_counter() - t0
 
     def wait_ready(self, port: int, path: str, proc: Proc, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not proc.alive():
-                tail = proc.log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{self.label} exited with {proc.p.returncode} while starting:\n{tail}")
-            try:
-                status, _ = http_json(port, "GET", path, timeout=2.0)
-                if status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"{self.label} not ready after {timeout:.0f} s; see {proc.log}")
+        proc.wait_ready(port, path, label=self.label, timeout=timeout)
 
     def stop(self) -> None:
         for p in reversed(self.procs):

@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.common import REPO
     from bench.decode import FULL, QUICK, SEED
-    from bench.serve import Proc, find_llama_server, free_port, http_json
+    from bench.serve import Proc, find_llama_server, free_port
     from chatcli.models.resolve import bundled_model_path
 
     cfg = FULL if o.full else QUICK
@@ -399,19 +399,6 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"tree": tree, "cfg": {"turns": cfg["turns"], "reply": cfg["reply"]}, "runs": []}
     md: list[str] = []
 
-    def wait(p: Proc, port: int, path: str) -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if not p.alive():
-                raise RuntimeError(f"server exited; see {p.log}")
-            try:
-                if http_json(port, "GET", path, timeout=2.0)[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"not ready; see {p.log}")
-
     for n in [int(x) for x in o.clients.split(",")]:
         port = free_port()
         ev_path = work / f"events-{n}.json"
@@ -420,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                  {**env, "CHATCLI_HOME": str(work / f"home-{n}"), "CHATCLI_N_CTX": str(o.n_ctx)}, work,
                  work / f"chatcli-{n}.log")
         try:
-            wait(p, port, "/health")
+            p.wait_ready(port)
             run_c = clients(port, n, cfg)
         finally:
             p.stop()
@@ -438,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                       "-fa", "off", "-ctk", "f16", "-ctv", "f16", "--seed", str(SEED), "--metrics", "-v",
                       "--log-timestamps"], env, work, log)
             try:
-                wait(q, port, "/health")
+                q.wait_ready(port)
                 m0 = metrics(port)
                 run_l = clients(port, n, cfg)
                 m1 = metrics(port)
