@@ -261,12 +261,16 @@ class Conversation(ConversationViews):
         due, self._closing_due = self._closing_due, []
         sampled, self._due_sampled = self._due_sampled, 0
         if due:
-            for tok in due[:sampled]:
-                finish(evaluate(self.backend, [tok], "closing the reply"))
-            if due[sampled:]:
-                finish(evaluate(self.backend, due[sampled:], "closing the reply"))
+            self._decode_end(due[:sampled], due[sampled:])
             reply = self.r.active[-1]  # the reply it closes (anything appended after it folds or settles it)
             self.log.cells_evaluated(reply.p0, reply.p1)
+
+    def _decode_end(self, sampled: list[int], closing: list[int]) -> None:
+        """A reply's end as the rebuild plan has it (rebuild.py): each sampled token alone, the closing in one call."""
+        for tok in sampled:
+            finish(evaluate(self.backend, [tok], "closing the reply"))
+        if closing:
+            finish(evaluate(self.backend, closing, "closing the reply"))
 
     # A long-lived process (the server) keeps a conversation open between requests without holding it:
     # ``unlock`` lets ``chatcli resume`` take it meanwhile, ``lock`` takes it back (LockedError if taken).
@@ -400,10 +404,7 @@ class Conversation(ConversationViews):
             self._closing_due, self._due_sampled = [*last, *closing], len(last)
         else:
             # Unseen: a few tokens, and this generator may have been closed already (an abandoned reply).
-            for tok in last:
-                finish(evaluate(eng, [tok], "closing the reply"))
-            if closing:
-                finish(evaluate(eng, closing, "closing the reply"))
+            self._decode_end(last, closing)
         reply_tokens = [*eng.tokens[p0:], *self._closing_due]
         stats.server_evaluated = res.n_prompt_evaluated
         stats.server_cached = res.n_prompt_cached
