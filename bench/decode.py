@@ -333,7 +333,7 @@ class Bench:
             argv += ["--threads", str(self.o.threads)]
         p = Proc(argv, env, self.work, self.work / "logs" / f"chatcli-{tag}.log")
         self.live.append(p)
-        self.wait(p, port, "/health")
+        p.wait_ready(port)
         return p, port
 
     def start_llama_server(self, parallel: int, tag: str) -> tuple[Proc, int]:
@@ -344,11 +344,8 @@ class Bench:
                 "--seed", str(SEED)]
         p = Proc(argv, self.env, self.work, self.work / "logs" / f"llama-server-{tag}.log")
         self.live.append(p)
-        self.wait(p, port, "/health")
+        p.wait_ready(port)
         return p, port
-
-    def wait(self, p: Proc, port: int, path: str) -> None:
-        p.wait_ready(port, path)
 
     def stop(self, p: Proc) -> None:
         p.stop()
