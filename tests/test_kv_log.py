@@ -272,6 +272,45 @@ def test_the_first_tokens_save_is_written_at_once_and_fsynced_with_the_reply(ses
         conv.close()
 
 
+def test_a_held_commit_writes_the_turn_without_an_fsync(sess: Any, golden: dict[str, Any]) -> None:
+    # A server's commit after a reply's end (``defer_writes``): its next request waits for it, so the
+    # records are written (a killed process finds them) but not fsynced (the state file is a cache).
+    cid = install(golden)
+    conv, _, _ = open_conv(sess, cid)
+    seen: list[str] = []
+
+    def is_state(fd: int) -> bool:
+        try:
+            return os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == "state.kv"
+        except OSError:
+            return False
+
+    real_write, real_fsync = os.write, os.fsync
+
+    def write(fd: int, data: Any) -> int:
+        if is_state(fd):
+            seen.append("write")
+        return real_write(fd, data)
+
+    def fsync(fd: Any) -> None:
+        if isinstance(fd, int) and is_state(fd):
+            seen.append("fsync")
+        real_fsync(fd)
+
+    try:
+        conv.defer_writes()
+        for _ in conv.send(MSGS[2]):
+            pass
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(os, "write", write)
+            mp.setattr(os, "fsync", fsync)
+            conv.commit()
+        assert "write" in seen and "fsync" not in seen, seen
+        assert state_tokens(conv.dir.state_path) == sess.engine.tokens  # the whole turn is in the file
+    finally:
+        conv.close()
+
+
 def test_tok_s_counts_the_tokens_after_the_first_over_first_to_last_shown(sess: Any) -> None:
     """The stats line's tok/s is llama-server's (and the benchmarks'): tokens after the first over the time
     from the first token shown to the last one. A consumer that takes 0.3 s over the first token (as the
