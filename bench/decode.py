@@ -18,7 +18,8 @@ CPU-bound process that this harness starts (a Python busy loop) and stops.
    for the section, so the rounds are short and many (each ratio is taken within a round).
 2. ``serve`` with N concurrent clients (N = 1, 2, 4, 8), each its own conversation of several turns: total
    completion tokens/s and p50/p95 request latency, ``chatcli serve --parallel N`` vs ``llama-server -np N
-   --kv-unified``, the servers taking turns.
+   --kv-unified``, the servers taking turns, each given the same messages run by run (replies of a fixed
+   length: greedy, the end of turn banned, so the latencies time the same work).
 3. Flash attention on CPU for f16 (llama-bench ``-fa 0`` vs ``-fa 1``), at depth 0 and 2,048.
 
 Writes ``results/decode.md``, ``decode.json`` and ``decode.png``. See bench/README.md, "Decode speed".
@@ -27,6 +28,7 @@ Writes ``results/decode.md``, ``decode.json`` and ``decode.png``. See bench/READ
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -135,6 +137,23 @@ class Worker:
         self._log.close()
 
 
+# Seconds between starting section 2's servers and its first run (longer than chatcli's ``FreeCores``
+# window for a judgement by the average alone).
+SETTLE_S = 1.5
+
+
+@functools.cache
+def eog_bias(model: str) -> dict[str, int]:
+    """``logit_bias`` banning every end-of-generation token of ``model``: both servers then decode exactly the
+    tokens asked for (an unbanned reply ends at the model's end of turn, and chatcli's and llama-server's
+    renderings of the same chat need not end at the same token)."""
+    import llama_cpp
+
+    m = llama_cpp.Llama(model_path=model, vocab_only=True, verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(m.model)
+    return {str(i): -100 for i in range(llama_cpp.llama_vocab_n_tokens(vocab)) if llama_cpp.llama_vocab_is_eog(vocab, i)}
+
+
 class Bench:
     def __init__(self, o: argparse.Namespace, cfg: dict[str, Any]) -> None:
         self.o = o
@@ -153,7 +172,6 @@ class Bench:
         env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.env = env
         self.live: list[Proc] = []
-        self._eog: dict[str, int] | None = None
         self._work_prompt: int | None = None  # the message's tokens (section 1), for a cut stream's prompt rate
 
     def log(self, msg: str) -> None:
@@ -283,17 +301,7 @@ class Bench:
                 w.close()
 
     def eog_bias(self) -> dict[str, int]:
-        """``logit_bias`` banning every end-of-generation token: both servers then decode exactly the
-        ``decode`` tokens asked for (an unbanned reply ends at the model's end of turn, and chatcli's and
-        llama-server's renderings of the same chat need not end at the same token)."""
-        if self._eog is None:
-            import llama_cpp
-
-            m = llama_cpp.Llama(model_path=self.model, vocab_only=True, verbose=False)
-            vocab = llama_cpp.llama_model_get_vocab(m.model)
-            self._eog = {str(i): -100 for i in range(llama_cpp.llama_vocab_n_tokens(vocab))
-                         if llama_cpp.llama_vocab_is_eog(vocab, i)}
-        return self._eog
+        return eog_bias(self.model)
 
     def stream_one(self, port: int, prefix: list[dict[str, str]], decode_cap: float | None = None) -> dict[str, Any]:
         """One streamed greedy request: talk's persona prefix, then a new message (the prefix's cells are
@@ -375,7 +383,8 @@ class Bench:
                 para = PARAGRAPHS[(i * 5 + t + rep) % len(PARAGRAPHS)]
                 msgs.append({"role": "user", "content": f"Client {i}, run {rep}, turn {t}. {para} What should I do?"})
                 try:
-                    r = chat(port, msgs, self.cfg["reply"], deadline=deadline[0])
+                    r = chat(port, msgs, self.cfg["reply"], {"logit_bias": self.eog_bias(), "repeat_penalty": 1.0},
+                             deadline=deadline[0])
                 except Exception as exc:  # a failed request is reported, not hidden
                     with guard:
                         errors.append(str(exc)[:200])
@@ -406,18 +415,26 @@ class Bench:
         loaded = self.cfg["loaded"] if cond == "loaded" else None
         reps = loaded["conc_reps"] if loaded else self.cfg["conc_reps"]
         rows: list[dict[str, Any]] = []
+        self.eog_bias()  # the vocabulary read before the servers start, not between their starts and a run
         for n in self.cfg["clients"]:
             servers = {"chatcli serve": self.start_chatcli(n, f"np{n}-{cond}"),
                        "llama-server": self.start_llama_server(n, f"np{n}-{cond}")}
+            # chatcli picks its threads from the cores other processes left free since it started: started
+            # right after it, llama-server's model load and warm-up are such a process, which a client a
+            # moment later would find gone. The first run waits until that is a second in the past.
+            time.sleep(SETTLE_S)
             names = list(servers)
             try:
-                for rep in range(reps * 2):
-                    name = names[(rep + n) % 2]
-                    la = load()
-                    r = self.clients(servers[name][1], n, rep, loaded["conc_cap"] if loaded else None)
-                    rows.append({"clients": n, "server": name, "rep": rep, "load": la, **r})
-                    self.log(f"  N={n} {name}: {r['tok_s']:.1f} tok/s p50 {r['p50']} p95 {r['p95']}"
-                             + (f", {r['cut']} cut at {r['cap']:.0f} s" if r["cut"] else ""))
+                # Run ``rep``'s messages go to both servers (which goes first alternates): the same work on
+                # each, which the latencies compare.
+                for rep in range(reps):
+                    for name in (names if (rep + n) % 2 == 0 else names[::-1]):
+                        la = load()
+                        r = self.clients(servers[name][1], n, rep, loaded["conc_cap"] if loaded else None)
+                        rows.append({"clients": n, "server": name, "rep": rep, "load": la, **r})
+                        self.log(f"  N={n} {name} run {rep}: {r['tokens']} tokens, {r['tok_s']:.1f} tok/s "
+                                 f"p50 {r['p50']} p95 {r['p95']}"
+                                 + (f", {r['cut']} cut at {r['cap']:.0f} s" if r["cut"] else ""))
             finally:
                 for p, _ in servers.values():
                     self.stop(p)
@@ -637,8 +654,9 @@ def markdown(res: dict[str, Any], chart: str | None) -> str:
             continue
         cap = (cfg.get("loaded") or {}).get("conc_cap") if cond == "loaded" else None
         lines += [f"## 2. serve with N concurrent clients — {names[cond]}", "",
-                  f"Each client its own conversation of {cfg['turns']} turns, replies up to {cfg['reply']} tokens, "
-                  "all clients starting together; `chatcli serve --parallel N` vs `llama-server -np N --kv-unified`. "
+                  f"Each client its own conversation of {cfg['turns']} turns, replies of {cfg['reply']} tokens (greedy, "
+                  "no repeat penalty, the end of turn banned), all clients starting together; `chatcli serve "
+                  "--parallel N` vs `llama-server -np N --kv-unified`, each given the same messages run by run. "
                   "Latency = the whole streamed request"
                   + (f"; each run is cut {cap:.0f} s after its start (a cut request's latency counts as more than "
                      "that, its tokens as the chunks that came)" if cap else "") + ". Latency ratios: chatcli ÷ "

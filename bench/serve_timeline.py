@@ -3,6 +3,8 @@
     python -m bench.serve_timeline                       # N = 2, 4, 8; bench/decode.py --quick's work
     python -m bench.serve_timeline --clients 2 --full    # FULL's work (3 turns, 48-token replies)
     python -m bench.serve_timeline --chatcli /work/main  # another tree's chatcli (an A/B of the counts)
+    python -m bench.serve_timeline --clients 1 --full --reps 3  # runs 0-2 on each (a new conversation
+                                                                # after the first: its persona prefix cached)
 
 Each N starts a fresh ``chatcli serve`` (as bench/decode.py does) inside this script's ``--serve`` mode,
 which wraps the functions that decode and wait (``COMPUTE.run`` for every ``llama_decode``, the scheduler's
@@ -44,7 +46,33 @@ else:
 # -- the wrapped server -------------------------------------------------------------------------------------
 
 EVENTS: dict[str, list[dict[str, Any]]] = {"decode": [], "submit": [], "lead": [], "regather": [], "copy": [],
-                                           "request": [], "join": [], "copy_work": []}
+                                           "request": [], "join": [], "copy_work": [], "mark": []}
+
+# The steps of a request around its decodes, each timed where it runs (module, attribute): a timeline line each.
+MARKS: list[tuple[str, str]] = [
+    ("chatcli.server.schemas", "parse_chat_request"),
+    ("chatcli.server.service", "ChatService._prepare"),
+    ("chatcli.server.service", "ChatService._acquire"),
+    ("chatcli.server.service", "ChatService._release"),
+    ("chatcli.core.files.store", "ConversationStore.create"),
+    ("chatcli.core.files.store", "ConversationDir.lock"),
+    ("chatcli.core.files.store", "ConversationDir.write_meta"),
+    ("chatcli.core.files.store", "ConversationDir.append_event"),
+    ("chatcli.core.files.store", "ConversationDir.read_transcript"),
+    ("chatcli.core.files.fsutil", "append_durably"),
+    ("chatcli.core.files.fsutil", "atomic_write_with"),
+    ("chatcli.core.files.fsutil", "fsync_dir"),
+    ("chatcli.core.kv.records", "StateWriter.append"),
+    ("chatcli.core.kv.log", "CellLog.start"),
+    ("chatcli.core.kv.log", "CellLog.commit"),
+    ("chatcli.core.conversation", "Conversation._user_tokens"),
+    ("chatcli.core.conversation", "Conversation._saved"),
+    ("chatcli.core.conversation", "Conversation._write_meta"),
+    ("chatcli.core.kv.log", "CellLog.settle"),
+    ("chatcli.core.kv.log", "CellLog._point_record"),
+    ("chatcli.backends.llamacpp", "Engine.save_cells"),
+    ("chatcli.server.service", "ChatService._settle"),
+]
 
 
 def _now() -> float:
@@ -87,6 +115,24 @@ def install() -> None:
                                      "seqs": seqs, "cells": cells, "thread": threading.current_thread().name})
 
     compute.run = run  # type: ignore[method-assign]
+
+    # The thread count decodes are given (the machine's load as chatcli judged it): a line when it changes.
+    from chatcli.backends import cpuload
+
+    threads0 = cpuload.FreeCores.threads
+    last: dict[int, int] = {}
+
+    @functools.wraps(threads0)
+    def threads(self: Any) -> int:
+        t0 = _now()
+        n = threads0(self)
+        if last.get(id(self)) != n:
+            last[id(self)] = n
+            EVENTS["mark"].append({"t0": t0, "t1": _now(), "what": f"threads -> {n}",
+                                   "thread": threading.current_thread().name})
+        return n
+
+    cpuload.FreeCores.threads = threads  # type: ignore[method-assign]
 
     sched = batching.BatchScheduler
     submit0, lead0, regather0, join0, leave0 = sched.submit, sched._lead, sched._regather, sched.join, sched.leave
@@ -190,6 +236,42 @@ def install() -> None:
 
     service.ChatService.complete = complete  # type: ignore[method-assign]
 
+    import importlib
+    import inspect
+
+    for mod_name, attr in MARKS:
+        owner: Any = importlib.import_module(mod_name)
+        *path, name = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        fn0 = inspect.getattr_static(owner, name)
+        label = f"{mod_name.rsplit('.', 1)[-1]}.{attr}"
+
+        def marked(*a: Any, _fn: Any = fn0, _label: str = label, **kw: Any) -> Any:
+            t0 = _now()
+            try:
+                out = _fn(*a, **kw)
+            finally:
+                EVENTS["mark"].append({"t0": t0, "t1": _now(), "what": _label, "thread": threading.current_thread().name})
+            if inspect.isgenerator(out):  # a generator's work runs when it is iterated: time that too
+                out = _timed_gen(out, _label)
+            return out
+
+        setattr(owner, name, functools.wraps(fn0)(marked))
+        if not path:  # a module function: the modules that imported it by name call their own reference
+            for m in list(sys.modules.values()):
+                if getattr(m, "__name__", "").startswith("chatcli") and getattr(m, name, None) is fn0:
+                    setattr(m, name, getattr(owner, name))
+
+
+def _timed_gen(gen: Any, label: str) -> Any:
+    t0 = _now()
+    try:
+        return (yield from gen)
+    finally:
+        EVENTS["mark"].append({"t0": t0, "t1": _now(), "what": label + " (iterated)",
+                               "thread": threading.current_thread().name})
+
 
 def serve_main(out: str, args: list[str]) -> None:
     install()
@@ -260,8 +342,22 @@ def metrics(port: int) -> dict[str, float]:
     return out
 
 
-def clients(port: int, n: int, cfg: dict[str, Any], rep: int = 0) -> dict[str, Any]:
-    """bench/decode.py section 2's clients (same messages), each request's send, first and last token kept."""
+def clients(port: int, n: int, cfg: dict[str, Any], reps: int = 1) -> dict[str, Any]:
+    """bench/decode.py section 2's clients (same messages) for runs 0 to ``reps - 1``, one after another,
+    each request's send, first and last token kept."""
+    runs = [_clients(port, n, cfg, rep) for rep in range(reps)]
+    reqs = [q for r in runs for q in r["requests"]]
+    lat = sorted(r["end"] - r["t0"] for r in reqs)
+    return {"t0": runs[0]["t0"], "wall": runs[-1]["t0"] + runs[-1]["wall"] - runs[0]["t0"], "requests": reqs,
+            "tokens": sum(r["tokens"] for r in reqs), "p50": lat[len(lat) // 2] if lat else None}
+
+
+def _clients(port: int, n: int, cfg: dict[str, Any], rep: int) -> dict[str, Any]:
+    from bench.decode import eog_bias
+    from chatcli.models.resolve import bundled_model_path
+
+    # bench/decode.py section 2's: replies of one length, the same on both servers.
+    extra = {"logit_bias": eog_bias(str(bundled_model_path())), "repeat_penalty": 1.0}
     from bench.common import PARAGRAPHS
     from bench.decode import SYSTEM
     from bench.serve import chat
@@ -277,10 +373,10 @@ def clients(port: int, n: int, cfg: dict[str, Any], rep: int = 0) -> dict[str, A
             para = PARAGRAPHS[(i * 5 + t + rep) % len(PARAGRAPHS)]
             msgs.append({"role": "user", "content": f"Client {i}, run {rep}, turn {t}. {para} What should I do?"})
             t0 = time.perf_counter()
-            r = chat(port, msgs, cfg["reply"])
+            r = chat(port, msgs, cfg["reply"], extra)
             n_tok = (r.usage or {}).get("completion_tokens") or (r.timings or {}).get("predicted_n") or 0
             with guard:
-                reqs.append({"client": i, "turn": t, "t0": t0, "first": t0 + r.ttft, "last": t0 + r.last,
+                reqs.append({"client": i, "rep": rep, "turn": t, "t0": t0, "first": t0 + r.ttft, "last": t0 + r.last,
                              "end": t0 + r.total, "tokens": int(n_tok)})
             msgs.append({"role": "assistant", "content": r.text})
 
@@ -344,7 +440,7 @@ def timeline_lines(ev: dict[str, list[dict[str, Any]]], run: dict[str, Any]) -> 
     t0 = run["t0"]
     rows: list[tuple[float, str]] = []
     for r in run["requests"]:
-        rows.append((r["t0"], f"client {r['client']} turn {r['turn']} sends"))
+        rows.append((r["t0"], f"client {r['client']} run {r['rep']} turn {r['turn']} sends"))
         rows.append((r["first"], f"client {r['client']} turn {r['turn']} first token ({1000 * (r['first'] - r['t0']):.0f} ms)"))
         took = 1000 * (r["end"] - r["t0"])
         rows.append((r["end"], f"client {r['client']} turn {r['turn']} done ({r['tokens']} tokens, {took:.0f} ms)"))
@@ -365,6 +461,9 @@ def timeline_lines(ev: dict[str, list[dict[str, Any]]], run: dict[str, Any]) -> 
         if e["t0"] >= t0:
             rows.append((e["t0"], f"  regather {e['pending']}->{e['pending_after']}/{e['expected']} "
                                   f"{1000 * (e['t1'] - e['t0']):.1f} ms"))
+    for e in ev.get("mark", []):
+        if e["t0"] >= t0:
+            rows.append((e["t0"], f"  . {e['what']} {1000 * (e['t1'] - e['t0']):.2f} ms"))
     for e in ev["submit"]:
         if e["t0"] >= t0 and (e["size"] > 1 or e["gr"]):
             rows.append((e["t0"], f"  submit m{e['seq']} {e['size']} tokens gr={e['gr']} active {e['active']} "
@@ -378,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", default="2,4,8")
     ap.add_argument("--full", action="store_true", help="FULL's work (3 turns of 48 tokens), not QUICK's")
     ap.add_argument("--chatcli", help="the tree whose chatcli is served (default: this one)")
+    ap.add_argument("--reps", type=int, default=1, help="runs per server (bench/decode.py's messages of runs 0, 1, ...)")
     ap.add_argument("--skip-llama-server", action="store_true")
     ap.add_argument("--n-ctx", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=2)
@@ -385,12 +485,13 @@ def main(argv: list[str] | None = None) -> int:
     o = ap.parse_args(argv)
 
     from bench.common import REPO
-    from bench.decode import FULL, QUICK, SEED
+    from bench.decode import FULL, QUICK, SEED, SETTLE_S, eog_bias
     from bench.serve import Proc, find_llama_server, free_port
     from chatcli.models.resolve import bundled_model_path
 
     cfg = FULL if o.full else QUICK
     model = str(bundled_model_path())
+    eog_bias(model)  # read before the servers start (the clients reuse it)
     work = Path(tempfile.mkdtemp(prefix="chatcli-timeline-"))
     tree = o.chatcli or str(REPO)
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "CHATCLI_THREADS")}
@@ -408,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
                  work / f"chatcli-{n}.log")
         try:
             p.wait_ready(port)
-            run_c = clients(port, n, cfg)
+            time.sleep(SETTLE_S)  # as bench/decode.py section 2 waits (see SETTLE_S there)
+            run_c = clients(port, n, cfg, o.reps)
         finally:
             p.stop()
         ev = json.loads(ev_path.read_text())
@@ -426,12 +528,14 @@ def main(argv: list[str] | None = None) -> int:
                       "--log-timestamps"], env, work, log)
             try:
                 q.wait_ready(port)
+                time.sleep(SETTLE_S)
                 m0 = metrics(port)
-                run_l = clients(port, n, cfg)
+                run_l = clients(port, n, cfg, o.reps)
                 m1 = metrics(port)
             finally:
                 q.stop()
             ld = parse_llama_log(log)
+            row["llama_run"] = run_l
             row["llama-server"] = {**summarize_llama(ld), "n_decode_total": m1["n_decode_total"] - m0["n_decode_total"],
                                    "wall": run_l["wall"], "p50": run_l["p50"]}
         res["runs"].append(row)
