@@ -254,7 +254,8 @@ class Session:
     def personas(self) -> dict[str, Persona]:
         return load_personas(self.paths.personas_dir)
 
-    def new_conversation(self, persona_name: str, *, seed: int | None = None) -> Opening[Conversation]:
+    def new_conversation(self, persona_name: str, *, seed: int | None = None, keep: bool = False) -> Opening[Conversation]:
+        """A new conversation from persona ``persona_name``; ``keep``: see ``Conversation.start``."""
         persona = get_persona(persona_name, self.paths.personas_dir)
         s = self.settings
         return self._budgeted(create_conversation(
@@ -264,7 +265,7 @@ class Session:
             sampling=sampling_from(s, persona, self.explicit),
             seed=seed if seed is not None else (s.seed if s.seed is not None else secrets.randbits(31)),
             prefix_cache_dir=ensure_private_dir(self.paths.prefix_cache_dir),
-            max_tokens=self._max_tokens(persona), reserve=s.reserve, extra_meta=self.template_meta(),
+            max_tokens=self._max_tokens(persona), reserve=s.reserve, extra_meta=self.template_meta(), keep=keep,
         ))
 
     def _model_path(self) -> str:
@@ -309,11 +310,11 @@ class Session:
 
     def new_conversation_from(
         self, persona: Sequence[Message], *, persona_name: str, persona_hash: str, seed: int, sampling: Sampling,
-        max_tokens: int, meta: Mapping[str, Any], backend: Backend | None = None,
+        max_tokens: int, meta: Mapping[str, Any], backend: Backend | None = None, keep: bool = False,
     ) -> Opening[Conversation]:
         """A new conversation whose persona is given as messages (a request's system message), not a
         persona file: its prefix comes from the shared prefix cache when one matches ``persona_hash``.
-        ``meta``: fields merged into its metadata (whose it is)."""
+        ``meta``: fields merged into its metadata (whose it is). ``keep``: see ``Conversation.start``."""
         def tag(conv: Conversation) -> list[Event]:
             conv.update_meta(meta)
             return []
@@ -323,7 +324,7 @@ class Session:
             persona_name=persona_name, persona_messages=list(persona), persona_hash=persona_hash,
             identity=self.identity(), model_path=self._model_path(), sampling=sampling, seed=seed,
             prefix_cache_dir=ensure_private_dir(self.paths.prefix_cache_dir), max_tokens=max_tokens,
-            reserve=self.settings.reserve,
+            reserve=self.settings.reserve, keep=keep,
         ).then(tag))
 
     def adopt(self, backend: Backend, cid: str, *, sampling: Sampling, max_tokens: int) -> Conversation | None:

@@ -228,6 +228,15 @@ class FakeBackend:
         self.kv = []
         self._logits = None
 
+    def forget(self) -> None:
+        self.clear()  # keeps nothing: the real engine's taking up of kept cells is tested on llama.cpp
+
+    def kept(self, tokens: Sequence[int]) -> int:
+        return 0
+
+    def take_kept(self, tokens: Sequence[int]) -> bool:
+        return False
+
     @property
     def has_logits(self) -> bool:
         return self._logits is not None

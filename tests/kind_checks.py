@@ -32,7 +32,7 @@ LONG = "a rather long message about the weather and the sea, told at length so i
 N_CTX = 256
 DSV4_ATOL = 1e-4
 CHECKS = ("resume", "regen", "undo", "undo_resume", "redo", "redo_compacted", "redo_resume", "redo_torn", "redo_regen",
-          "edit", "alt", "alt_torn", "fork", "evict", "shift")
+          "edit", "alt", "alt_torn", "fork", "evict", "shift", "kept")
 
 
 class CheckFailed(AssertionError):
@@ -380,6 +380,62 @@ class Kind:
         conv, report = self.open(cid)
         expect(report.reevaluated == 0, f"resume after the shift re-evaluated {report.reevaluated} ({report.reason})")
         drain(conv.send("one more"))
+        conv.close()
+
+
+    def check_kept(self) -> None:
+        """A new conversation started where another one ends, its cells kept (``keep``: the server's new
+        conversation in a context it reuses) takes up what both start with, the persona and its first message
+        but the last two tokens, and computes what the control did; its state resumes exactly."""
+        from tests.drive import drain, say
+
+        self.talk(M[:1])  # the context now holds the persona prefix, M[0] and its reply
+        before = self.engine.n_evaluated_total
+        conv, _, _ = drain(self.session.new_conversation("alice", keep=True))
+        assert conv is not None
+        expect(self.engine.n_evaluated_total == before, "the persona prefix was evaluated again")
+        caps = self.engine.caps
+        n_msg = len(conv._user_tokens([], M[0]))
+        self.continues_like_control(conv, 0, "kept")
+        evaluated = self.engine.n_evaluated_total - before
+        reply = len(self.control["replies"][0])
+        if caps.memory == "attention" and caps.truncate and caps.ranges:
+            expect(evaluated <= 2 + reply, f"evaluated {evaluated}: more than the message's last two tokens and the reply")
+        else:  # nothing is kept: the message is evaluated whole
+            expect(evaluated >= n_msg, f"evaluated {evaluated} of a {n_msg}-token message")
+        self.continues_like_control(conv, 1, "after kept")
+        conv.close()
+        conv, _ = self.reopen(conv.id, "kept resume")
+        self.continues_like_control(conv, 2, "kept resume")
+        conv.close()
+        # Its state file deleted: rebuilt from the transcript (the part taken up as a call of its own).
+        from chatcli.config.settings import get_paths
+        from chatcli.core.files.store import ConversationStore
+
+        ConversationStore(get_paths().conversations_dir).resolve(conv.id).state_path.unlink()
+        conv, report = self.open(conv.id)
+        expect(report.restored_tokens == 0, f"kept rebuild restored {report.restored_tokens}")
+        self.continues_like_control(conv, 3, "kept rebuild")
+        conv.close()
+        # A first message that only starts as the context's last one did: the same as a fresh conversation's.
+        longer = M[0] + " " + OTHER
+        start = self.engine.n_evaluated_total
+        fresh = self.talk([longer])
+        fresh_evaluated = self.engine.n_evaluated_total - start  # its message and reply (the prefix is cached)
+        self.talk(M[:1])
+        conv, _, _ = drain(self.session.new_conversation("alice", keep=True))
+        assert conv is not None
+        before = self.engine.n_evaluated_total
+        toks, lg = say(conv, longer)
+        n_longer = len(conv.r.active[0].tokens)
+        self.same(lg, fresh["logits"][0], "kept, a longer message")
+        expect(toks == fresh["replies"][0], "kept, a longer message: another reply")
+        if caps.memory == "attention" and caps.truncate and caps.ranges:
+            taken = conv.r.active[0].taken
+            expect(taken > 0, "nothing of the longer message was taken up")
+            expect(self.engine.n_evaluated_total - before == fresh_evaluated - taken,
+                   f"evaluated {self.engine.n_evaluated_total - before} with {taken} of {n_longer} taken up "
+                   f"(a fresh one: {fresh_evaluated})")
         conv.close()
 
 

@@ -359,6 +359,45 @@ def test_stop_strings_and_seed(server: Server) -> None:
     assert a.ext["evaluated_tokens"] == b.ext["evaluated_tokens"] == 0
 
 
+def test_a_new_conversation_takes_up_what_it_shares_with_the_context_s_last(tmp_path: Path) -> None:
+    """A new conversation in a context that held another one: the persona and the start of its first
+    message are taken up from that one's cells, not evaluated (as llama-server reuses a slot's prompt); its
+    reply is a fresh server's, and a restart continues it from its saved state."""
+    system = {"role": "system", "content": "You are terse. (kept cells)"}
+    a = [system, {"role": "user", "content": "Tell me about the old mill by the river and its miller."}]
+    b = [system, {"role": "user", "content": "Tell me about the old mill by the sea and its keeper."}]
+    srv = Server(tmp_path / "home", api_key=None)
+    srv.start()
+    try:
+        ra = chat(srv, a)
+        rb = chat(srv, b)
+        assert rb.ext["state_from"] == "new" and rb.conv != ra.conv
+        ua = srv.replay(ra.conv).active[0]
+        ub = srv.replay(rb.conv).active[0]
+        assert ua.p0 == ub.p0 > 0  # after the persona prefix
+        shared = next(i for i, (x, y) in enumerate(zip(ua.tokens, ub.tokens, strict=False)) if x != y)
+        assert shared >= 5  # the role header and "Tell me about the old mill by the"
+        assert rb.cached == ub.p0 + shared  # the persona and the shared start of the message: not evaluated
+        assert rb.prompt == ub.p0 + len(ub.tokens)
+        b.append({"role": "assistant", "content": rb.text})
+        b.append({"role": "user", "content": QUESTIONS[0]})
+        srv.kill()
+        srv.start()
+        nxt = chat(srv, b)  # restored from its state file: only the new message is evaluated
+        assert nxt.conv == rb.conv and nxt.cached == user_span(srv, rb.conv, 1)[0]
+    finally:
+        srv.stop()
+    ref = Server(tmp_path / "ref", api_key=None)
+    ref.start()
+    try:
+        fresh = chat(ref, b[:2])  # an empty context: the message evaluated whole
+        assert fresh.cached < rb.cached and fresh.text == rb.text
+        again = chat(ref, b)
+        assert again.text == nxt.text
+    finally:
+        ref.stop()
+
+
 def test_shared_fork_equals_a_copied_one(server: Server, tmp_path: Path) -> None:
     """A fork sharing the parent's bytes (hard link + BASE record) holds the same live cells and logits as a
     byte-for-byte copy, at every message boundary; its own file is a few hundred bytes."""

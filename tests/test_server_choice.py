@@ -95,8 +95,10 @@ def test_a_cold_conversation_is_not_forked_when_nothing_warm_matches(chat_servic
     budget.enforce(chat_service.store.root, None, 0)  # the resident one too: it is restored from disk then
     _, e = ask(chat_service, [*h1, ("user", "Name an animal.")])
     assert (e.state, e.forked_from) == ("new", None)
-    prefix = len(replay_events(chat_service.store.resolve(e.conversation).read_transcript().events).prefix_tokens)
-    assert e.cached_tokens == prefix  # from the prefix cache: the persona only
+    er = replay_events(chat_service.store.resolve(e.conversation).read_transcript().events)
+    # Not from the cold conversation's files: the persona and the start of the first message taken up from
+    # the cells the context still held (``Backend.forget``), the rest evaluated.
+    assert er.active[0].taken > 0 and e.cached_tokens == len(er.prefix_tokens) + er.active[0].taken
     h2 = [*h1, ("user", "Name a colour."), ("assistant", a2.text)]
     budget.enforce(chat_service.store.root, None, 0)
     _, g = ask(chat_service, [*h2, ("user", "Name a city.")])

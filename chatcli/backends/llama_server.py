@@ -746,6 +746,15 @@ class LlamaServerBackend:
         self._held = 0
         self._beyond = True
 
+    def forget(self) -> None:
+        self.clear()  # the server takes up its slot's cached prompt itself
+
+    def kept(self, tokens: Sequence[int]) -> int:
+        return 0
+
+    def take_kept(self, tokens: Sequence[int]) -> bool:
+        return False
+
     # -- logits and cells: not available remotely --------------------------------------------------------
 
     @property

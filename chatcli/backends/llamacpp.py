@@ -195,6 +195,7 @@ class _SharedBatch:
 
     def enter_batch(self, m: Engine) -> None:
         """Copy ``m``'s whole sequence into its sequence of the batch context."""
+        m._drop_kept()  # only what it holds, not cells ``forget`` left past its end
         with m._decode_lock:
             if self._ctx is None:
                 self._make()
@@ -615,6 +616,9 @@ class Engine:
         self._in_batch = False  # its sequence is in the shared context (cells from _batch_from not yet here)
         self._batch_from = 0  # where they start
         self._shift_pending = False  # a shift's RoPE update waits for the next decode: not copyable yet
+        # The tokens of the cells ``forget`` left in the sequence, by position: those past ``n_past`` are
+        # taken up by the next evaluation as far as its tokens are the same, the rest dropped then.
+        self._kept: list[int] = []
         self.n_evaluated_total = 0
         self.memory_kind, self.can_truncate, self.ranges = self._probe_memory()
         self.n_evaluated_total = 0  # the probe's two tokens are not the conversation's
@@ -812,10 +816,76 @@ class Engine:
         Logits are computed for the last token only. The batch boundaries (every ``n_batch`` tokens) are the
         same however the tokens are evaluated, so the cells are too.
         """
+        if self._kept:
+            return self._eval_after_kept(tokens)
         group = self._group
         if group is None:
             return eval_batches(self, tokens, lambda part, last: self._decode(part, last_logits=last))
         return self._group_eval(group, tokens)
+
+    def _eval_after_kept(self, tokens: Sequence[int]) -> Iterator[tuple[int, int]]:
+        """``eval_steps`` right after ``forget``: the kept cells ``tokens`` start with are taken as they are
+        (``kept``), the others dropped, the rest evaluated."""
+        tokens = list(tokens)
+        if self.n_past + len(tokens) > self.n_ctx:
+            self._drop_kept()
+            raise ContextFullError(f"{len(tokens)} tokens do not fit: {self.n_past}/{self.n_ctx} in use")
+        k = self.kept(tokens)
+        if k > 0:
+            self.tokens.extend(tokens[:k])
+            self._drop_logits()
+        self._drop_kept()
+        for done, total in self.eval_steps(tokens[k:]):
+            yield k + done, k + total
+
+    def forget(self) -> None:
+        """Empty the sequence as ``clear`` does, but leave its cells where the memory can be cut back: the
+        next evaluation takes up those its tokens start with (``kept``) instead of computing them again, as
+        llama-server reuses a slot's cached prompt; ``take_kept`` takes a persona prefix. The caller vouches
+        that the cells were computed where they are (no context shift moved them): taken up, they are what
+        a fresh evaluation computes."""
+        if not (self.memory_kind == "attention" and not self.n_swa and self.can_truncate and self.ranges) \
+                or self._shift_pending:
+            self.clear()
+            return
+        self._detach()
+        self._kept = self.tokens[:]
+        del self.tokens[:]
+        self._drop_logits()
+
+    def kept(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` their evaluation takes up from the cells ``forget`` kept: as far as those hold
+        the same tokens, but never the last two, and never just one. A call of one token computes its row
+        otherwise than a call of several (llama.cpp's matrix-vector kernels): on f32 weights its logits
+        differed (4e-8) from the same token's as a row of the message's batch, while every split into calls
+        of two tokens or more gave the same bits (tests/kind_checks.py, ``kept``, on every architecture)."""
+        k = min(self._kept_match(tokens), len(tokens) - 2)
+        return k if k >= 2 else 0
+
+    def _kept_match(self, tokens: Sequence[int]) -> int:
+        k = 0
+        for a, b in zip(self._kept[self.n_past:], tokens, strict=False):
+            if a != b:
+                break
+            k += 1
+        return k
+
+    def take_kept(self, tokens: Sequence[int]) -> bool:
+        """Append ``tokens`` from the kept cells when they hold all of them (no logits then): a persona prefix
+        that the context's last conversation started with, evaluated as a call of its own there as here.
+        False, changing nothing, when they do not."""
+        if not tokens or self._kept_match(tokens) < len(tokens):
+            return False
+        self.tokens.extend(tokens)
+        self._drop_logits()
+        return True
+
+    def _drop_kept(self) -> None:
+        """Free the kept cells past the context's end: before anything else uses the sequence."""
+        if self._kept:
+            if len(self._kept) > self.n_past:
+                llama_cpp.llama_memory_seq_rm(self._mem, SEQ, self.n_past, -1)
+            self._kept = []
 
     def _group_eval(self, group: _SharedBatch, tokens: Sequence[int]) -> Iterator[tuple[int, int]]:
         """``eval_steps`` of a sibling: with the siblings' next tokens in one decode of the batch context when
@@ -868,7 +938,8 @@ class Engine:
         """Before this context changes by itself: out of the batch context (whose copy would go stale). With
         nothing to copy back (a message evaluated there was copied at once), its sequence there is dropped
         by the next decode or entry, under the lock they take anyway: a ``clear`` waited 0.9 s for that lock
-        behind a sibling's prompt, on a busy machine."""
+        behind a sibling's prompt, on a busy machine. Cells ``forget`` kept are dropped."""
+        self._drop_kept()
         if self._in_batch:
             group = self._group
             assert group is not None
@@ -883,6 +954,7 @@ class Engine:
         return self._free_cores.threads() if self._free_cores is not None else self.n_threads
 
     def _decode(self, part: list[int], *, last_logits: bool) -> None:
+        self._drop_kept()  # a cell of the same position must not stay beside the one decoded
         b = self._batch
         n0 = self.n_past
         b.n_tokens = len(part)
@@ -962,6 +1034,7 @@ class Engine:
         consistent.
         """
         res = result if result is not None else GenerationResult()
+        self._drop_kept()
         if not self.has_logits:
             self.ensure_logits()
         plan = _LogitPlan.of(sampling, self.n_vocab)

@@ -142,7 +142,8 @@ class GenerationResult:
 
 
 class Backend(Protocol):
-    """One sequence of an inference engine. ``tokens`` always equals what the engine's KV holds."""
+    """One sequence of an inference engine. ``tokens`` always equals what the engine's KV holds (but for
+    cells ``forget`` left past its end, which the next evaluation takes up or drops)."""
 
     n_ctx: int  # positions available to this sequence
     n_vocab: int
@@ -215,6 +216,22 @@ class Backend(Protocol):
         ...
 
     def clear(self) -> None: ...
+
+    def forget(self) -> None:
+        """Empty the sequence as ``clear`` does; a local engine whose memory can be cut back leaves the cells,
+        for the next evaluation (``eval_steps``) to take up as far as its tokens are the same (``kept``).
+        The caller vouches that the cells were computed where they are."""
+        ...
+
+    def kept(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` their evaluation would take up from the cells ``forget`` left (0 when none
+        are left); the last two are always evaluated."""
+        ...
+
+    def take_kept(self, tokens: Sequence[int]) -> bool:
+        """Append ``tokens`` from the cells ``forget`` left, when they hold all of them (no logits then);
+        False, changing nothing, when they do not."""
+        ...
 
     # -- logits (caps.logits) --
     @property

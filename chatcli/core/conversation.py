@@ -130,9 +130,15 @@ class Conversation(ConversationViews):
     def state_identity(self) -> dict[str, Any]:
         return prefix.state_identity(self.identity, self.backend.identity())
 
-    def start(self, cache_file: Path | None) -> Iterator[Event]:
-        """Put a new conversation's persona prefix in the backend (from the prefix cache when it can)."""
-        self.backend.clear()
+    def start(self, cache_file: Path | None, *, keep: bool = False) -> Iterator[Event]:
+        """Put a new conversation's persona prefix in the backend (from the prefix cache when it can).
+        ``keep``: the backend holds another conversation whose cells were computed where they are (none was
+        moved by a context shift); what the new one starts with the same is taken up, not evaluated again
+        (``Backend.forget``)."""
+        if keep:
+            self.backend.forget()
+        else:
+            self.backend.clear()
         yield from self.log.start(self.r.prefix_tokens, cache_file)
         if self.log.meta_changed:
             self._touch_meta()
@@ -317,11 +323,15 @@ class Conversation(ConversationViews):
         turn = self.r.max_turn + 1
         closing = len(self._closing_due)
         p0 = eng.n_past + closing
+        # A new conversation's first message can start as the context's last conversation did (``start``):
+        # those tokens are taken up, not evaluated.
+        taken = self._taken(tokens)
         # Transcript first: whatever happens next, the user's words are on disk. A bar only for messages
         # that take more than one batch.
         stats.prompt_seconds = yield from self._append_evaluated("user", text, tokens, turn,
                                                                  label="reading your message", bar_above=eng.n_batch)
-        stats.n_prompt = closing + len(tokens)  # what this call evaluated (llama-server's prompt_n counts them too)
+        # What this call evaluated (llama-server's prompt_n counts a closing too).
+        stats.n_prompt = closing + len(tokens) - taken
         self.log.user_evaluated(p0, tokens, stats, defer=True, closing=closing)  # written after the first token
         yield from self._notices()
         if not self.title:
@@ -542,6 +552,11 @@ class Conversation(ConversationViews):
         """The conversation's length: the context's, with a reply's end still due."""
         return self.backend.n_past + len(self._closing_due)
 
+    def _taken(self, tokens: list[int]) -> int:
+        """How many of a message's tokens its evaluation takes up from cells ``start`` kept (``Backend.kept``);
+        none once the conversation evaluated anything after its prefix (a reply's end is never due then)."""
+        return 0 if self._closing_due else self.backend.kept(tokens)
+
     def _append_evaluated(self, role: str, text: str, tokens: list[int], turn: int, *, alt: int = 0,
                           stop: str = "", label: str = "reading the history",
                           bar_above: int = 0) -> Generator[Progress, None, float]:
@@ -555,7 +570,8 @@ class Conversation(ConversationViews):
         closing, sampled = self._closing_due, self._due_sampled
         c0 = eng.n_past
         p0 = c0 + len(closing)
-        self.transcript.message(role, text, tokens, p0, turn, alt=alt, stop=stop, with_closing=len(closing))
+        self.transcript.message(role, text, tokens, p0, turn, alt=alt, stop=stop, with_closing=len(closing),
+                                taken=self._taken(tokens))
         self._closing_due, self._due_sampled = [], 0
         try:
             seconds = yield from evaluate(eng, [*closing, *tokens], label, stoppable=True, above=bar_above)

@@ -26,10 +26,10 @@ def create_conversation(
     store: ConversationStore, backend: Backend, template: ChatTemplate, *, persona_name: str,
     persona_messages: list[Message], persona_hash: str, identity: dict[str, Any], model_path: str,
     sampling: Sampling, seed: int, prefix_cache_dir: Path | None = None, max_tokens: int = 1024, reserve: int = 256,
-    extra_meta: dict[str, Any] | None = None,
+    extra_meta: dict[str, Any] | None = None, keep: bool = False,
 ) -> Opening[Conversation]:
     """Start a conversation from a persona: its events are the prefix's progress (or cache hit). ``extra_meta``:
-    more fields for its metadata (the template it was started with)."""
+    more fields for its metadata (the template it was started with). ``keep``: see ``Conversation.start``."""
     meta = {
         "title": "", "persona": persona_name, "persona_hash": persona_hash, "model": {"path": model_path, **identity},
         "params": backend.identity(), "seed": seed, "turns": 0, "tokens": 0, **(extra_meta or {}),
@@ -49,7 +49,7 @@ def create_conversation(
         cache_file = None
         if prefix_cache_dir is not None:
             cache_file = prefix.cache_path(prefix_cache_dir, c.state_identity(), persona_hash, template.cache_key)
-        yield from c.start(cache_file)
+        yield from c.start(cache_file, keep=keep)
         return c, None
 
     return Opening(_unlock_if_failed(conv, body()))

@@ -38,6 +38,9 @@ class ActiveMessage:
     # A user message evaluated in one call with the ``with_closing`` tokens before it, the previous reply's
     # closing (a server decodes that with the next prompt, not after the reply's end): rebuild.py replays it.
     with_closing: int = 0
+    # A new conversation's first message whose first ``taken`` cells were the context's last conversation's
+    # (``Backend.forget``): only the rest was evaluated, in one call; rebuild.py replays the two parts.
+    taken: int = 0
 
     @property
     def p1(self) -> int:
@@ -174,7 +177,7 @@ def _parse_message(ev: dict[str, Any], p0: int | None = None) -> ActiveMessage:
         p0=int(ev["span"][0]) if p0 is None else p0, turn=int(ev.get("turn", 0)), alt=int(ev.get("alt", 0)),
         stop=str(ev.get("stop", "")), ts=float(ev.get("ts", 0.0)),
         reasoning=reasoning, answer=answer, reasoning_tokens=n_reasoning,
-        with_closing=int(ev.get("with_closing", 0)),
+        with_closing=int(ev.get("with_closing", 0)), taken=int(ev.get("taken", 0)),
     )
 
 
@@ -204,10 +207,11 @@ class Transcript:
         return ev
 
     def message(self, role: str, text: str, tokens: list[int], p0: int, turn: int, *, alt: int = 0,
-                stop: str = "", parts: dict[str, Any] | None = None, with_closing: int = 0) -> ActiveMessage:
+                stop: str = "", parts: dict[str, Any] | None = None, with_closing: int = 0,
+                taken: int = 0) -> ActiveMessage:
         """Append a message at position ``p0`` (the end of the context); returns it as now active.
-        ``parts``: a reply's reasoning and answer (``reply.reasoning_parts``); ``with_closing``: see
-        ``ActiveMessage`` (an optional field, added without a version change: older versions ignore it)."""
+        ``parts``: a reply's reasoning and answer (``reply.reasoning_parts``); ``with_closing`` and ``taken``:
+        see ``ActiveMessage`` (optional fields, added without a version change: older versions ignore them)."""
         ev: dict[str, Any] = {"type": "message", "mid": self.r.next_mid, "role": role, "text": text,
                               "tokens": list(tokens), "span": [p0, p0 + len(tokens)], "turn": turn, "alt": alt}
         if stop:
@@ -216,6 +220,8 @@ class Transcript:
             ev.update(parts)
         if with_closing:
             ev["with_closing"] = with_closing
+        if taken:
+            ev["taken"] = taken
         self.append(ev)
         msg = self.r.active[-1] if self.r.active else None
         if msg is None or msg.mid != ev["mid"]:

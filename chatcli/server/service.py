@@ -562,11 +562,14 @@ class ChatService:
         else:
             name, phash = API_PERSONA, history.persona_hash(sh.persona)
         self._check_persona_fits(sh)
-        slot = self._take(self._free_slot(), rq)
+        slot, keep = self._free_slot()
+        self._take(slot, rq)
         rq.how = "new"
+        # Where the context held another conversation, what this one starts with the same (the persona, and
+        # often the start of its first message) is taken up from its cells, as llama-server reuses a slot.
         conv = _drain(self.session.new_conversation_from(
             sh.persona, persona_name=name, persona_hash=phash, seed=secrets.randbits(31), sampling=sampling,
-            max_tokens=max_tokens, meta=new_meta, backend=slot.engine))
+            max_tokens=max_tokens, meta=new_meta, backend=slot.engine, keep=keep))
         return conv, True, None, sh.turns
 
     def _open(self, cid: str, sampling: Sampling, max_tokens: int, rq: _Req,
@@ -589,7 +592,7 @@ class ChatService:
                 slot.conv = None
                 break
         else:
-            slot = self._take(self._free_slot(), rq)
+            slot = self._take(self._free_slot()[0], rq)
         rq.how = "disk"
         try:
             # Restoring (a cold conversation rebuilds its whole context) runs without the service's lock:
@@ -618,11 +621,14 @@ class ChatService:
         self._cond.wait_for(lambda: not any(s.finishing and s.conv is not None and s.conv.id == cid
                                             for s in self._slots))
 
-    def _free_slot(self) -> _Slot:
-        """A free context: an empty one, else the least recently used (its conversation is on disk already)."""
+    def _free_slot(self) -> tuple[_Slot, bool]:
+        """A free context: an empty one, else the least recently used (its conversation is on disk already);
+        and whether a new conversation may take up its cells (``Backend.forget``): they are those of the
+        conversation it held, none of them moved by a context shift."""
         slot = min((s for s in self._slots if not s.busy), key=lambda s: (s.conv is not None, s.used))
+        keep = slot.conv is not None and not slot.conv.out_of_context
         slot.conv = None
-        return slot
+        return slot, keep
 
     def _take(self, slot: _Slot, rq: _Req) -> _Slot:
         slot.busy = True

@@ -67,7 +67,8 @@ def cache_path(cache_dir: Path, identity: dict[str, Any], persona_hash: str, tem
 def load_or_build(
     engine: Backend, prefix_tokens: list[int], cache_file: Path | None, identity: dict[str, Any],
 ) -> Generator[Event, None, tuple[list[bytes], bool]]:
-    """Put the prefix cells in the (empty) engine: from the cache when valid, else evaluated and cached.
+    """Put the prefix cells in the (empty) engine: kept from its last conversation, else from the cache when
+    valid, else evaluated and cached.
 
     Returns the records a conversation's state file starts with, and whether the cache was used.
     """
@@ -76,6 +77,11 @@ def load_or_build(
 
     header = sf.encode_record(sf.HEADER, 0, 0, sf.header_payload(identity))
     n = len(prefix_tokens)
+    if n and engine.take_kept(prefix_tokens):
+        # The context's last conversation started with this prefix (``Backend.forget``): its cells are the
+        # ones the cache holds (the same tokens evaluated alone, or loaded from it).
+        yield Notice(f"persona prefix: {n} tokens kept in the context (not evaluated)")
+        return [header, sf.encode_record(sf.CELLS, 0, n, sf.cells_payload(prefix_tokens, engine.save_cells(0, n)))], True
     if cache_file is not None and cache_file.exists() and n:
         t0 = time.perf_counter()
         record: bytes | None = None

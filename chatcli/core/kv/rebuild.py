@@ -12,7 +12,12 @@ rebuild replays the original batching, which the transcript determines:
 - a reply a client wrote (``stop == "client"``, appended by the server): one evaluation, closing included;
 - a user message whose ``with_closing`` is set (a server's: it leaves a reply's end, its last sampled token
   and its closing, to the next prompt, as llama-server does): one evaluation with the ``with_closing`` tokens
-  before it (older servers folded the closing alone: the same rule reads their transcripts).
+  before it (older servers folded the closing alone: the same rule reads their transcripts);
+- a new conversation's first message whose first ``taken`` tokens' cells were taken up from the context's
+  previous conversation (``Backend.forget``, the server's): those as one evaluation, then the rest. The
+  cells taken were computed in that conversation's call; llama.cpp computes a row the same in any call of
+  two tokens or more (``Engine.kept`` takes no fewer and leaves no fewer), which the ``kept`` check of
+  tests/kind_checks.py holds on every architecture, rebuild included.
 
 Then an evicted conversation (or one resumed with another KV type, or whose state was damaged) continues
 exactly as if its state had been loaded. The cost: reply tokens are decoded one by one, as when they were
@@ -32,6 +37,7 @@ class _Message(Protocol):
     p0: int
     stop: str
     with_closing: int
+    taken: int
 
 
 class _Engine(Protocol):
@@ -55,6 +61,8 @@ def segments(prefix_len: int, messages: Sequence[_Message], closing_len: Callabl
                 if out and out[-1][1] > start:
                     out[-1] = (out[-1][0], start)
                 out.append((start, p1))
+            elif 0 < m.taken < p1 - p0:
+                out += [(p0, p0 + m.taken), (p0 + m.taken, p1)]
             elif p1 > p0:
                 out.append((p0, p1))
             continue
