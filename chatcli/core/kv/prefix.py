@@ -70,7 +70,7 @@ def load_or_build(
     """Put the prefix cells in the (empty) engine: kept from its last conversation, else from the cache when
     valid, else evaluated and cached.
 
-    Returns the records a conversation's state file starts with, and whether the cache was used.
+    Returns the records a conversation's state file starts with, and whether nothing was evaluated.
     """
     # Imported here: the cache keys above are computed by commands that must not load numpy (`personas`).
     from chatcli.core.kv import records as sf
