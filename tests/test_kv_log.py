@@ -7,6 +7,7 @@ import errno
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +227,30 @@ def test_failed_state_write_is_reported_by_the_operation_that_hit_it(
     conv.close()
 
 
+def watch_state_io(mp: pytest.MonkeyPatch, note: Callable[[str], None]) -> None:
+    """``note("write")`` / ``note("fsync")`` for every write and fsync of a ``state.kv`` file while ``mp`` lasts."""
+    real_write, real_fsync = os.write, os.fsync
+
+    def is_state(fd: int) -> bool:
+        try:
+            return os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == "state.kv"
+        except OSError:
+            return False
+
+    def write(fd: int, data: Any) -> int:
+        if is_state(fd):
+            note("write")
+        return real_write(fd, data)
+
+    def fsync(fd: Any) -> None:
+        if isinstance(fd, int) and is_state(fd):
+            note("fsync")
+        real_fsync(fd)
+
+    mp.setattr(os, "write", write)
+    mp.setattr(os, "fsync", fsync)
+
+
 def test_the_first_tokens_save_is_written_at_once_and_fsynced_with_the_reply(sess: Any, golden: dict[str, Any]) -> None:
     # The user message's cells are written right after the reply's first token (so a killed process finds
     # them) but not fsynced there: the fsync (5-28 ms) sat between the first two decodes. The reply's own
@@ -234,29 +259,9 @@ def test_the_first_tokens_save_is_written_at_once_and_fsynced_with_the_reply(ses
     conv, _, _ = open_conv(sess, cid)
     seen: list[tuple[str, int]] = []  # ("write" | "fsync", ReplyText events seen so far), state.kv only
     texts = 0
-
-    def is_state(fd: int) -> bool:
-        try:
-            return os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == "state.kv"
-        except OSError:
-            return False
-
-    real_write, real_fsync = os.write, os.fsync
-
-    def write(fd: int, data: Any) -> int:
-        if is_state(fd):
-            seen.append(("write", texts))
-        return real_write(fd, data)
-
-    def fsync(fd: Any) -> None:
-        if isinstance(fd, int) and is_state(fd):
-            seen.append(("fsync", texts))
-        real_fsync(fd)
-
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(os, "write", write)
-            mp.setattr(os, "fsync", fsync)
+            watch_state_io(mp, lambda what: seen.append((what, texts)))
             for ev in conv.send(MSGS[2]):
                 if type(ev).__name__ == "ReplyText":
                     texts += 1
@@ -279,31 +284,12 @@ def test_a_held_commit_writes_the_turn_without_an_fsync(sess: Any, golden: dict[
     conv, _, _ = open_conv(sess, cid)
     seen: list[str] = []
 
-    def is_state(fd: int) -> bool:
-        try:
-            return os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == "state.kv"
-        except OSError:
-            return False
-
-    real_write, real_fsync = os.write, os.fsync
-
-    def write(fd: int, data: Any) -> int:
-        if is_state(fd):
-            seen.append("write")
-        return real_write(fd, data)
-
-    def fsync(fd: Any) -> None:
-        if isinstance(fd, int) and is_state(fd):
-            seen.append("fsync")
-        real_fsync(fd)
-
     try:
         conv.defer_writes()
         for _ in conv.send(MSGS[2]):
             pass
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(os, "write", write)
-            mp.setattr(os, "fsync", fsync)
+            watch_state_io(mp, seen.append)
             conv.commit()
         assert "write" in seen and "fsync" not in seen, seen
         assert state_tokens(conv.dir.state_path) == sess.engine.tokens  # the whole turn is in the file
