@@ -640,6 +640,11 @@ class Engine:
                             ranges=self.ranges, grammar=True,
                             memory="swa" if self.memory_kind == "attention" and self.n_swa else self.memory_kind)
 
+    @property
+    def _plain_attention(self) -> bool:
+        """A full attention cache, cut back and saved by range anywhere: what batching and ``forget`` need."""
+        return self.memory_kind == "attention" and not self.n_swa and self.can_truncate and self.ranges
+
     def _probe_memory(self) -> tuple[str, bool, bool]:
         """What this context's memory can do: (kind, can truncate, can save position ranges).
 
@@ -711,7 +716,7 @@ class Engine:
         other._in_batch = False
         other._batch_from = 0
         other._shift_pending = False
-        if self.memory_kind == "attention" and not self.n_swa and self.can_truncate and self.ranges:
+        if self._plain_attention:
             if self._group is None:
                 self._group = _SharedBatch(self)
             other._group = self._group
@@ -844,8 +849,7 @@ class Engine:
         llama-server reuses a slot's cached prompt; ``take_kept`` takes a persona prefix. The caller vouches
         that the cells were computed where they are (no context shift moved them): taken up, they are what
         a fresh evaluation computes."""
-        if not (self.memory_kind == "attention" and not self.n_swa and self.can_truncate and self.ranges) \
-                or self._shift_pending:
+        if not self._plain_attention or self._shift_pending:
             self.clear()
             return
         self._detach()
@@ -1034,7 +1038,6 @@ class Engine:
         consistent.
         """
         res = result if result is not None else GenerationResult()
-        self._drop_kept()
         if not self.has_logits:
             self.ensure_logits()
         plan = _LogitPlan.of(sampling, self.n_vocab)

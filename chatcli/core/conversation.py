@@ -323,15 +323,13 @@ class Conversation(ConversationViews):
         turn = self.r.max_turn + 1
         closing = len(self._closing_due)
         p0 = eng.n_past + closing
-        # A new conversation's first message can start as the context's last conversation did (``start``):
-        # those tokens are taken up, not evaluated.
-        taken = self._taken(tokens)
         # Transcript first: whatever happens next, the user's words are on disk. A bar only for messages
         # that take more than one batch.
         stats.prompt_seconds = yield from self._append_evaluated("user", text, tokens, turn,
                                                                  label="reading your message", bar_above=eng.n_batch)
-        # What this call evaluated (llama-server's prompt_n counts a closing too).
-        stats.n_prompt = closing + len(tokens) - taken
+        # What this call evaluated (llama-server's prompt_n counts a closing too): not what a new conversation's
+        # first message took up from the context's last conversation (``start``).
+        stats.n_prompt = closing + len(tokens) - self.r.active[-1].taken
         self.log.user_evaluated(p0, tokens, stats, defer=True, closing=closing)  # written after the first token
         yield from self._notices()
         if not self.title:
