@@ -219,3 +219,26 @@ def test_the_load_lets_its_log_callbacks_in_quickly_and_restores_the_switch_inte
     with pytest.raises(BackendError, match="could not load the model"):
         Engine(bad, n_ctx=256)
     assert sys.getswitchinterval() == before
+
+
+
+def test_kept_cells_belong_to_their_context_not_to_a_sibling_made_after(model_path) -> None:
+    """``forget`` leaves the cells for the next evaluation of *this* context: a sibling made meanwhile (its
+    own, empty KV cache) takes nothing up, and evaluates what it is given whole. Engines of its own: a
+    sibling joins its engine to a shared batch context for good."""
+    engine = Engine(model_path, n_ctx=512, n_threads=2)
+    try:
+        toks = engine.tokenize("The river runs past the old mill and the orchard.", add_special=True)
+        engine.eval(toks)
+        engine.forget()
+        assert engine.kept(toks) == len(toks) - 2  # the cells are there, all but the last two taken up
+        other = engine.sibling()
+        try:
+            assert other.kept(toks) == 0
+            before = other.n_evaluated_total
+            other.eval(toks)
+            assert other.n_evaluated_total - before == len(toks) and other.tokens == toks
+        finally:
+            other.close()
+    finally:
+        engine.close()

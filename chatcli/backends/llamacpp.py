@@ -708,6 +708,7 @@ class Engine:
         other._applied_threads = self.n_threads  # the new context starts with the cparams' count
         other._closed = False
         other.tokens = []
+        other._kept = []  # ``copy.copy`` shares the list: kept cells are this context's, not the new one's
         other._logits = None
         other._logits_view = None
         other._cancel_flag = threading.Event()
