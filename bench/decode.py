@@ -154,6 +154,12 @@ def eog_bias(model: str) -> dict[str, int]:
     return {str(i): -100 for i in range(llama_cpp.llama_vocab_n_tokens(vocab)) if llama_cpp.llama_vocab_is_eog(vocab, i)}
 
 
+def fixed_length(model: str) -> dict[str, Any]:
+    """The request fields that make both servers' greedy replies the same work: the end of turn banned
+    (``eog_bias``) and no repeat penalty (chatcli's default is 1.1, llama-server's 1.0)."""
+    return {"logit_bias": eog_bias(model), "repeat_penalty": 1.0}
+
+
 class Bench:
     def __init__(self, o: argparse.Namespace, cfg: dict[str, Any]) -> None:
         self.o = o
@@ -300,8 +306,8 @@ class Bench:
             for w in workers.values():
                 w.close()
 
-    def eog_bias(self) -> dict[str, int]:
-        return eog_bias(self.model)
+    def fixed_length(self) -> dict[str, Any]:
+        return fixed_length(self.model)
 
     def stream_one(self, port: int, prefix: list[dict[str, str]], decode_cap: float | None = None) -> dict[str, Any]:
         """One streamed greedy request: talk's persona prefix, then a new message (the prefix's cells are
@@ -311,8 +317,7 @@ class Bench:
         decoding costs, comparable with the Engine and talk rows) and ``stream_tps`` to the end of the
         stream (``[DONE]``: adds what the server does after the last token before it closes)."""
         msgs = [*prefix, {"role": "user", "content": self.message()}]
-        r = chat(port, msgs, self.cfg["decode"], {"logit_bias": self.eog_bias(), "repeat_penalty": 1.0},
-                 decode_cap=decode_cap)
+        r = chat(port, msgs, self.cfg["decode"], self.fixed_length(), decode_cap=decode_cap)
         n = None
         if r.usage:
             n = r.usage.get("completion_tokens")
@@ -383,8 +388,7 @@ class Bench:
                 para = PARAGRAPHS[(i * 5 + t + rep) % len(PARAGRAPHS)]
                 msgs.append({"role": "user", "content": f"Client {i}, run {rep}, turn {t}. {para} What should I do?"})
                 try:
-                    r = chat(port, msgs, self.cfg["reply"], {"logit_bias": self.eog_bias(), "repeat_penalty": 1.0},
-                             deadline=deadline[0])
+                    r = chat(port, msgs, self.cfg["reply"], self.fixed_length(), deadline=deadline[0])
                 except Exception as exc:  # a failed request is reported, not hidden
                     with guard:
                         errors.append(str(exc)[:200])
@@ -415,7 +419,7 @@ class Bench:
         loaded = self.cfg["loaded"] if cond == "loaded" else None
         reps = loaded["conc_reps"] if loaded else self.cfg["conc_reps"]
         rows: list[dict[str, Any]] = []
-        self.eog_bias()  # the vocabulary read before the servers start, not between their starts and a run
+        self.fixed_length()  # the vocabulary read before the servers start, not between their starts and a run
         for n in self.cfg["clients"]:
             servers = {"chatcli serve": self.start_chatcli(n, f"np{n}-{cond}"),
                        "llama-server": self.start_llama_server(n, f"np{n}-{cond}")}

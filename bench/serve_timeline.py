@@ -342,22 +342,17 @@ def metrics(port: int) -> dict[str, float]:
     return out
 
 
-def clients(port: int, n: int, cfg: dict[str, Any], reps: int = 1) -> dict[str, Any]:
-    """bench/decode.py section 2's clients (same messages) for runs 0 to ``reps - 1``, one after another,
-    each request's send, first and last token kept."""
-    runs = [_clients(port, n, cfg, rep) for rep in range(reps)]
+def clients(port: int, n: int, cfg: dict[str, Any], extra: dict[str, Any], reps: int = 1) -> dict[str, Any]:
+    """bench/decode.py section 2's clients (same messages, ``extra`` its ``fixed_length`` fields) for runs 0
+    to ``reps - 1``, one after another, each request's send, first and last token kept."""
+    runs = [_clients(port, n, cfg, extra, rep) for rep in range(reps)]
     reqs = [q for r in runs for q in r["requests"]]
     lat = sorted(r["end"] - r["t0"] for r in reqs)
     return {"t0": runs[0]["t0"], "wall": runs[-1]["t0"] + runs[-1]["wall"] - runs[0]["t0"], "requests": reqs,
             "tokens": sum(r["tokens"] for r in reqs), "p50": lat[len(lat) // 2] if lat else None}
 
 
-def _clients(port: int, n: int, cfg: dict[str, Any], rep: int) -> dict[str, Any]:
-    from bench.decode import eog_bias
-    from chatcli.models.resolve import bundled_model_path
-
-    # bench/decode.py section 2's: replies of one length, the same on both servers.
-    extra = {"logit_bias": eog_bias(str(bundled_model_path())), "repeat_penalty": 1.0}
+def _clients(port: int, n: int, cfg: dict[str, Any], extra: dict[str, Any], rep: int) -> dict[str, Any]:
     from bench.common import PARAGRAPHS
     from bench.decode import SYSTEM
     from bench.serve import chat
@@ -485,13 +480,13 @@ def main(argv: list[str] | None = None) -> int:
     o = ap.parse_args(argv)
 
     from bench.common import REPO
-    from bench.decode import FULL, QUICK, SEED, SETTLE_S, eog_bias
+    from bench.decode import FULL, QUICK, SEED, SETTLE_S, fixed_length
     from bench.serve import Proc, find_llama_server, free_port
     from chatcli.models.resolve import bundled_model_path
 
     cfg = FULL if o.full else QUICK
     model = str(bundled_model_path())
-    eog_bias(model)  # read before the servers start (the clients reuse it)
+    extra = fixed_length(model)  # the vocabulary read before the servers start
     work = Path(tempfile.mkdtemp(prefix="chatcli-timeline-"))
     tree = o.chatcli or str(REPO)
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "CHATCLI_THREADS")}
@@ -510,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             p.wait_ready(port)
             time.sleep(SETTLE_S)  # as bench/decode.py section 2 waits (see SETTLE_S there)
-            run_c = clients(port, n, cfg, o.reps)
+            run_c = clients(port, n, cfg, extra, o.reps)
         finally:
             p.stop()
         ev = json.loads(ev_path.read_text())
@@ -530,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
                 q.wait_ready(port)
                 time.sleep(SETTLE_S)
                 m0 = metrics(port)
-                run_l = clients(port, n, cfg, o.reps)
+                run_l = clients(port, n, cfg, extra, o.reps)
                 m1 = metrics(port)
             finally:
                 q.stop()
