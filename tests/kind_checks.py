@@ -63,6 +63,9 @@ class Kind:
         assert conv is not None
         return conv
 
+    def state_path(self, cid: str) -> Path:
+        return Path(self.session.store.resolve(cid).state_path)
+
     def open(self, cid: str) -> tuple[Any, Any]:
         from tests.drive import drain
 
@@ -337,12 +340,8 @@ class Kind:
 
     def check_evict(self) -> None:
         """The state file deleted (what budget eviction does): resume rebuilds from the transcript, identically."""
-        from chatcli.config.settings import get_paths
-        from chatcli.core.files.store import ConversationStore
-
         first = self.talk(M[:2])
-        state = ConversationStore(get_paths().conversations_dir).resolve(first["id"]).state_path
-        state.unlink()
+        self.state_path(first["id"]).unlink()
         conv, report = self.open(first["id"])
         expect(report.restored_tokens == 0 and report.reevaluated == len(first["tokens"]),
                f"rebuild: restored {report.restored_tokens}, re-evaluated {report.reevaluated} of {len(first['tokens'])}")
@@ -409,10 +408,7 @@ class Kind:
         self.continues_like_control(conv, 2, "kept resume")
         conv.close()
         # Its state file deleted: rebuilt from the transcript (the part taken up as a call of its own).
-        from chatcli.config.settings import get_paths
-        from chatcli.core.files.store import ConversationStore
-
-        ConversationStore(get_paths().conversations_dir).resolve(conv.id).state_path.unlink()
+        self.state_path(conv.id).unlink()
         conv, report = self.open(conv.id)
         expect(report.restored_tokens == 0, f"kept rebuild restored {report.restored_tokens}")
         self.continues_like_control(conv, 3, "kept rebuild")
