@@ -170,3 +170,32 @@ def test_a_streamed_completion_over_http() -> None:
     assert docs[-2]["choices"][0]["finish_reason"] == "length" and docs[-2]["chatcli"]["conversation"] == "conv1"
     assert docs[-1]["choices"] == [] and docs[-1]["usage"]["completion_tokens"] == 3
     assert len({d["id"] for d in docs}) == 1
+
+
+def test_a_non_streamed_reply_wakes_the_loop_for_its_first_token_and_its_end_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The text of a non-streamed reply comes whole with ``Finished``: the tokens between must not wake the
+    event loop (before, each one did: a wake-up per token, ~60 here)."""
+    from chatcli.server import routes
+
+    n, runs = 60, []
+
+    def script() -> Iterator[object]:
+        yield Started("conv1", None, 10, 10)
+        for i in range(n):
+            time.sleep(0.002)
+            yield Delta(f" {i}")
+        yield finished("".join(f" {i}" for i in range(n)), n)
+
+    class Recorded(Run):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            runs.append(self)
+
+    monkeypatch.setattr(routes, "Run", Recorded)
+    with TestClient(create_app(FakeService(script))) as http:  # type: ignore[arg-type]
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "".join(f" {i}" for i in range(n))
+    assert r.json()["chatcli"]["conversation"] == "conv1"
+    assert len(runs) == 1 and runs[0].wakeups <= 4, runs[0].wakeups

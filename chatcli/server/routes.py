@@ -25,7 +25,7 @@ from chatcli.errors import ChatcliError
 from chatcli.server.bridge import END, Run
 from chatcli.server.errors import APIError, error_response, from_error
 from chatcli.server.schemas import ChatCompletionBody, parse_chat_request
-from chatcli.server.service import ChatService, Finished, Started
+from chatcli.server.service import ChatService, Delta, Finished, Started
 from chatcli.server.sse import ChunkEncoder, CompletionStream
 
 log = logging.getLogger("chatcli.server")
@@ -33,6 +33,8 @@ log = logging.getLogger("chatcli.server")
 CONVERSATION_HEADER = "X-Chatcli-Conversation"
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
 DEFAULT_MAX_MESSAGES = 2048
+# A non-streamed reply waits this long for its end before looking again (text alone never wakes it).
+WHOLE_WAIT = 3600.0
 
 
 @dataclass
@@ -152,25 +154,27 @@ class Routes:
         """The non-streamed answer: the whole reply in one ``chat.completion``."""
         ttft = 0.0
         while True:
-            ev = await run.next()
-            if isinstance(ev, ChatcliError):
-                err = from_error(ev)
-                log.info("%s %d %s", rid, err.status, err.message)
-                return error_response(err, headers)
-            if ev is END:
-                if run.cancel.is_set():
-                    return self._stopped(rid, "mid-reply: reply so far recorded")
-                return error_response(APIError("server_error", "the reply ended without a result"), headers)
-            if isinstance(ev, Finished):
-                log_done(rid, ev, ttft or time.perf_counter() - t0)
-                return JSONResponse({
-                    "id": rid, "object": "chat.completion", "created": created, "model": self.service.model_id,
-                    "choices": [{"index": 0, "message": message(ev), "finish_reason": ev.finish_reason,
-                                 "logprobs": None}],
-                    "usage": usage(ev), "timings": timings(ev), "chatcli": extension(ev),
-                }, headers=headers)
-            if not ttft:  # a Delta: the text comes whole with Finished
-                ttft = time.perf_counter() - t0
+            # After the first token only the end matters (the text comes whole with ``Finished``): the tokens
+            # between must not wake the event loop, each wake-up takes a core from the decode threads.
+            for ev in await run.take(window=WHOLE_WAIT if ttft else 0.0):
+                if type(ev) is Delta:
+                    ttft = ttft or time.perf_counter() - t0
+                elif isinstance(ev, ChatcliError):
+                    err = from_error(ev)
+                    log.info("%s %d %s", rid, err.status, err.message)
+                    return error_response(err, headers)
+                elif ev is END:
+                    if run.cancel.is_set():
+                        return self._stopped(rid, "mid-reply: reply so far recorded")
+                    return error_response(APIError("server_error", "the reply ended without a result"), headers)
+                elif isinstance(ev, Finished):
+                    log_done(rid, ev, ttft or time.perf_counter() - t0)
+                    return JSONResponse({
+                        "id": rid, "object": "chat.completion", "created": created, "model": self.service.model_id,
+                        "choices": [{"index": 0, "message": message(ev), "finish_reason": ev.finish_reason,
+                                     "logprobs": None}],
+                        "usage": usage(ev), "timings": timings(ev), "chatcli": extension(ev),
+                    }, headers=headers)
 
     def _stopped(self, rid: str, when: str) -> Response:
         if self.stopping.is_set():
