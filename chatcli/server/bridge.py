@@ -131,7 +131,7 @@ class Run:
         return out
 
     async def next(self) -> object:
-        """The next event (the first and the non-streamed ones are read one at a time)."""
+        """The next event (a request's first is read alone; the rest are taken in batches, ``take``)."""
         while not self._taken:
             self._taken.extend(await self.take())
         return self._taken.popleft()
