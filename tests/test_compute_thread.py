@@ -1,6 +1,7 @@
 """ComputeThread's policy (no llama.cpp): calls run on its one thread, in order, results and errors come
 back to the caller, a call made on the compute thread itself runs inline, and a KeyboardInterrupt while
-waiting is raised only after the call has ended (the caller must not touch a context still decoding)."""
+waiting is raised only after the call has ended (the caller must not touch a context still decoding); rest
+frees the OpenMP workers on the compute thread only when nothing is queued."""
 
 from __future__ import annotations
 
@@ -101,3 +102,41 @@ def test_a_forked_child_starts_its_own_compute_thread() -> None:
         os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_rest_frees_the_workers_on_the_compute_thread_unless_a_call_is_queued(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from chatcli.backends import omp
+
+    rested: list[int] = []
+    monkeypatch.setattr(omp, "rest", lambda: rested.append(threading.get_ident()))
+    c = ComputeThread()
+    c.rest()
+    assert rested == []  # nothing ran yet: no workers, and no thread started for nothing
+    assert c._ident is None
+    c.run(lambda: None)
+    c.rest()
+    assert rested == [c._ident]  # on the compute thread: OpenMP frees the calling thread's pool
+
+    # A call queued behind a running one is another conversation's decode: its workers are needed now.
+    running, release = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        running.set()
+        release.wait(10)
+
+    first = threading.Thread(target=c.run, args=(busy,))
+    first.start()
+    assert running.wait(10)
+    second = threading.Thread(target=c.run, args=(lambda: None,))
+    second.start()
+    deadline = time.monotonic() + 10
+    while c._jobs.empty() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert not c._jobs.empty()
+    c.rest()  # returns at once: it does not wait behind the queue
+    release.set()
+    first.join()
+    second.join()
+    assert rested == [c._ident]

@@ -1,5 +1,6 @@
 """The engine's CPU threads on the real model: decodes across contexts never overlap, an adapted thread
-count computes exactly what a fixed one does, and importing the engine leaves libgomp's waiting alone."""
+count computes exactly what a fixed one does, importing the engine leaves libgomp's waiting alone, and the
+workers freed after a reply change no result."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from chatcli.backends import llamacpp
+from chatcli.backends import llamacpp, omp
 from chatcli.backends.llamacpp import Engine, Sampling
 
 GREEDY = Sampling(temperature=0.0)
@@ -150,5 +151,38 @@ def test_decodes_from_many_threads_share_one_openmp_pool(model_path: Path) -> No
                 t.join()
         assert len(new) == 0, f"{len(new)} new native threads: a pool per decoding thread"
         assert len(ran_on) == 1 and threading.get_ident() not in ran_on
+    finally:
+        eng.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc and the build's libgomp")
+def test_a_finished_reply_lets_the_openmp_workers_go_and_changes_no_result(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a reply's last token libgomp's workers spin ~10 ms on a core that the reply's aftermath needs
+    (omp.py): generate ends by freeing them. The next decode starts new ones and computes the same logits,
+    bit for bit, as a context whose workers never left."""
+    assert omp.runtime_found()  # this build's CPU backend uses OpenMP: without it the test would prove nothing
+    eng = Engine(str(model_path), n_ctx=1024, n_threads=2)
+    try:
+        runs: list[tuple[list[int], np.ndarray]] = []
+        for keep_workers in (False, True):
+            if keep_workers:
+                monkeypatch.setattr(omp, "rest", lambda: None)
+            eng.clear()
+            eng.eval(eng.tokenize(PROMPT))
+            with_pool = _native_threads()
+            tokens = [ev.token for ev in eng.generate(GREEDY, seed=1, max_tokens=10)]
+            deadline = time.monotonic() + 10
+            while not keep_workers and _native_threads() >= with_pool and time.monotonic() < deadline:
+                time.sleep(0.01)  # a released worker exits on its own schedule
+            if keep_workers:
+                assert _native_threads() >= with_pool
+            else:
+                assert not (_native_threads() >= with_pool), "the OpenMP workers outlived the reply"
+            tokens += [ev.token for ev in eng.generate(GREEDY, seed=1, max_tokens=10)]
+            runs.append((tokens, eng.logits()))
+        assert len(runs[0][0]) == 20 and runs[0][0] == runs[1][0]
+        assert np.array_equal(runs[0][1], runs[1][1])
     finally:
         eng.close()

@@ -13,6 +13,9 @@ alternating two Python threads between single-token decodes ran at 41–58 token
 llama-server decodes on one thread; so does chatcli now: ``run`` hands the call to the compute thread and
 waits, unless the caller is that thread. A hop costs two futex wake-ups, microseconds against a decode's
 milliseconds.
+
+When a reply ends, ``rest`` lets the thread's OpenMP workers go instead of spinning on a core for ~10 ms
+(``omp``), unless another decode is already waiting.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import queue
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from chatcli.backends import omp
 
 T = TypeVar("T")
 
@@ -74,6 +79,15 @@ class ComputeThread:
                 job.error = exc
             job.finished = True
             job.done.release()
+
+    def rest(self) -> None:
+        """Free the compute thread's OpenMP workers, unless calls are queued (another conversation's decode:
+        its workers are needed now). Waits for it: queued behind, the compute thread would need the GIL back
+        from a caller busy with the reply's aftermath while the workers spin on."""
+        if self._ident is None:
+            return  # nothing decoded yet: no workers
+        if self._jobs.empty():
+            self.run(omp.rest)
 
     def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the compute thread; its result, or its exception raised here."""

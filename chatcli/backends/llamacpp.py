@@ -30,8 +30,9 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 # No OMP_WAIT_POLICY here: libgomp's default (spin, then sleep) is what llama.cpp's own tools run with, and
 # PASSIVE measured 2.7x slower decoding on an idle machine. Busy machines are handled by the thread count
-# (cpuload.FreeCores: one thread, hence no barrier to spin at, when others hold a core). The user's
-# OMP_WAIT_POLICY / GOMP_SPINCOUNT, read by libgomp when it loads, still apply.
+# (cpuload.FreeCores: one thread, hence no barrier to spin at, when others hold a core), and the spin after a
+# reply's last decode by COMPUTE.rest (omp.py). The user's OMP_WAIT_POLICY / GOMP_SPINCOUNT, read by libgomp
+# when it loads, still apply.
 import llama_cpp  # the only import of llama_cpp in chatcli
 import numpy as np
 import numpy.ctypeslib  # loaded on first use: the first reply's first logits would import it between decodes
@@ -1067,6 +1068,9 @@ class Engine:
                     group.leave_batch(self)
             llama_cpp.llama_sampler_free(chain)
             self._cancel_flag.clear()  # a cancel request ends with the generation it stopped
+            # What follows a reply (its commit, the state file, the response, the next prompt) needs the core
+            # that OpenMP's workers would spin on for ~10 ms: let them go (compute.py, omp.py).
+            COMPUTE.rest()
 
     def _step(self, tok: int, *, logits: bool) -> None:
         """Decode one generated token: with the siblings generating now, in one batch, else alone here. Once its
