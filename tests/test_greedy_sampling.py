@@ -75,18 +75,21 @@ def test_numpy_bias_and_penalty_equal_the_chain_on_hard_logits(engine: Engine, r
         assert numpy_token(engine, s) == chain_token(engine, s), i
 
 
-@pytest.mark.parametrize("repeat", [1.1, 0.7])
-def test_greedy_penalty_without_bias_leaves_the_logits_as_computed(engine: Engine, repeat: float) -> None:
-    # The greedy penalty is written into the logits for the argmax and taken out again: the token is the
-    # chain's, and the context's buffer and kept logits hold exactly what was computed, for the next sample
-    # and for the LOGITS record a turn saves.
+@pytest.mark.parametrize(("repeat", "bias"), [(r, b) for r in (1.1, 0.7, 1.0) for b in ("none", "unique", "repeated")
+                                               if (r, b) != (1.0, "none")])  # that one has no plan
+def test_greedy_bias_and_penalty_leave_the_logits_as_computed(engine: Engine, repeat: float, bias: str) -> None:
+    # Greedy's bias and penalty are written into the logits for the argmax and taken out again: the token is
+    # the chain's, and the context's buffer and kept logits hold exactly what was computed, for the next
+    # sample and for the LOGITS record a turn saves.
     rng = np.random.default_rng(11)
     engine.clear()
     engine.eval(engine.tokenize(PROMPT))
     window = engine.tokens[-64:]
-    s = Sampling(temperature=0.0, repeat_penalty=repeat, repeat_last_n=64)
+    biases = {"none": (), "unique": ((int(window[-1]), -3.0), (17, 2.5)),
+              "repeated": ((int(window[-1]), float("-inf")), (int(window[-1]), 1.0), (int(window[-2]), 4.0))}[bias]
+    s = Sampling(temperature=0.0, repeat_penalty=repeat, repeat_last_n=64, logit_bias=biases)
     plan = llamacpp._LogitPlan.of(s, engine.n_vocab)
-    assert plan is not None and not plan.bias_ids.size
+    assert plan is not None and plan.bias_unique == (bias != "repeated")
     computed = engine.logits()  # a copy of the context's buffer
     assert engine._logits is None and engine._ctx_logits  # sampled from the buffer in place
     assert numpy_token(engine, s) == chain_token(engine, s)
