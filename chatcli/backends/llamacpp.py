@@ -400,11 +400,15 @@ class _LogitPlan:
         return cls(np.asarray(ids, dtype=np.int64), np.asarray([b for _, b in s.logit_bias], dtype=np.float32),
                    repeat, last_n, greedy, len(set(ids)) == len(ids))
 
-    def _add_bias(self, x: np.ndarray) -> None:
-        if self.bias_unique:
-            x[self.bias_ids] += self.bias_values  # one float32 add per id, as the C loop's
-        else:
-            np.add.at(x, self.bias_ids, self.bias_values)  # in order, duplicates too, as the C loop adds
+    def _apply_into(self, x: np.ndarray, ids: np.ndarray | None) -> None:
+        """The bias, then the penalty over the window's ``ids``, written into ``x`` (the chain's order)."""
+        if self.bias_ids.size:
+            if self.bias_unique:
+                x[self.bias_ids] += self.bias_values  # one float32 add per id, as the C loop's
+            else:
+                np.add.at(x, self.bias_ids, self.bias_values)  # in order, duplicates too, as the C loop adds
+        if ids is not None:
+            x[ids] = self._penalised(x[ids])
 
     def _window_ids(self, tokens: list[int]) -> np.ndarray | None:
         """The ids of the penalty's window over ``tokens``, each once, in any order (None: no window). Not
@@ -424,10 +428,7 @@ class _LogitPlan:
         if not self.bias_ids.size and ids is None:
             return logits
         x = logits.copy()  # the context's buffer and kept logits stay as computed
-        if self.bias_ids.size:
-            self._add_bias(x)
-        if ids is not None:
-            x[ids] = self._penalised(x[ids])
+        self._apply_into(x, ids)
         return x
 
     def greedy_pick(self, logits: np.ndarray, tokens: list[int]) -> tuple[int, bool]:
@@ -442,10 +443,7 @@ class _LogitPlan:
             (self.bias_ids, ids))
         v = logits[touched]  # a copy (fancy indexing): an id in both lists saved twice, the same original value
         try:
-            if self.bias_ids.size:
-                self._add_bias(logits)
-            if ids is not None:
-                logits[ids] = self._penalised(logits[ids])
+            self._apply_into(logits, ids)
             tok = int(np.argmax(logits))
             return tok, bool(np.isnan(logits[tok]))
         finally:

@@ -17,6 +17,7 @@ GPU builds) have none, and ``rest`` does nothing there.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -31,6 +32,7 @@ _NAMES: tuple[str, ...] = {
 _OMP_PAUSE_SOFT = 1  # keep what the runtime needs to restart quickly; hard would drop more, for nothing
 
 
+@functools.cache  # looked up once: llama.cpp's CPU backend, and its OpenMP runtime, load with llama_cpp
 def _find() -> Callable[[int], int] | None:
     mode = getattr(os, "RTLD_NOLOAD", 0) | getattr(os, "RTLD_LAZY", 0)
     for name in _NAMES:
@@ -44,17 +46,13 @@ def _find() -> Callable[[int], int] | None:
     return None
 
 
-_pause: list[Callable[[int], int] | None] = []  # looked up once: llama.cpp's CPU backend loads with llama_cpp
-
-
 def runtime_found() -> bool:
     """Whether an OpenMP runtime with ``omp_pause_resource_all`` is loaded in this process."""
-    if not _pause:
-        _pause.append(_find())
-    return _pause[0] is not None
+    return _find() is not None
 
 
 def rest() -> None:
     """Free the calling thread's OpenMP worker pool; the next parallel region starts a new one."""
-    if runtime_found() and (pause := _pause[0]) is not None:
+    pause = _find()
+    if pause is not None:
         pause(_OMP_PAUSE_SOFT)  # nonzero only inside a parallel region, which a caller between decodes is not
