@@ -611,9 +611,20 @@ def _latency_ratio(a: float | None, b: float | None, cap: float | None) -> str:
     return f(a / b if a is not None and b else None, 2)
 
 
+def _paired(c: list[dict[str, Any]], ls: list[dict[str, Any]]) -> str:
+    """The median (lowest–highest) of the runs' own tok/s ratios: each run's messages went to both servers
+    back to back, so a ratio within a run sees less of the machine's drift than one of two medians."""
+    by = {r["rep"]: r["tok_s"] for r in ls if r.get("tok_s")}
+    xs = [r["tok_s"] / by[r["rep"]] for r in c if r.get("rep") in by and r.get("tok_s") is not None]
+    if not xs:
+        return "–"
+    return f"{f(med(xs), 2)} ({f(min(xs), 2)}–{f(max(xs), 2)})" if len(xs) > 1 else f(xs[0], 2)
+
+
 def conc_ratios(rows: list[dict[str, Any]]) -> list[str]:
-    out = ["| clients | chatcli ÷ llama-server total tok/s | p50 latency ratio | p95 latency ratio |",
-           "|---:|---:|---:|---:|"]
+    out = ["| clients | chatcli ÷ llama-server total tok/s | per run: median (lowest–highest) | p50 latency ratio "
+           "| p95 latency ratio |",
+           "|---:|---:|---:|---:|---:|"]
     for n in sorted({r["clients"] for r in rows}):
         c = [r for r in rows if r["clients"] == n and r["server"] == "chatcli serve"]
         ls = [r for r in rows if r["clients"] == n and r["server"] == "llama-server"]
@@ -621,7 +632,7 @@ def conc_ratios(rows: list[dict[str, Any]]) -> list[str]:
             continue
         cap = next((r.get("cap") for r in ls if r.get("cap")), None)
         tc, tl = _med_of(c, "tok_s"), _med_of(ls, "tok_s")
-        out.append(f"| {n} | {f(tc / tl if tc is not None and tl else None, 2)} "
+        out.append(f"| {n} | {f(tc / tl if tc is not None and tl else None, 2)} | {_paired(c, ls)} "
                    f"| {_latency_ratio(_med_of(c, 'p50'), _med_of(ls, 'p50'), cap)} "
                    f"| {_latency_ratio(_med_of(c, 'p95'), _med_of(ls, 'p95'), cap)} |")
     return out
@@ -663,7 +674,8 @@ def markdown(res: dict[str, Any], chart: str | None) -> str:
                   "--parallel N` vs `llama-server -np N --kv-unified`, each given the same messages run by run. "
                   "Latency = the whole streamed request"
                   + (f"; each run is cut {cap:.0f} s after its start (a cut request's latency counts as more than "
-                     "that, its tokens as the chunks that came)" if cap else "") + ". Latency ratios: chatcli ÷ "
+                     "that, its tokens as the chunks that came)" if cap else "") + ". Ratios: of the two servers' "
+                  "medians, and per run (each run's messages to both, back to back). Latency ratios: chatcli ÷ "
                   "llama-server (below 1: chatcli answers sooner).", "", *conc_table(res[key]), "",
                   *conc_ratios(res[key]), ""]
     if res.get("flash_attention"):

@@ -115,14 +115,27 @@ def test_decode_report_bounds_a_ratio_by_the_cap_when_llama_server_outlived_it()
     from bench.decode import conc_ratios, conc_table
 
     def run(server: str, p50: float, p95: float, tok_s: float, cut: int) -> dict[str, Any]:
-        return {"clients": 2, "server": server, "tok_s": tok_s, "p50": p50, "p95": p95, "wall": 30.0,
+        return {"clients": 2, "server": server, "rep": 0, "tok_s": tok_s, "p50": p50, "p95": p95, "wall": 30.0,
                 "requests": 6, "errors": [], "load": 2.0, "cut": cut, "cap": 30.0}
 
     rows = [run("chatcli serve", 1.5, 3.0, 60.0, 0), run("llama-server", 20.0, float("inf"), 2.0, 2)]
     ratios = conc_ratios(rows)[2]
-    assert ratios == "| 2 | 30.00 | 0.07 | < 0.10 |"  # p95: 3.0 s against more than 30 s
+    assert ratios == "| 2 | 30.00 | 30.00 | 0.07 | < 0.10 |"  # p95: 3.0 s against more than 30 s
     table = "\n".join(conc_table(rows))
     assert "> 30" in table and "(2 cut at 30 s)" in table
+
+
+def test_decode_report_pairs_section_two_runs_by_their_messages() -> None:
+    from bench.decode import conc_ratios
+
+    def run(server: str, tok_s: float, rep: int) -> dict[str, Any]:
+        return {"clients": 1, "server": server, "rep": rep, "tok_s": tok_s, "p50": 1.0, "p95": 1.0, "wall": 3.0,
+                "requests": 3, "errors": [], "load": 1.0, "cut": 0, "cap": None}
+
+    # The machine slows down run by run: each run's pair sees the same speed, the two medians do not.
+    rows = [run("chatcli serve", 50.0, 0), run("llama-server", 40.0, 0), run("chatcli serve", 30.0, 1),
+            run("llama-server", 25.0, 1), run("chatcli serve", 20.0, 2), run("llama-server", 20.0, 2)]
+    assert conc_ratios(rows)[2] == "| 1 | 1.20 | 1.20 (1.00–1.25) | 1.00 | 1.00 |"
 
 
 def test_serve_evaluated_tokens_per_server_kind() -> None:
