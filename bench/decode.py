@@ -510,6 +510,14 @@ def f(x: float | None, nd: int = 1) -> str:
     return "–" if x is None else f"{x:.{nd}f}"
 
 
+def spread(xs: list[float]) -> str:
+    """Ratios taken pair by pair: their median and, in brackets, the lowest and highest (how much the machine
+    moved between the two sides of a pair); "–" for none."""
+    if not xs:
+        return "–"
+    return f(med(xs), 2) + (f" ({min(xs):.2f}–{max(xs):.2f})" if len(xs) > 1 else "")
+
+
 def single_table(rows: list[dict[str, Any]]) -> list[str]:
     """Median tokens/s per method, and each method's ratios to llama-server / llama-bench taken round by round:
     their median and, in brackets, the lowest and highest (how much the machine moved between two methods)."""
@@ -527,9 +535,7 @@ def single_table(rows: list[dict[str, Any]]) -> list[str]:
 
     def ratio(m: str, ref: str, key: str) -> str:
         xs = ratios(m, ref, key)
-        if not xs:
-            return "–"
-        return f"{f(med(xs), 2)}" + (f" ({min(xs):.2f}–{max(xs):.2f})" if len(xs) > 1 and m != ref else "")
+        return spread(xs[:1] if m == ref else xs)  # a method against itself: 1.00, no range
 
     out = ["| method | decode tok/s (min–max) | prompt tok/s | decode ÷ llama-server | decode ÷ llama-bench "
            "| prompt ÷ llama-bench | streamed: to [DONE] tok/s (÷ llama-server) · tokens · after the last token ms "
@@ -615,10 +621,7 @@ def _paired(c: list[dict[str, Any]], ls: list[dict[str, Any]]) -> str:
     """The median (lowest–highest) of the runs' own tok/s ratios: each run's messages went to both servers
     back to back, so a ratio within a run sees less of the machine's drift than one of two medians."""
     by = {r["rep"]: r["tok_s"] for r in ls if r.get("tok_s")}
-    xs = [r["tok_s"] / by[r["rep"]] for r in c if r.get("rep") in by and r.get("tok_s") is not None]
-    if not xs:
-        return "–"
-    return f"{f(med(xs), 2)} ({f(min(xs), 2)}–{f(max(xs), 2)})" if len(xs) > 1 else f(xs[0], 2)
+    return spread([r["tok_s"] / by[r["rep"]] for r in c if r.get("rep") in by and r.get("tok_s") is not None])
 
 
 def conc_ratios(rows: list[dict[str, Any]]) -> list[str]:

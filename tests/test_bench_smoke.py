@@ -132,10 +132,11 @@ def test_decode_report_pairs_section_two_runs_by_their_messages() -> None:
         return {"clients": 1, "server": server, "rep": rep, "tok_s": tok_s, "p50": 1.0, "p95": 1.0, "wall": 3.0,
                 "requests": 3, "errors": [], "load": 1.0, "cut": 0, "cap": None}
 
-    # The machine slows down run by run: each run's pair sees the same speed, the two medians do not.
-    rows = [run("chatcli serve", 50.0, 0), run("llama-server", 40.0, 0), run("chatcli serve", 30.0, 1),
-            run("llama-server", 25.0, 1), run("chatcli serve", 20.0, 2), run("llama-server", 20.0, 2)]
-    assert conc_ratios(rows)[2] == "| 1 | 1.20 | 1.20 (1.00–1.25) | 1.00 | 1.00 |"
+    # The machine moves between runs: the pairs (1.04, 1.50, 1.05) put chatcli about even, while the ratio
+    # of the two medians (30 / 20) says 1.50.
+    rows = [run("chatcli serve", 50.0, 0), run("llama-server", 48.0, 0), run("chatcli serve", 30.0, 1),
+            run("llama-server", 20.0, 1), run("chatcli serve", 21.0, 2), run("llama-server", 20.0, 2)]
+    assert conc_ratios(rows)[2] == "| 1 | 1.50 | 1.05 (1.04–1.50) | 1.00 | 1.00 |"
 
 
 def test_serve_evaluated_tokens_per_server_kind() -> None:
