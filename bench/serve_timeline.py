@@ -107,12 +107,22 @@ def install() -> None:
         for i in range(b.n_tokens):
             sid = int(b.seq_id[i][0])
             seqs[sid] = seqs.get(sid, 0) + 1
+        inner: list[float] = []
+
+        def timed(*a: Any) -> Any:  # on the compute thread: the C call alone, without the hop and the GIL
+            i0 = _now()
+            try:
+                return fn(*a)
+            finally:
+                inner.append(_now() - i0)
+
         t0 = _now()
         try:
-            return run0(fn, *args)
+            return run0(timed, *args)
         finally:
             EVENTS["decode"].append({"t0": t0, "t1": _now(), "batch": n_seq > 2, "ctx": addr, "n_tokens": int(b.n_tokens),
-                                     "seqs": seqs, "cells": cells, "thread": threading.current_thread().name})
+                                     "seqs": seqs, "cells": cells, "thread": threading.current_thread().name,
+                                     "inner": inner[0] if inner else 0.0})
 
     compute.run = run  # type: ignore[method-assign]
 
@@ -406,9 +416,12 @@ def summarize_chatcli(ev: dict[str, list[dict[str, Any]]], t0: float, t1: float)
     one_wide = [d for d in batch if len(d["seqs"]) == 1]
     return {
         "decodes": len(dec), "decode_s": sum(d["t1"] - d["t0"] for d in dec),
+        "decode_inner_s": sum(d.get("inner", 0.0) for d in dec),
         "batch_decodes": len(batch), "batch_s": sum(d["t1"] - d["t0"] for d in batch),
         "own_decodes": len(dec) - len(batch), "own_s": sum(d["t1"] - d["t0"] for d in dec if not d["batch"]),
         "prompts_alone": len(prompts_alone), "tokens_alone": len(tokens_alone), "batch_with_prompt": len(prompts_batch),
+        "prompt_decodes_s": sum(d["t1"] - d["t0"] for d in [*prompts_alone, *prompts_batch]),
+        "token_decodes_s": sum(d["t1"] - d["t0"] for d in dec if not any(v > 1 for v in d["seqs"].values())),
         "one_wide_batch": len(one_wide), "seqs_per_batch_decode": dict(sorted(sizes.items(), key=lambda kv: int(kv[0]))),
         "mean_cells_batch": statistics.mean(d["cells"] for d in batch) if batch else 0,
         "copies": len(copies), "copy_s": sum(c["t1"] - c["t0"] for c in copies),
@@ -427,7 +440,10 @@ def summarize_llama(dec: list[dict[str, Any]]) -> dict[str, Any]:
         k = str(d["slots"] + d["prompts"])
         slots[k] = slots.get(k, 0) + 1
     return {"decodes": len(dec), "decode_s": sum(d["t1"] - d["t0"] for d in dec),
-            "with_prompt": sum(1 for d in dec if d["prompts"]), "slots_per_decode": dict(sorted(slots.items()))}
+            "with_prompt": sum(1 for d in dec if d["prompts"]),
+            "prompt_decodes_s": sum(d["t1"] - d["t0"] for d in dec if d["prompts"]),
+            "token_decodes_s": sum(d["t1"] - d["t0"] for d in dec if not d["prompts"]),
+            "slots_per_decode": dict(sorted(slots.items()))}
 
 
 def timeline_lines(ev: dict[str, list[dict[str, Any]]], run: dict[str, Any]) -> list[str]:
