@@ -154,6 +154,8 @@ class _SharedBatch:
         self._mem: Any = None
         self._batch: Any = None
         self._applied_threads = owner.n_threads
+        # Whether the next batched decode lays its steps out last member first (see ``_run``).
+        self._reversed = False
         # The scheduler holds the model's decode lock around ``_run`` (taken before the batch is: steps that
         # come while a sibling evaluates its prompt join the same decode).
         self.scheduler: BatchScheduler[_Step, _Done] = BatchScheduler(
@@ -274,9 +276,16 @@ class _SharedBatch:
         o = self.owner
         b = self._batch
         self._drop_stale()
-        rows: list[int] = []  # each step's last token: its logits' row
+        # llama.cpp puts a batch's tokens in the free cells in batch order, so members decoding together
+        # interleave their cells (in the order their steps came: A B A B ... as often as not), and a reply's
+        # read-back (``_copy_back``) costs one copy per run of its cells per transposed V row. In member
+        # order, reversed every other decode (A B B A A B ...), the first and last members' cells come in
+        # runs of two: at most half the pieces to read back.
+        order = sorted(steps, key=lambda s: s.seq, reverse=self._reversed)
+        self._reversed = not self._reversed
+        rows: dict[int, int] = {}  # each step's last token: its logits' row (by the step's id)
         i = 0
-        for s in steps:
+        for s in order:
             for k, tok in enumerate(s.tokens):
                 b.token[i] = tok
                 b.pos[i] = s.pos + k
@@ -285,7 +294,7 @@ class _SharedBatch:
                 b.logits[i] = False
                 i += 1
             b.logits[i - 1] = s.logits
-            rows.append(i - 1)
+            rows[id(s)] = i - 1
         b.n_tokens = i
         self._applied_threads = _apply_threads(self._ctx, o._decode_threads(), self._applied_threads)
         rc = COMPUTE.run(llama_cpp.llama_decode, self._ctx, b)
@@ -294,7 +303,8 @@ class _SharedBatch:
                 llama_cpp.llama_memory_seq_rm(self._mem, s.seq, s.pos, -1)
             raise BackendError(f"llama_decode failed ({rc}): {_last_error() or 'no detail'}")
         out: list[_Done] = []
-        for i, s in zip(rows, steps, strict=True):
+        for s in steps:
+            i = rows[id(s)]
             row = None
             if s.logits:
                 ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
