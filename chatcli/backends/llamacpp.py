@@ -281,11 +281,12 @@ class _SharedBatch:
         # read-back (``_copy_back``) costs one copy per run of its cells per transposed V row. In member
         # order, reversed every other decode (A B B A A B ...), the first and last members' cells come in
         # runs of two: at most half the pieces to read back.
-        order = sorted(steps, key=lambda s: s.seq, reverse=self._reversed)
+        order = sorted(range(len(steps)), key=lambda j: steps[j].seq, reverse=self._reversed)
         self._reversed = not self._reversed
-        rows: dict[int, int] = {}  # each step's last token: its logits' row (by the step's id)
+        rows = [0] * len(steps)  # each step's last token: its logits' row
         i = 0
-        for s in order:
+        for j in order:
+            s = steps[j]
             for k, tok in enumerate(s.tokens):
                 b.token[i] = tok
                 b.pos[i] = s.pos + k
@@ -294,7 +295,7 @@ class _SharedBatch:
                 b.logits[i] = False
                 i += 1
             b.logits[i - 1] = s.logits
-            rows[id(s)] = i - 1
+            rows[j] = i - 1
         b.n_tokens = i
         self._applied_threads = _apply_threads(self._ctx, o._decode_threads(), self._applied_threads)
         rc = COMPUTE.run(llama_cpp.llama_decode, self._ctx, b)
@@ -303,8 +304,7 @@ class _SharedBatch:
                 llama_cpp.llama_memory_seq_rm(self._mem, s.seq, s.pos, -1)
             raise BackendError(f"llama_decode failed ({rc}): {_last_error() or 'no detail'}")
         out: list[_Done] = []
-        for s in steps:
-            i = rows[id(s)]
+        for i, s in zip(rows, steps, strict=True):
             row = None
             if s.logits:
                 ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
