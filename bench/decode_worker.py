@@ -3,6 +3,7 @@ the whole run and answers one request per round, each a JSON line on stdin, each
 JSON line on stdout.
 
     python -m bench.decode_worker '{"model_path": ..., "n_ctx": 4096, "threads": 0, "bare": false}'
+    (a bare loop may add "flash_attn": true)
     stdin: {"prefix": [token ids], "prompt": [token ids], "decode": 96}
 
 A request is the work ``chatcli talk`` does for one message: the prefix (the persona's tokens) in the context,
@@ -62,7 +63,7 @@ def bare_runner(a: dict[str, Any]) -> Runner:
 
     from bench.workers import _bare_context
 
-    _model, ctx, batch = _bare_context(a["model_path"], a["n_ctx"], a["threads"], 512)
+    _model, ctx, batch = _bare_context(a["model_path"], a["n_ctx"], a["threads"], 512, bool(a.get("flash_attn")))
     mem = llama_cpp.llama_get_memory(ctx)
     sampler = llama_cpp.llama_sampler_init_greedy()
     held: list[int] = []

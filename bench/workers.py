@@ -379,8 +379,10 @@ def rollback(a: dict[str, Any]) -> dict[str, Any]:
 # -- throughput: chatcli's engine vs a bare llama-cpp-python loop on the same context -----------------------
 
 
-def _bare_context(model_path: str, n_ctx: int, threads: int, n_batch: int) -> tuple[Any, Any, Any]:
-    """A llama.cpp context with exactly the parameters chatcli's Engine uses."""
+def _bare_context(model_path: str, n_ctx: int, threads: int, n_batch: int,
+                  flash_attn: bool = False) -> tuple[Any, Any, Any]:
+    """A llama.cpp context with exactly the parameters chatcli's Engine uses (f16; ``flash_attn``: what the
+    engine would be with flash attention for f16, bench.kv_layout)."""
     import llama_cpp
 
     mparams = llama_cpp.llama_model_default_params()
@@ -393,7 +395,8 @@ def _bare_context(model_path: str, n_ctx: int, threads: int, n_batch: int) -> tu
     cp.kv_unified = True
     cp.n_threads = threads
     cp.n_threads_batch = threads
-    cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    cp.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                          else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
     cp.type_k = llama_cpp.GGML_TYPE_F16
     cp.type_v = llama_cpp.GGML_TYPE_F16
     cp.no_perf = True

