@@ -688,6 +688,18 @@ def markdown(res: dict[str, Any], chart: str | None) -> str:
     return "\n".join(lines)
 
 
+def decode_bars(ax: Any, rows: list[dict[str, Any]], title: str, label: Callable[[str], str],
+                color: Callable[[str], str]) -> None:
+    """One horizontal bar per method (in the rows' order): its median decode tokens/s."""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    vals = [med([r["decode_tps"] for r in rows if r["method"] == m and r.get("decode_tps")]) or 0 for m in methods]
+    ax.barh(range(len(methods)), vals, color=[color(m) for m in methods])
+    ax.set_yticks(range(len(methods)), [label(m) for m in methods], fontsize=7)
+    ax.set_xlabel("decode tokens/s (median)")
+    ax.set_title(title)
+    ax.invert_yaxis()
+
+
 def write_chart(res: dict[str, Any], out: Path) -> str | None:
     try:
         import matplotlib
@@ -701,14 +713,7 @@ def write_chart(res: dict[str, Any], out: Path) -> str | None:
         return None
     fig, axes = plt.subplots(1, len(conds), figsize=(6 * len(conds), 4.5), squeeze=False)
     for ax, cond in zip(axes[0], conds, strict=True):
-        rows = res["single"][cond]
-        methods = list(dict.fromkeys(r["method"] for r in rows))
-        vals = [med([r["decode_tps"] for r in rows if r["method"] == m and r.get("decode_tps")]) or 0 for m in methods]
-        ax.barh(range(len(methods)), vals, color="tab:blue")
-        ax.set_yticks(range(len(methods)), [m.replace(" (", "\n(") for m in methods], fontsize=7)
-        ax.set_xlabel("decode tokens/s (median)")
-        ax.set_title(cond)
-        ax.invert_yaxis()
+        decode_bars(ax, res["single"][cond], cond, lambda m: m.replace(" (", "\n("), lambda m: "tab:blue")
     fig.tight_layout()
     name = "decode.png"
     fig.savefig(out / name, dpi=110)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO
-from bench.decode import Worker, load, med
+from bench.decode import Worker, decode_bars, load, med
 from bench.serve import find_llama_server
 
 # (name, prefix tokens, prompt tokens, decoded tokens): bench.decode's section 1 work, and one near the end
@@ -172,14 +172,8 @@ def write_chart(res: dict[str, Any], out: Path) -> str | None:
     works = [w[0] for w in res["work"]]
     fig, axes = plt.subplots(1, len(works), figsize=(6.5 * len(works), 4), squeeze=False)
     for ax, name in zip(axes[0], works, strict=True):
-        rows = [r for r in res["rows"] if r["work"] == name]
-        methods = list(dict.fromkeys(r["method"] for r in rows))
-        vals = [med([r["decode_tps"] for r in rows if r["method"] == m and r.get("decode_tps")]) or 0 for m in methods]
-        ax.barh(range(len(methods)), vals, color=["tab:gray" if m.startswith("llama-bench") else "tab:blue" for m in methods])
-        ax.set_yticks(range(len(methods)), [m.replace(", ", "\n", 1) for m in methods], fontsize=7)
-        ax.set_xlabel("decode tokens/s (median)")
-        ax.set_title(name)
-        ax.invert_yaxis()
+        decode_bars(ax, [r for r in res["rows"] if r["work"] == name], name, lambda m: m.replace(", ", "\n", 1),
+                    lambda m: "tab:gray" if m.startswith("llama-bench") else "tab:blue")
     fig.tight_layout()
     fig.savefig(out / "kv_layout.png", dpi=110)
     plt.close(fig)
