@@ -125,3 +125,27 @@ def test_a_warm_boundary_whose_remaining_history_does_not_fit_is_not_chosen(chat
     assert not chat_service.store.resolve(a.conversation).state_path.exists()
     _, f = ask(chat_service, [*h, ("user", "Name a city.")])  # was: a fork of C, then 400 (context full)
     assert (f.conversation, f.state, f.forked_from) == (a.conversation, "disk", None)
+
+
+def test_a_resent_history_is_counted_once_not_once_per_request(chat_service: ChatService,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client resends its whole history each turn; the fit test (``_tail_fits``) counts each message's
+    tokens once, not once per request and boundary (it was every earlier message at every boundary of
+    every request: 7 ms of a 12-turn request, under the service's lock)."""
+    eng = chat_service.engine
+    seen: list[str] = []
+    real = eng.tokenize
+
+    def counting(text: str, **kw: Any) -> list[int]:
+        seen.append(text)
+        return real(text, **kw)
+
+    monkeypatch.setattr(eng, "tokenize", counting)
+    h = [("system", SYSTEM)]
+    for q in ("Name a fruit.", "Name a colour.", "Name a city.", "Name a tree.", "Name a bird."):
+        _, f = ask(chat_service, [*h, ("user", q)])
+        h += [("user", q), ("assistant", f.text)]
+    olds = [c for _, c in h]
+    counts = {c: seen.count(c) for c in olds if c != SYSTEM}
+    # At most twice each: once as the new message it was (its own fit check), once as history after it.
+    assert counts and max(counts.values()) <= 2, counts

@@ -126,6 +126,7 @@ class ChatTemplate:
         self.origin: str | None = None  # where a template other than the model's came from (a file path)
         self._tags: tuple[str, str] | None = None
         self._opens: bool | None = None
+        self._stops: list[str] | None = None
         self.folds_system = False
         self.drops_greeting = False
         self.folds_system = self._refuses_system()
@@ -412,6 +413,12 @@ class ChatTemplate:
         fallback writes ``<``, ``|``, ``im``, ``_end`` …), and it must end the reply there too: a reply
         never contains template markup.
         """
+        if self._stops is None:
+            # Asked per request by a server (three renderings: ~1 ms); the template does not change.
+            self._stops = self._find_stop_strings()
+        return list(self._stops)
+
+    def _find_stop_strings(self) -> list[str]:
         try:
             probe = self.render(
                 [Message("user", "a"), Message("assistant", _SENTINEL), Message("user", "b")],
