@@ -160,6 +160,19 @@ def fixed_length(model: str) -> dict[str, Any]:
     return {"logit_bias": eog_bias(model), "repeat_penalty": 1.0}
 
 
+def llama_bench(exe: str, model: str, threads: int, env: dict[str, str], *, fa: int, depth: int, prompt: int,
+                decode: int) -> dict[str, float | None]:
+    """One ``llama-bench`` run, one repetition: its prompt rate (``-p prompt`` after ``-d depth``) and its
+    decode rate (``-n decode`` from ``depth``), either ``None`` when not asked for or when the run failed."""
+    argv = [exe, "-m", model, "-t", str(threads), "-p", str(prompt), "-n", str(decode),
+            "-r", "1", "-fa", str(fa), "-d", str(depth), "-b", "512", "-ub", "512", "-o", "json"]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900, check=False)
+    rows = json.loads(out.stdout) if out.returncode == 0 and out.stdout.strip() else []
+    pp = next((float(r["avg_ts"]) for r in rows if r.get("n_prompt") and not r.get("n_gen")), None)
+    tg = next((float(r["avg_ts"]) for r in rows if r.get("n_gen") and not r.get("n_prompt")), None)
+    return {"prompt_tps": pp, "decode_tps": tg}
+
+
 class Bench:
     def __init__(self, o: argparse.Namespace, cfg: dict[str, Any]) -> None:
         self.o = o
@@ -196,13 +209,8 @@ class Bench:
         return self._llama_bench(fa, depth, p, n)
 
     def _llama_bench(self, fa: int, depth: int, prompt: int, decode: int) -> dict[str, float | None]:
-        argv = [self.llama_bench, "-m", self.model, "-t", str(self.o.threads), "-p", str(prompt), "-n", str(decode),
-                "-r", "1", "-fa", str(fa), "-d", str(depth), "-b", "512", "-ub", "512", "-o", "json"]
-        out = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=600)
-        rows = json.loads(out.stdout) if out.returncode == 0 and out.stdout.strip() else []
-        pp = next((r["avg_ts"] for r in rows if r.get("n_prompt") and not r.get("n_gen")), None)
-        tg = next((r["avg_ts"] for r in rows if r.get("n_gen") and not r.get("n_prompt")), None)
-        return {"prompt_tps": pp, "decode_tps": tg}
+        return llama_bench(self.llama_bench, self.model, self.o.threads, self.env,
+                           fa=fa, depth=depth, prompt=prompt, decode=decode)
 
     def message(self) -> str:
         """A new user message, one line (a piped line is a message): a nonce first, so no method can reuse
@@ -215,7 +223,12 @@ class Bench:
         the same work per token), the default persona's prefix before every message."""
         argv = [sys.executable, "-m", "chatcli", "talk", "--temperature", "0", "--repeat-penalty", "1",
                 "--max-tokens", str(self.cfg["decode"]), "--model", self.model, "--n-ctx", str(self.o.n_ctx)]
-        return argv + (["--threads", str(self.o.threads)] if self.o.fixed_threads else [])
+        return argv + self.reserve_args() + (["--threads", str(self.o.threads)] if self.o.fixed_threads else [])
+
+    def reserve_args(self) -> list[str]:
+        """``--reserve`` for chatcli, when asked: in llama-bench's own context (``--n-ctx 768``) the message
+        and its reply fit only with the reserve cut to the reply's length (chatcli keeps 256 by default)."""
+        return ["--reserve", str(self.o.reserve)] if self.o.reserve is not None else []
 
     def open_talk(self, tag: str, *, terminal: bool) -> TalkSession:
         env = {**self.env, "CHATCLI_HOME": str(self.work / f"talk-{tag}")}
@@ -224,10 +237,15 @@ class Bench:
     def shape_from(self, tag: str) -> dict[str, Any]:
         """The work of one round, read from a talk session's transcript after one message: the persona's
         prefix (its messages and tokens: the depth the message is evaluated at) and the message's tokens."""
-        path = next((self.work / f"talk-{tag}").rglob("transcript.jsonl"))
-        recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        prefix = next(r for r in recs if r.get("type") == "prefix")
-        user = next(r for r in recs if r.get("type") == "message" and r.get("role") == "user")
+        for path in (self.work / f"talk-{tag}").rglob("transcript.jsonl"):
+            recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            prefix = next((r for r in recs if r.get("type") == "prefix"), None)
+            user = next((r for r in recs if r.get("type") == "message" and r.get("role") == "user"), None)
+            if prefix is not None and user is not None:
+                break
+        else:
+            raise SystemExit(f"chatcli talk ({tag}) recorded no message: too long for --n-ctx {self.o.n_ctx} "
+                             "with chatcli's reserve? (--reserve)")
         return {"prefix_messages": prefix["messages"], "prefix_tokens": prefix["tokens"], "user_tokens": user["tokens"]}
 
     def start_worker(self, tag: str, *, bare: bool = False, extra_env: dict[str, str] | None = None) -> Worker:
@@ -341,7 +359,7 @@ class Bench:
         port = free_port()
         env = {**self.env, "CHATCLI_HOME": str(self.work / f"serve-{tag}"), "CHATCLI_N_CTX": str(self.o.n_ctx)}
         argv = [sys.executable, "-m", "chatcli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                "--model", self.model, "--parallel", str(parallel)]
+                "--model", self.model, "--parallel", str(parallel), *self.reserve_args()]
         if self.o.fixed_threads:
             argv += ["--threads", str(self.o.threads)]
         p = Proc(argv, env, self.work, self.work / "logs" / f"chatcli-{tag}.log")
@@ -737,6 +755,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--fixed-threads", action="store_true",
                     help="give chatcli --threads too (default: chatcli's own thread policy)")
     ap.add_argument("--n-ctx", type=int, default=4096)
+    ap.add_argument("--reserve", type=int, help="chatcli's --reserve (default: its own, 256)")
     ap.add_argument("--conditions", default="idle,loaded", help="idle, loaded or both (default)")
     ap.add_argument("--clients", help="comma-separated client counts for section 2 (default 1,2,4,8)")
     ap.add_argument("--skip-concurrency", action="store_true")

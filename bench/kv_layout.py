@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO
-from bench.decode import Worker, decode_bars, load, med
+from bench.decode import Worker, decode_bars, llama_bench, load, med
 from bench.serve import find_llama_server
 
 # (name, prefix tokens, prompt tokens, decoded tokens): bench.decode's section 1 work, and one near the end
@@ -57,15 +56,6 @@ def methods_for(prefix: int, prompt: int, decode: int) -> dict[str, dict[str, An
         f"bare loop, n_ctx {N_CTX}, no flash attention": {"n_ctx": N_CTX, "bare": True},
         f"bare loop, n_ctx {N_CTX}, flash attention": {"n_ctx": N_CTX, "bare": True, "flash_attn": True},
     }
-
-
-def llama_bench(exe: str, model: str, threads: int, fa: int, depth: int, prompt: int, decode: int,
-                env: dict[str, str]) -> float | None:
-    argv = [exe, "-m", model, "-t", str(threads), "-p", str(prompt), "-n", str(decode), "-r", "1", "-fa", str(fa),
-            "-d", str(depth), "-b", "512", "-ub", "512", "-o", "json"]
-    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900, check=False)
-    rows = json.loads(out.stdout) if out.returncode == 0 and out.stdout.strip() else []
-    return next((float(r["avg_ts"]) for r in rows), None)
 
 
 def run(o: argparse.Namespace) -> dict[str, Any]:
@@ -99,8 +89,10 @@ def run(o: argparse.Namespace) -> dict[str, Any]:
                     la = load()
                     if m.startswith("llama-bench"):
                         fa = int(m[-1])
-                        r = {"prompt_tps": llama_bench(exe, o.model, o.threads, fa, prefix, prompt, 0, env),
-                             "decode_tps": llama_bench(exe, o.model, o.threads, fa, prefix + prompt, 0, decode, env)}
+                        r = {"prompt_tps": llama_bench(exe, o.model, o.threads, env, fa=fa, depth=prefix,
+                                                       prompt=prompt, decode=0)["prompt_tps"],
+                             "decode_tps": llama_bench(exe, o.model, o.threads, env, fa=fa, depth=prefix + prompt,
+                                                       prompt=0, decode=decode)["decode_tps"]}
                     else:
                         r = workers[m].run(req)
                     rows.append({"work": name, "round": rnd, "method": m, "load": la, **r})
