@@ -472,6 +472,8 @@ class ChatService:
         def size(j: int) -> int:
             # Suffix sums, each from the nearest one known (``_choose`` asks for boundaries from the last one
             # back): each message is counted once per request, not once per boundary after it.
+            if j >= len(sh.turns):
+                return 0
             if j not in sizes:
                 k = min(x for x in sizes if x > j)
                 sizes[j] = sizes[k] + sum(n_tokens(m.content) + _TURN_OVERHEAD for m in sh.turns[j:k])
