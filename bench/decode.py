@@ -758,6 +758,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--reserve", type=int, help="chatcli's --reserve (default: its own, 256)")
     ap.add_argument("--conditions", default="idle,loaded", help="idle, loaded or both (default)")
     ap.add_argument("--clients", help="comma-separated client counts for section 2 (default 1,2,4,8)")
+    ap.add_argument("--conc-reps", type=int,
+                    help="section 2's runs per server and N, idle (default 4; the ratios' spread shrinks with more)")
     ap.add_argument("--skip-concurrency", action="store_true")
     ap.add_argument("--concurrency-only", action="store_true", help="only section 2 (no single-stream, no FA rows)")
     ap.add_argument("--skip-fa", action="store_true")
@@ -785,6 +787,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dict(QUICK if o.quick else FULL)
     if o.clients:
         cfg["clients"] = [int(x) for x in o.clients.split(",")]
+    if o.conc_reps:
+        cfg["conc_reps"] = o.conc_reps
     b = Bench(o, cfg)
 
     def on_signal(signum: int, _frame: Any) -> None:
