@@ -147,5 +147,5 @@ def test_a_resent_history_is_counted_once_not_once_per_request(chat_service: Cha
         h += [("user", q), ("assistant", f.text)]
     olds = [c for _, c in h]
     counts = {c: seen.count(c) for c in olds if c != SYSTEM}
-    # At most twice each: once as the new message it was (its own fit check), once as history after it.
-    assert counts and max(counts.values()) <= 2, counts
+    # Once each: as the new message it was (``_check_fits``), and never again as history after it.
+    assert counts and max(counts.values()) == 1, counts

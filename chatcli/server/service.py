@@ -210,8 +210,9 @@ class ChatService:
         # For clients (``GET /v1/models``, the responses' ``model``): the file's stem, as llama-server names a
         # model by its file, so an id can be typed (general.name often has spaces). Any name is accepted.
         self.model_id = Path(str(model.path)).stem
-        # A message's text tokens, for the fit test of every request that resends it (a client resends its
-        # whole history each turn: counted once, not once per request; measured 7 ms of a 12-turn request).
+        # A message's text tokens, for the fit tests (``_check_fits``, then ``_tail_fits`` in every request
+        # that resends it: a client resends its whole history each turn): counted once, not once per request
+        # and boundary (measured 7 ms of a 12-turn request).
         self._n_tokens: Callable[[str], int] = functools.lru_cache(maxsize=4096)(
             lambda text: len(self.engine.tokenize(text, add_special=False)))
 
@@ -413,7 +414,7 @@ class ChatService:
         eng = self.engine
         room = eng.n_ctx - self.session.settings.reserve
         for n, m in enumerate(sh.turns[start:], start=start):
-            if m.role == "user" and len(eng.tokenize(m.content, add_special=False)) >= room:
+            if m.role == "user" and self._n_tokens(m.content) >= room:
                 raise MessageTooLongError(
                     f"message {len(sh.persona) + n} is longer than the context allows "
                     f"(n_ctx {eng.n_ctx}, {self.session.settings.reserve} kept for the reply)")
