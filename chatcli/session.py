@@ -314,18 +314,18 @@ class Session:
     ) -> Opening[Conversation]:
         """A new conversation whose persona is given as messages (a request's system message), not a
         persona file: its prefix comes from the shared prefix cache when one matches ``persona_hash``.
-        ``meta``: fields merged into its metadata (whose it is). ``keep``: see ``Conversation.start``."""
-        def tag(conv: Conversation) -> list[Event]:
-            conv.update_meta(meta)
-            return []
+        ``meta``: fields merged into its metadata (whose it is). ``keep``: see ``Conversation.start``.
 
+        ``meta`` goes into the first metadata write, with the template's (as ``new_conversation``'s): a
+        separate write after the prefix cost one more atomic write (two fsyncs, 1-2 ms before the first
+        token), and a crash between the two left an API client's conversation without its owner."""
         return self._budgeted(create_conversation(
             self.store, backend or self.engine, self.template,
             persona_name=persona_name, persona_messages=list(persona), persona_hash=persona_hash,
             identity=self.identity(), model_path=self._model_path(), sampling=sampling, seed=seed,
             prefix_cache_dir=ensure_private_dir(self.paths.prefix_cache_dir), max_tokens=max_tokens,
-            reserve=self.settings.reserve, keep=keep,
-        ).then(tag))
+            reserve=self.settings.reserve, extra_meta={**self.template_meta(), **meta}, keep=keep,
+        ))
 
     def adopt(self, backend: Backend, cid: str, *, sampling: Sampling, max_tokens: int) -> Conversation | None:
         """Open ``cid`` from what ``backend`` holds already (``core.loading.adopt_conversation``: a fork of

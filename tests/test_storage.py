@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -18,7 +19,7 @@ from chatcli import units
 from chatcli.config.settings import SettingsError, get_paths, load_settings
 from chatcli.core.conversation import Conversation
 from chatcli.core.events import Notice, Progress
-from chatcli.core.files.store import ConversationStore
+from chatcli.core.files.store import ConversationDir, ConversationStore
 from chatcli.core.kv import budget
 from chatcli.core.kv import records as sf
 from tests.drive import build_session, drain, says
@@ -339,6 +340,38 @@ def test_server_conversations_apply_the_budget_too(engines: dict[str, Any]) -> N
     assert not s.store.resolve(old.id).state_path.exists()
     assert s.store.resolve(conv.id).state_path.exists()
     conv.close()
+
+
+def test_a_server_conversation_is_whole_from_its_first_metadata_write(engines: dict[str, Any],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Session.new_conversation_from`` (serve's new conversations): the request's fields (whose it is) and
+    the template's go into the metadata written when the folder is made. A second write after the prefix
+    cost an atomic write (two fsyncs) before the first token, and a crash between the two left a client's
+    conversation without its owner; the template was never recorded, so a resume rendered it otherwise."""
+    s = here(engines["f16"])
+    template = copy.copy(s.template)
+    template.enable_thinking = False
+    s = dataclasses.replace(s, template=template)
+    writes: list[dict[str, Any]] = []
+    write_meta = ConversationDir.write_meta
+
+    def spy(self: ConversationDir, meta: dict[str, Any]) -> None:
+        writes.append(dict(meta))
+        write_meta(self, meta)
+
+    monkeypatch.setattr(ConversationDir, "write_meta", spy)
+    opening = s.new_conversation_from([], persona_name="alice", persona_hash="x", seed=1,
+                                      sampling=build_sampling(), max_tokens=8,
+                                      meta={"source": "api", "api_client": "k1"}, backend=s.engine)
+    assert not [ev for ev in opening if isinstance(ev, Notice)]
+    conv = opening.conversation
+    try:
+        assert len(writes) == 1, writes
+        assert writes[0]["source"] == "api" and writes[0]["api_client"] == "k1" and writes[0]["thinking"] is False
+        on_disk = s.store.resolve(conv.id).read_meta()
+        assert on_disk["api_client"] == "k1" and on_disk["thinking"] is False
+    finally:
+        conv.close()
 
 
 def build_sampling() -> Any:
