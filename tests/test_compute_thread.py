@@ -140,3 +140,35 @@ def test_rest_frees_the_workers_on_the_compute_thread_unless_a_call_is_queued(
     first.join()
     second.join()
     assert rested == [c._ident]
+
+
+def test_a_borrowing_thread_runs_its_own_calls_and_one_pool_lives_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``borrowed``: the caller's calls run on the caller (no hop per token of a reply alone on its model);
+    other threads' calls still go to the compute thread; the compute thread's OpenMP pool is freed before
+    the loan and the borrower's after it (libgomp frees the calling thread's pool); nesting adds nothing."""
+    from chatcli.backends import omp
+
+    rested: list[int] = []
+    monkeypatch.setattr(omp, "rest", lambda: rested.append(threading.get_ident()))
+    c = ComputeThread()
+    c.run(lambda: None)  # the compute thread exists, with its pool
+    me = threading.get_ident()
+    with c.borrowed():
+        assert rested == [c._ident]
+        assert c.run(threading.get_ident) == me
+        other: list[int] = []
+        t = threading.Thread(target=lambda: other.append(c.run(threading.get_ident)))
+        t.start()
+        t.join()
+        assert other == [c._ident]
+        with c.borrowed():
+            assert c.run(threading.get_ident) == me
+        assert rested == [c._ident]
+    assert rested == [c._ident, me]
+    assert c.run(threading.get_ident) == c._ident  # the loan is over
+
+    def on_the_compute_thread() -> int:
+        with c.borrowed():  # the compute thread borrows from itself: nothing to free, nothing to hand back
+            return c.run(threading.get_ident)
+
+    assert c.run(on_the_compute_thread) == c._ident and rested == [c._ident, me]

@@ -186,3 +186,43 @@ def test_a_finished_reply_lets_the_openmp_workers_go_and_changes_no_result(
         assert np.array_equal(runs[0][1], runs[1][1])
     finally:
         eng.close()
+
+
+def test_a_reply_alone_on_its_model_decodes_on_its_own_thread_and_computes_the_same(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With no sibling context (``talk``, ``serve --parallel 1``) a reply's tokens are decoded on the thread
+    that generates it (compute.py, ``borrowed``): no hop per token. The tokens and the logits after them are
+    bit for bit those of the same reply decoded on the compute thread, as it is once the model is shared."""
+    from chatcli.backends.compute import COMPUTE
+
+    eng = Engine(str(model_path), n_ctx=1024, n_threads=2)
+    try:
+        real = llamacpp.llama_cpp.llama_decode
+        ran_on: list[int] = []
+
+        def recording_decode(ctx: object, batch: object) -> int:
+            ran_on.append(threading.get_ident())
+            return int(real(ctx, batch))
+
+        monkeypatch.setattr(llamacpp.llama_cpp, "llama_decode", recording_decode)
+        runs: list[tuple[list[int], np.ndarray, set[int]]] = []
+        for shared in (False, True):
+            eng._shared = shared  # True: as once a sibling exists
+            eng.clear()
+            eng.eval(eng.tokenize(PROMPT))
+            ran_on.clear()
+            tokens = [ev.token for ev in eng.generate(GREEDY, seed=1, max_tokens=12)]
+            runs.append((tokens, eng.logits(), set(ran_on)))
+        assert runs[0][2] == {threading.get_ident()}
+        assert runs[1][2] == {COMPUTE._ident} and COMPUTE._ident != threading.get_ident()
+        assert len(runs[0][0]) == 12 and runs[0][0] == runs[1][0]
+        assert np.array_equal(runs[0][1], runs[1][1])
+        eng._shared = False
+        other = eng.sibling()
+        try:
+            assert eng._shared and other._shared  # its decodes may come from another thread now
+        finally:
+            other.close()
+    finally:
+        eng.close()

@@ -12,7 +12,12 @@ alternating two Python threads between single-token decodes ran at 41–58 token
 
 llama-server decodes on one thread; so does chatcli now: ``run`` hands the call to the compute thread and
 waits, unless the caller is that thread. A hop costs two futex wake-ups, microseconds against a decode's
-milliseconds.
+milliseconds, most of the time: between two decodes the pool's worker spins on a core, and the caller woken
+after a decode sometimes waits behind it for a scheduler slice (hops of ~3 ms, about twice per 48-token reply
+of ``serve``, ``bench/serve_timeline.py``). So a reply generated alone on its model (no sibling context that
+could decode meanwhile: ``talk``, ``serve --parallel 1``) borrows the decoding for its thread (``borrowed``):
+the compute thread's pool is freed first and the caller's when the reply ends, so one pool lives at a time,
+and the reply's tokens are decoded with no hop at all.
 
 When a reply ends, ``rest`` lets the thread's OpenMP workers go instead of spinning on a core for ~10 ms
 (``omp``), unless another decode is already waiting.
@@ -21,10 +26,11 @@ When a reply ends, ``rest`` lets the thread's OpenMP workers go instead of spinn
 from __future__ import annotations
 
 import _thread
+import contextlib
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from chatcli.backends import omp
@@ -53,6 +59,7 @@ class ComputeThread:
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._start_lock = threading.Lock()
         self._ident: int | None = None
+        self._borrower: int | None = None  # the thread decoding itself now (``borrowed``), if any
         # A forked child has no compute thread (only the forking thread survives a fork): it starts its own.
         os.register_at_fork(after_in_child=self._forget)
 
@@ -60,6 +67,7 @@ class ComputeThread:
         self._jobs = queue.SimpleQueue()
         self._start_lock = threading.Lock()
         self._ident = None
+        self._borrower = None
 
     def _ensure(self) -> None:
         if self._ident is not None:
@@ -89,9 +97,31 @@ class ComputeThread:
         if self._jobs.empty():
             self.run(omp.rest)
 
+    @contextlib.contextmanager
+    def borrowed(self) -> Iterator[None]:
+        """Until the block ends, ``run`` called from this thread runs the call here, as on the compute thread.
+
+        For a caller that alone decodes on its model for a while (a reply with no sibling context): the
+        compute thread's OpenMP pool is freed first and this thread's when the block ends, so the process
+        keeps one pool at a time (more pools than CPUs throttle every barrier: the module docstring). Calls
+        from other threads still go to the compute thread. Nested, or on the compute thread: nothing more."""
+        me = threading.get_ident()
+        if me in (self._ident, self._borrower):
+            yield
+            return
+        self.rest()
+        before, self._borrower = self._borrower, me
+        try:
+            yield
+        finally:
+            self._borrower = before
+            omp.rest()  # this thread's workers, before the compute thread's pool comes back
+
     def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on the compute thread; its result, or its exception raised here."""
-        if threading.get_ident() == self._ident:
+        """``fn(*args)`` on the compute thread (or on a thread that ``borrowed`` it); its result, or its
+        exception raised here."""
+        me = threading.get_ident()
+        if me == self._ident or me == self._borrower:
             return fn(*args)
         self._ensure()
         job = _Job(fn, args)

@@ -630,6 +630,8 @@ class Engine:
         self.n_swa = int(llama_cpp.llama_model_n_swa(model))  # > 0: some layers attend to a sliding window
         # Batched decoding with siblings (see _SharedBatch): none until the first sibling is made.
         self._group: _SharedBatch | None = None
+        # Another context uses this model (``sibling``; set on both): its decodes may come from other threads.
+        self._shared = False
         self._member = 0  # this engine's sequence in the shared batch context
         self._in_batch = False  # its sequence is in the shared context (cells from _batch_from not yet here)
         self._batch_from = 0  # where they start
@@ -718,6 +720,7 @@ class Engine:
             ctx = llama_cpp.llama_init_from_model(self._model, self._cparams)
         if not ctx:
             raise BackendError(f"llama.cpp could not create another context: {_last_error() or 'unknown error'}")
+        self._shared = True
         other = copy.copy(self)
         other._ctx = ctx
         other._mem = llama_cpp.llama_get_memory(ctx)
@@ -1071,13 +1074,17 @@ class Engine:
         group = self._group
         if group is not None:
             group.scheduler.join(self._member)
+        # Alone on its model (no sibling context, so nothing else decodes meanwhile) the reply's tokens are
+        # decoded on this thread, with no hop to the compute thread per token (compute.py: ``borrowed``).
+        borrow = contextlib.nullcontext() if self._shared else COMPUTE.borrowed()
         try:
-            yield from token_loop(
-                res, sample=sample,
-                decode=lambda tok, logits: self._step(tok, logits=logits),
-                is_eog=self.is_eog, piece=lambda tok: self.piece(tok, special=False),
-                room=lambda: self.n_ctx - self.n_past, cancelled=self._cancel_flag.is_set,
-                max_tokens=max_tokens, stop_strings=stop_strings, defer_last=defer_last)
+            with borrow:
+                yield from token_loop(
+                    res, sample=sample,
+                    decode=lambda tok, logits: self._step(tok, logits=logits),
+                    is_eog=self.is_eog, piece=lambda tok: self.piece(tok, special=False),
+                    room=lambda: self.n_ctx - self.n_past, cancelled=self._cancel_flag.is_set,
+                    max_tokens=max_tokens, stop_strings=stop_strings, defer_last=defer_last)
         finally:
             if group is not None:
                 group.scheduler.leave(linger=True, key=self._member)  # its next message is likely to follow
@@ -1086,8 +1093,10 @@ class Engine:
             llama_cpp.llama_sampler_free(chain)
             self._cancel_flag.clear()  # a cancel request ends with the generation it stopped
             # What follows a reply (its commit, the state file, the response, the next prompt) needs the core
-            # that OpenMP's workers would spin on for ~10 ms: let them go (compute.py, omp.py).
-            COMPUTE.rest()
+            # that OpenMP's workers would spin on for ~10 ms: let them go (compute.py, omp.py). A borrowed
+            # reply let its own go when the block ended, and the compute thread's before it began.
+            if self._shared:
+                COMPUTE.rest()
 
     def _step(self, tok: int, *, logits: bool) -> None:
         """Decode one generated token: with the siblings generating now, in one batch, else alone here. Once its
