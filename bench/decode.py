@@ -355,9 +355,10 @@ class Bench:
 
     # -- servers --------------------------------------------------------------------------------------------
 
-    def start_chatcli(self, parallel: int, tag: str) -> tuple[Proc, int]:
+    def start_chatcli(self, parallel: int, tag: str, *, extra_env: dict[str, str] | None = None) -> tuple[Proc, int]:
         port = free_port()
-        env = {**self.env, "CHATCLI_HOME": str(self.work / f"serve-{tag}"), "CHATCLI_N_CTX": str(self.o.n_ctx)}
+        env = {**self.env, **(extra_env or {}), "CHATCLI_HOME": str(self.work / f"serve-{tag}"),
+               "CHATCLI_N_CTX": str(self.o.n_ctx)}
         argv = [sys.executable, "-m", "chatcli", "serve", "--host", "127.0.0.1", "--port", str(port),
                 "--model", self.model, "--parallel", str(parallel), *self.reserve_args()]
         if self.o.fixed_threads:
