@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from chatcli.backends.llamacpp import Engine, GenerationResult, Sampling
@@ -242,3 +244,28 @@ def test_kept_cells_belong_to_their_context_not_to_a_sibling_made_after(model_pa
             other.close()
     finally:
         engine.close()
+
+
+def test_pieces_and_end_of_generation_are_llama_cpps_whether_asked_once_or_again(model_path: Path) -> None:
+    """``piece`` and ``is_eog`` remember their answers (asked once per token of every reply): what they return,
+    the first time and the next, is what llama.cpp says, with and without special tokens' text, for a
+    sibling too (it shares the vocabulary and the memo)."""
+    import llama_cpp
+
+    with Engine(str(model_path), n_ctx=256) as eng:
+        other = eng.sibling()
+        try:
+            ids = [*range(0, eng.n_vocab, 97), eng.eos_token, eng.bos_token]
+            for _asked in range(2):
+                for tok in ids:
+                    for special in (False, True):
+                        want = eng._piece(tok, special)
+                        assert eng.piece(tok, special=special) == want
+                        assert other.piece(tok, special=special) == want
+                    assert eng.is_eog(tok) == other.is_eog(tok) == bool(llama_cpp.llama_vocab_is_eog(eng._vocab, tok))
+            # A special token's text only with special=True: the memo keeps the two apart.
+            assert eng.piece(eng.eos_token, special=False) == b""
+            assert eng.piece(eng.eos_token, special=True) != b""
+            assert eng.is_eog(eng.eos_token)
+        finally:
+            other.close()

@@ -103,6 +103,26 @@ def test_pieces_that_may_start_a_stop_string_are_held_back() -> None:
     assert closed == [True]
 
 
+def test_stop_prefix_at_end_is_the_longest_beginning_the_text_ends_with() -> None:
+    """The per-token check compares only the beginnings ending in the text's last character; it must find
+    what comparing every length finds (random texts over the characters stop strings are made of)."""
+    import random
+
+    from chatcli.core.template import stop_prefix_at_end
+
+    def every_length(text: str, stop: str, limit: int) -> int:
+        return next((n for n in range(min(limit, len(text)), 0, -1) if text.endswith(stop[:n])), 0)
+
+    rng = random.Random(7)
+    for _ in range(20000):
+        stop = "".join(rng.choice("<|>a\n") for _ in range(rng.randint(1, 8)))
+        text = "".join(rng.choice("<|>a\n") for _ in range(rng.randint(0, 10)))
+        limit = rng.randint(0, len(stop))
+        assert stop_prefix_at_end(text, stop, limit) == every_length(text, stop, limit), (text, stop, limit)
+    assert stop_prefix_at_end("Red.<|im", "<|im_end|>", 9) == 4
+    assert stop_prefix_at_end("<|im_end|>", "<|im_end|>", 9) == 0  # the whole string is not a beginning
+
+
 def test_end_marker_outside_the_vocabulary_never_reaches_the_reply(model_path: Path) -> None:
     """SmolLM2 under a ChatML-like template whose markers (``<turn>``, ``</turn>``) are not tokens of its
     vocabulary writes them as ordinary pieces (``</``, ``turn``, ``>``) and goes on with another turn; the

@@ -45,7 +45,7 @@ from chatcli.core.forking import fork_after
 from chatcli.core.kv.prefix import persona_prefix_tokens
 from chatcli.core.opening import Opening
 from chatcli.core.steps import drain
-from chatcli.core.template import Message
+from chatcli.core.template import Message, stop_prefix_at_end
 from chatcli.core.transcript import replay_events
 from chatcli.errors import ChatcliError, DoesNotFitError, Kind
 from chatcli.server import history
@@ -776,8 +776,5 @@ def _safe_prefix(text: str, stops: Sequence[str]) -> str:
     stored, and resending it matches the conversation."""
     cut = len(text)
     for s in stops:
-        for n in range(min(len(s), len(text)), 0, -1):
-            if text.endswith(s[:n]):
-                cut = min(cut, len(text) - n)
-                break
+        cut = min(cut, len(text) - stop_prefix_at_end(text, s, len(s)))
     return text[:cut].rstrip()
