@@ -72,6 +72,17 @@ MARKS: list[tuple[str, str]] = [
     ("chatcli.core.kv.log", "CellLog._point_record"),
     ("chatcli.backends.llamacpp", "Engine.save_cells"),
     ("chatcli.server.service", "ChatService._settle"),
+    ("chatcli.server.index", "PrefixIndex.refresh"),
+    ("chatcli.server.index", "PrefixIndex.lookup"),
+    ("chatcli.server.index", "PrefixIndex.update"),
+    ("chatcli.server.service", "ChatService._split"),
+    ("chatcli.server.service", "ChatService._choose"),
+    ("chatcli.server.service", "ChatService._open"),
+    ("chatcli.core.conversation", "Conversation._touch_meta"),
+    ("chatcli.core.reply", "closing_tokens"),
+    ("chatcli.core.reply", "reasoning_parts"),
+    ("chatcli.core.transcript", "Transcript.message"),
+    ("chatcli.core.kv.log", "CellLog.reply_done"),
 ]
 
 

@@ -208,21 +208,25 @@ def test_a_reply_alone_on_its_model_decodes_on_its_own_thread_and_computes_the_s
         monkeypatch.setattr(llamacpp.llama_cpp, "llama_decode", recording_decode)
         runs: list[tuple[list[int], np.ndarray, set[int]]] = []
         for shared in (False, True):
-            eng._shared = shared  # True: as once a sibling exists
-            eng.clear()
-            eng.eval(eng.tokenize(PROMPT))
-            ran_on.clear()
-            tokens = [ev.token for ev in eng.generate(GREEDY, seed=1, max_tokens=12)]
-            runs.append((tokens, eng.logits(), set(ran_on)))
+            other = eng.sibling() if shared else None  # its decodes may come from another thread now
+            try:
+                assert eng._shared == shared and (other is None or other._shared)
+                eng.clear()
+                eng.eval(eng.tokenize(PROMPT))
+                ran_on.clear()
+                tokens = [ev.token for ev in eng.generate(GREEDY, seed=1, max_tokens=12)]
+                runs.append((tokens, eng.logits(), set(ran_on)))
+            finally:
+                if other is not None:
+                    other.close()
         assert runs[0][2] == {threading.get_ident()}
         assert runs[1][2] == {COMPUTE._ident} and COMPUTE._ident != threading.get_ident()
         assert len(runs[0][0]) == 12 and runs[0][0] == runs[1][0]
         assert np.array_equal(runs[0][1], runs[1][1])
-        eng._shared = False
-        other = eng.sibling()
-        try:
-            assert eng._shared and other._shared  # its decodes may come from another thread now
-        finally:
-            other.close()
+        # Its sibling closed, the engine is alone on the model again: its replies decode on their thread.
+        assert not eng._shared
+        ran_on.clear()
+        list(eng.generate(GREEDY, seed=1, max_tokens=3))
+        assert set(ran_on) == {threading.get_ident()}
     finally:
         eng.close()

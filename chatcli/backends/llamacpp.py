@@ -145,6 +145,22 @@ def _seq_data(ctx: Any, seq: int, what: str = "read out the cells") -> np.ndarra
     return buf[:n]
 
 
+class _Family:
+    """How many contexts are open on one model (``Engine.sibling`` adds one, ``close`` takes it away)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.open = 1
+
+    def join(self) -> None:
+        with self._lock:
+            self.open += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self.open -= 1
+
+
 class _SharedBatch:
     """The context in which the siblings of one model decode together while several of them generate.
 
@@ -645,8 +661,9 @@ class Engine:
         self.n_swa = int(llama_cpp.llama_model_n_swa(model))  # > 0: some layers attend to a sliding window
         # Batched decoding with siblings (see _SharedBatch): none until the first sibling is made.
         self._group: _SharedBatch | None = None
-        # Another context uses this model (``sibling``; set on both): its decodes may come from other threads.
-        self._shared = False
+        # The contexts open on this model, this one included (shared with every sibling): with another one
+        # open, decodes may come from other threads (``_shared``).
+        self._family = _Family()
         self._member = 0  # this engine's sequence in the shared batch context
         self._in_batch = False  # its sequence is in the shared context (cells from _batch_from not yet here)
         self._batch_from = 0  # where they start
@@ -737,7 +754,7 @@ class Engine:
             ctx = llama_cpp.llama_init_from_model(self._model, self._cparams)
         if not ctx:
             raise BackendError(f"llama.cpp could not create another context: {_last_error() or 'unknown error'}")
-        self._shared = True
+        self._family.join()
         other = copy.copy(self)
         other._ctx = ctx
         other._mem = llama_cpp.llama_get_memory(ctx)
@@ -764,6 +781,11 @@ class Engine:
             other._group = None
         return other
 
+    @property
+    def _shared(self) -> bool:
+        """Another context is open on this model: its decodes may come from another thread meanwhile."""
+        return self._family.open > 1
+
     def prepare_batching(self) -> bool:
         """Make the siblings' shared batch context now, once every sibling exists (``serve --parallel``
         calls it at start); True when there is one. Made lazily it was made by the first two requests that
@@ -788,6 +810,7 @@ class Engine:
         self._closed = True
         llama_cpp.llama_batch_free(self._batch)
         llama_cpp.llama_free(self._ctx)
+        self._family.leave()
         if self._owns_model and self._group is not None:
             self._group.close()
         if self._owns_model:
@@ -1105,7 +1128,8 @@ class Engine:
             group.scheduler.join(self._member)
         # Alone on its model (no sibling context, so nothing else decodes meanwhile) the reply's tokens are
         # decoded on this thread, with no hop to the compute thread per token (compute.py: ``borrowed``).
-        borrow = contextlib.nullcontext() if self._shared else COMPUTE.borrowed()
+        shared = self._shared  # as it was when the reply began (a sibling may come or go meanwhile)
+        borrow = contextlib.nullcontext() if shared else COMPUTE.borrowed()
         try:
             with borrow:
                 yield from token_loop(
@@ -1124,7 +1148,7 @@ class Engine:
             # What follows a reply (its commit, the state file, the response, the next prompt) needs the core
             # that OpenMP's workers would spin on for ~10 ms: let them go (compute.py, omp.py). A borrowed
             # reply let its own go when the block ended, and the compute thread's before it began.
-            if self._shared:
+            if shared:
                 COMPUTE.rest()
 
     def _step(self, tok: int, *, logits: bool) -> None:
