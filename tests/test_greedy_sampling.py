@@ -75,6 +75,30 @@ def test_numpy_bias_and_penalty_equal_the_chain_on_hard_logits(engine: Engine, r
         assert numpy_token(engine, s) == chain_token(engine, s), i
 
 
+@pytest.mark.parametrize("repeat", [1.1, 1.5, 0.7])
+def test_greedy_penalty_without_bias_equals_the_chain_whether_the_maximum_is_recent_or_not(
+        engine: Engine, repeat: float) -> None:
+    """Without a bias, a penalty of 1 or more only lowers the window's values: the first maximum is taken as it is
+    unless it is a recent token (``greedy_pick``). Both cases, ties and all-negative logits included, give the
+    chain's token; a penalty under 1 (which raises them) always goes the whole way."""
+    rng = np.random.default_rng(11)
+    engine.clear()
+    engine.eval(engine.tokenize(PROMPT))
+    recent = {True: 0, False: 0}
+    for i in range(240):
+        last_n = 64 if i % 4 else 8
+        window = engine.tokens[-last_n:]
+        x = hard_logits(rng, engine.n_vocab, window)
+        if i % 3 == 0:
+            x[window[i % len(window)]] = float(x.max()) + 0.25  # the maximum is a recent token
+        s = Sampling(temperature=0.0, repeat_penalty=repeat, repeat_last_n=last_n)
+        engine.set_logits(x)
+        recent[int(np.argmax(x)) in window] += 1
+        assert numpy_token(engine, s) == chain_token(engine, s), i
+        assert np.array_equal(engine._current_logits(), x)  # as computed, whichever way it went
+    assert recent[True] > 20 and recent[False] > 20
+
+
 @pytest.mark.parametrize(("repeat", "bias"), [(r, b) for r in (1.1, 0.7, 1.0) for b in ("none", "unique", "repeated")
                                                if (r, b) != (1.0, "none")])  # that one has no plan
 def test_greedy_bias_and_penalty_leave_the_logits_as_computed(engine: Engine, repeat: float, bias: str) -> None:
