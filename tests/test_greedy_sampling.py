@@ -173,3 +173,27 @@ def test_a_reply_imports_nothing_between_its_decodes(model_path: Path) -> None:
                          text=True, timeout=120, cwd=str(Path(__file__).resolve().parents[1]))
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_a_plan_applied_in_the_contexts_buffer_samples_as_the_candidates_and_puts_it_back(engine: Engine) -> None:
+    """Sampling with a bias and a penalty from the logits the last decode computed applies them in the context's
+    buffer for llama.cpp's sampler (``_sample_planned``): the token is the one the numpy-filled candidates give
+    with the same seed, and the buffer is as computed afterwards."""
+    engine.clear()
+    engine.eval(engine.tokenize(PROMPT))
+    before = engine.logits()
+    for seed in range(6):
+        s = Sampling(temperature=0.8, top_k=(0, 40)[seed % 2], repeat_penalty=1.3, repeat_last_n=64,
+                     logit_bias=((13, -2.5), (int(engine.tokens[-1]), 3.0)))
+        plan = llamacpp._LogitPlan.of(s, engine.n_vocab)
+        assert plan is not None and not plan.greedy
+        picked = []
+        for in_place in (True, False):
+            chain = engine._make_sampler(s, seed, pre_applied=True)
+            try:
+                picked.append(engine._sample_planned(chain, plan) if in_place else
+                              engine._sample_candidates(chain, plan.apply(engine._current_logits(), engine.tokens)))
+            finally:
+                llama_cpp.llama_sampler_free(chain)
+            assert np.array_equal(engine._current_logits(), before)
+        assert picked[0] == picked[1], seed
