@@ -761,6 +761,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--clients", help="comma-separated client counts for section 2 (default 1,2,4,8)")
     ap.add_argument("--conc-reps", type=int,
                     help="section 2's runs per server and N, idle (default 4; the ratios' spread shrinks with more)")
+    ap.add_argument("--rounds", type=int,
+                    help="section 1's rounds, idle (default 12; a noisy host needs more for a steady median)")
     ap.add_argument("--skip-concurrency", action="store_true")
     ap.add_argument("--concurrency-only", action="store_true", help="only section 2 (no single-stream, no FA rows)")
     ap.add_argument("--skip-fa", action="store_true")
@@ -790,6 +792,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg["clients"] = [int(x) for x in o.clients.split(",")]
     if o.conc_reps:
         cfg["conc_reps"] = o.conc_reps
+    if o.rounds:
+        cfg["rounds"] = o.rounds
     b = Bench(o, cfg)
 
     def on_signal(signum: int, _frame: Any) -> None:
