@@ -99,6 +99,38 @@ def test_greedy_penalty_without_bias_equals_the_chain_whether_the_maximum_is_rec
     assert recent[True] > 20 and recent[False] > 20
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in add:RuntimeWarning")  # the +inf meeting -inf
+@pytest.mark.parametrize("repeat", [1.0, 1.1, 0.7])
+def test_greedy_with_bans_equals_the_chain_whether_the_maximum_is_banned_or_not(engine: Engine, repeat: float) -> None:
+    """Biases of 0 or less (a ban's -inf, a push down) only lower what they touch, as a penalty of 1 or more does:
+    the first maximum stands unless it is touched. Banned, recent and new maxima, a +inf maximum that a ban
+    turns into NaN, and a positive bias (the whole way) all give the chain's token."""
+    rng = np.random.default_rng(5)
+    engine.clear()
+    engine.eval(engine.tokenize(PROMPT))
+    window = engine.tokens[-64:]
+    seen = {"banned": 0, "recent": 0, "new": 0}
+    for i in range(240):
+        x = hard_logits(rng, engine.n_vocab, window)
+        banned = [int(t) for t in rng.choice(engine.n_vocab, 3)]
+        if i % 4 == 0:
+            x[banned[0]] = float(x.max()) + 0.5  # the maximum is banned
+        elif i % 4 == 1:
+            x[window[i % len(window)]] = float(x.max()) + 0.5  # the maximum is a recent token
+        if i % 40 == 7:
+            x[banned[1]] = np.inf  # +inf meets -inf: NaN, so the chain decides
+        bias = [(banned[0], float("-inf")), (banned[1], float("-inf")), (banned[2], -3.0)]
+        if i % 10 == 9:
+            bias.append((int(rng.integers(0, engine.n_vocab)), 2.0))  # a raise: not a lowering plan
+        s = Sampling(temperature=0.0, repeat_penalty=repeat, repeat_last_n=64, logit_bias=tuple(bias))
+        engine.set_logits(x)
+        top = int(np.argmax(x))
+        seen["banned" if top in banned else "recent" if top in window else "new"] += 1
+        assert numpy_token(engine, s) == chain_token(engine, s), i
+        assert np.array_equal(engine._current_logits(), x, equal_nan=True)
+    assert min(seen.values()) > 20, seen
+
+
 @pytest.mark.parametrize(("repeat", "bias"), [(r, b) for r in (1.1, 0.7, 1.0) for b in ("none", "unique", "repeated")
                                                if (r, b) != (1.0, "none")])  # that one has no plan
 def test_greedy_bias_and_penalty_leave_the_logits_as_computed(engine: Engine, repeat: float, bias: str) -> None:

@@ -417,6 +417,7 @@ class _LogitPlan:
     last_n: int
     greedy: bool
     bias_unique: bool  # each biased id once: one fancy-indexed add (``np.add.at`` took ~45 us a token)
+    lowered: frozenset[int] | None  # the biased ids when no bias raises a value (a ban's -inf), else None
 
     @classmethod
     def of(cls, s: Sampling, n_vocab: int) -> _LogitPlan | None:
@@ -436,8 +437,10 @@ class _LogitPlan:
         if not greedy and not last_n and not s.logit_bias:
             return None  # the chain's own fill costs what numpy's would
         ids = [t for t, _ in s.logit_bias]
-        return cls(np.asarray(ids, dtype=np.int64), np.asarray([b for _, b in s.logit_bias], dtype=np.float32),
-                   repeat, last_n, greedy, len(set(ids)) == len(ids))
+        values = np.asarray([b for _, b in s.logit_bias], dtype=np.float32)
+        lowered = frozenset(ids) if bool(np.all(values <= 0)) else None  # NaN is not <= 0
+        return cls(np.asarray(ids, dtype=np.int64), values, repeat, last_n, greedy, len(set(ids)) == len(ids),
+                   lowered)
 
     def _apply_into(self, x: np.ndarray, ids: np.ndarray | None) -> None:
         """The bias, then the penalty over the window's ``ids``, written into ``x`` (the chain's order)."""
@@ -474,16 +477,19 @@ class _LogitPlan:
         """The first maximum of ``apply(logits, tokens)`` and whether it is NaN, without its 49k copy (7 of the
         40-50 us a token that ``apply`` took, ~50 us once a decode has cooled the caches): the biased and
         penalised values are written into ``logits`` for the argmax and the originals put back, bit for bit."""
-        if not self.bias_ids.size and self.repeat >= 1:
-            # A penalty of 1 or more only lowers the window's values (float32 rounding too: the exact result is
-            # at most the value, and so is its rounding), so the first maximum stays first unless it is one of
-            # the window's tokens: then the penalised argmax below. Measured: ~110 -> ~40 us a token when
-            # the maximum is a new token (numpy's half-dozen calls each cost 10+ us with the caches a decode
-            # has cooled).
+        if self.lowered is not None and self.repeat >= 1:
+            # A bias of 0 or less (a ban) and a penalty of 1 or more only lower the values they touch (float32
+            # rounding too: the exact result is at most the value, and so is its rounding), so the first maximum
+            # stays first unless it is one of them: then the argmax below. Measured: greedy with the default
+            # penalty ~120 -> 60-70 us a token (numpy's half-dozen calls each cost 10+ us with the caches a
+            # decode has cooled). A NaN goes to the chain whichever it is. (A ban meeting a +inf elsewhere makes a
+            # NaN there, which the chain's greedy step, comparing with ">", never picks: the untouched maximum.)
             tok = int(np.argmax(logits))
             x = logits.item(tok)
-            if x != x or not self.last_n or tok not in tokens[-self.last_n:]:  # ([-0:] is the whole list)
-                return tok, x != x
+            if x != x:
+                return tok, True
+            if tok not in self.lowered and (not self.last_n or tok not in tokens[-self.last_n:]):  # [-0:]: all
+                return tok, False
         ids = self.window_ids(tokens)
         if ids is None and not self.bias_ids.size:
             tok = int(np.argmax(logits))
