@@ -53,6 +53,11 @@ from chatcli.core.backend import (
 from chatcli.core.token_loop import check_load, checked_logits, ensure_logits, eval_batches, token_loop
 
 SEQ = 0  # the conversation
+SCRATCH = 1  # staging area for saving/restoring cell ranges
+# How long a sibling that ended a reply is expected back with a message (its closing, the client's next turn):
+# a message evaluated meanwhile waits up to the scheduler's gather window for it, so that messages sent
+# together share one decode. Measured on the bench's clients: the next message came 20-100 ms after a reply.
+_LINGER = 0.3
 
 
 def _addr_fn(name: str, argtypes: list[Any]) -> Any:
@@ -66,11 +71,6 @@ def _addr_fn(name: str, argtypes: list[Any]) -> Any:
 
 
 _LOGITS_ITH = _addr_fn("llama_get_logits_ith", [ctypes.c_void_p, ctypes.c_int32])
-SCRATCH = 1  # staging area for saving/restoring cell ranges
-# How long a sibling that ended a reply is expected back with a message (its closing, the client's next turn):
-# a message evaluated meanwhile waits up to the scheduler's gather window for it, so that messages sent
-# together share one decode. Measured on the bench's clients: the next message came 20-100 ms after a reply.
-_LINGER = 0.3
 
 
 def _fork_probe(operation: Callable[[], object], timeout: float = 10.0) -> bool:
