@@ -490,14 +490,9 @@ class _LogitPlan:
                 return tok, True
             if tok not in self.lowered and (not self.last_n or tok not in tokens[-self.last_n:]):  # [-0:]: all
                 return tok, False
-        ids = self.window_ids(tokens)
-        if ids is None and not self.bias_ids.size:
+        with self.applied(logits, self.window_ids(tokens)):
             tok = int(np.argmax(logits))
             x = logits.item(tok)  # a Python float: ``x != x`` is NaN's test without numpy's (cold) dispatch
-            return tok, x != x
-        with self.applied(logits, ids):
-            tok = int(np.argmax(logits))
-            x = logits.item(tok)
             return tok, x != x
 
     @contextlib.contextmanager
