@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -138,29 +139,55 @@ def test_per_request_options(session: Session) -> None:
     conv.close()
 
 
-def test_a_turn_saves_the_user_cells_right_after_the_first_token(session: Session) -> None:
-    """The user message's cells and logits are not written before the reply's first token (off the time to
-    first token) but right after it, before the reply goes on: a process killed mid-reply still has them."""
-    from chatcli.core.events import ReplyStart, ReplyText
+def _user_cells_saved(path: Path, user: Any) -> bool:
+    recs = sf.scan(path).records
+    return (any(r.kind == sf.CELLS and (r.p0, r.p1) == (user.p0, user.p1) for r in recs)
+            and any(r.kind == sf.LOGITS and r.p0 == user.p1 for r in recs))
+
+
+def test_a_turn_saves_the_user_cells_with_the_reply(session: Session) -> None:
+    """The user message's cells and logits are written with the reply's, in one append after its last token:
+    nothing is written before the first token (the time to first token) or between two tokens (the stream)."""
+    from chatcli.core.events import ReplyText
 
     conv, _, _ = drain(session.new_conversation("alice"))
     assert conv is not None
     path = conv.dir.state_path
     before = path.stat().st_size
+    texts = 0
+    for ev in conv.send(Q):
+        if isinstance(ev, ReplyEnd):
+            break
+        assert path.stat().st_size == before, ev  # not one byte until the reply is over
+        texts += isinstance(ev, ReplyText)
+    assert texts > 2
+    user = conv.r.active[-2]
+    assert user.role == "user" and _user_cells_saved(path, user)
+    conv.close()
+
+
+def test_a_long_reply_saves_the_user_cells_while_it_streams(session: Session, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply still streaming LATE_SAVE_SECONDS after its first token writes the user message's cells then,
+    so that a process killed during a long reply still finds them (here: at once, from the second token)."""
+    from chatcli.core import conversation as conversation_mod
+    from chatcli.core.events import ReplyText
+
+    monkeypatch.setattr(conversation_mod, "LATE_SAVE_SECONDS", 0.0)
+    conv, _, _ = drain(session.new_conversation("alice"))
+    assert conv is not None
+    path = conv.dir.state_path
+    before = path.stat().st_size
     gen = conv.send(Q)
-    seen_text = False
+    texts = 0
     for ev in gen:
-        if isinstance(ev, ReplyStart):
-            assert path.stat().st_size == before  # prompt evaluated, nothing of it written yet
-        elif isinstance(ev, ReplyText) and not seen_text:
-            seen_text = True
-            assert path.stat().st_size == before  # the first token is out before the write
-        elif seen_text:
-            break  # the generator ran past the first token: the write happened there
+        if isinstance(ev, ReplyText):
+            texts += 1
+            if texts == 1:
+                assert path.stat().st_size == before  # the first token is out before the write
+            elif texts == 3:
+                break  # the generator ran past the second token: the write happened there
     gen.close()
-    assert seen_text
+    assert texts == 3
     user = conv.r.active[-2] if conv.r.active[-1].role == "assistant" else conv.r.active[-1]
-    recs = sf.scan(path).records
-    assert any(r.kind == sf.CELLS and (r.p0, r.p1) == (user.p0, user.p1) for r in recs)
-    assert any(r.kind == sf.LOGITS and r.p0 == user.p1 for r in recs)
+    assert user.role == "user" and _user_cells_saved(path, user)
     conv.close()

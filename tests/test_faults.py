@@ -56,7 +56,11 @@ def test_sigkill_loses_at_most_the_reply_in_flight(name: str, fault_ref: Any, tm
     assert out.killed, point.label
     assert out.problems == [], (point.label, out.problems)
     assert out.lost == 0
-    if name in ("mid-reply", "mid-compaction", "undo-into-snapshot"):
+    if name == "mid-reply":
+        # Five tokens into the reply, its user message's cells were not written yet (they go with the reply's,
+        # or after conversation.LATE_SAVE_SECONDS): the resume evaluated the message again, from the transcript.
+        assert not out.intact and out.identical, point.label
+    if name in ("mid-compaction", "undo-into-snapshot"):
         # The state on disk was complete for everything the transcript holds: restored, not re-evaluated,
         # and the conversation continues exactly as if it had never been killed.
         assert out.intact and out.identical, point.label

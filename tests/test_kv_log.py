@@ -251,23 +251,26 @@ def watch_state_io(mp: pytest.MonkeyPatch, note: Callable[[str], None]) -> None:
     mp.setattr(os, "fsync", fsync)
 
 
-def test_the_first_tokens_save_is_written_at_once_and_fsynced_with_the_reply(sess: Any, golden: dict[str, Any]) -> None:
-    # The user message's cells are written right after the reply's first token (so a killed process finds
-    # them) but not fsynced there: the fsync (5-28 ms) sat between the first two decodes. The reply's own
-    # append fsyncs the file, which covers them.
+def test_a_long_replys_mid_reply_save_is_not_fsynced_and_the_reply_covers_it(sess: Any, golden: dict[str, Any]) -> None:
+    # A reply that runs long (LATE_SAVE_SECONDS; here from its second token) writes the user message's cells
+    # while it streams (so a killed process finds them) but does not fsync them there, between two decodes.
+    # The reply's own append fsyncs the file, which covers them.
+    from chatcli.core import conversation as conversation_mod
+
     cid = install(golden)
     conv, _, _ = open_conv(sess, cid)
     seen: list[tuple[str, int]] = []  # ("write" | "fsync", ReplyText events seen so far), state.kv only
     texts = 0
     try:
         with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(conversation_mod, "LATE_SAVE_SECONDS", 0.0)
             watch_state_io(mp, lambda what: seen.append((what, texts)))
             for ev in conv.send(MSGS[2]):
                 if type(ev).__name__ == "ReplyText":
                     texts += 1
-                    if texts == 2:
+                    if texts == 3:
                         # Written (a kill now keeps the message's cells) but not fsynced yet.
-                        assert ("write", 1) in seen and ("fsync", 1) not in seen, seen
+                        assert ("write", 2) in seen and not any(w == "fsync" for w, _ in seen), seen
         assert texts > 2
         last_write = max(i for i, (what, _) in enumerate(seen) if what == "write")
         assert any(what == "fsync" for what, _ in seen[last_write:]), seen  # the end is durable

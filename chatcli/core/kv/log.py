@@ -89,9 +89,9 @@ class StateLog(Protocol):
 
     def user_evaluated(self, p0: int, tokens: list[int], stats: TurnStats, *, defer: bool = False,
                        closing: int = 0) -> None:
-        """A user message is in the backend. ``defer``: its reply follows at once, so its cells are written by
-        ``flush`` once the reply's first token is out (off the time to first token); any other operation
-        writes them first. ``closing``: the previous reply's last ``closing`` tokens were evaluated with it
+        """A user message is in the backend. ``defer``: its reply follows at once, so its cells are written with
+        the reply's (``reply_done``), or by ``flush`` if the reply runs long (off the time to first token and
+        the stream); any other operation writes them first. ``closing``: the previous reply's last ``closing`` tokens were evaluated with it
         (the conversation decodes a reply's closing with the next prompt): their cells are saved with it."""
         ...
 
@@ -438,11 +438,11 @@ class CellLog:
             self._needs_snapshot = False
             return
         if defer:
-            # Saved right after the reply's first token is shown, not before it: reading the cells out of
-            # llama.cpp, encoding and the fsync stay out of the time to first token, and a process killed
-            # mid-reply still finds the message's cells on disk (only one killed between the prompt and the
-            # first token re-evaluates it). Nothing may touch cells [p0, p0+len) until then: every other
-            # operation of this log flushes first.
+            # Saved with the reply (one append), or mid-reply by ``flush`` when the reply runs long
+            # (conversation.LATE_SAVE_SECONDS): reading the cells out of llama.cpp, their checksum and the
+            # write stay out of the time to first token and of the stream. A process killed before then
+            # evaluates the message again on resume. Nothing may touch cells [p0, p0+len) until then: every
+            # other operation of this log flushes first.
             # A memory that cannot be cut back is read out now (a copy, no disk): its state moves on with
             # the first token, and only the state at the message's end is a regenerate point.
             self._pending = (p0, list(tokens), stats, None if self._cuts else self._point_record(p0, eng.n_past),
@@ -511,10 +511,10 @@ class CellLog:
         elif pending is not None:
             stats = pending[2]
         if recs:
-            # The user message's cells alone are written between the reply's first two tokens: not fsynced
-            # there (5-28 ms measured, the largest cost in that gap). A killed process still finds them; only
-            # an OS crash before the reply's own append (whose fsync covers them) can lose them, and then the
-            # transcript, which holds the message, has them evaluated again. Nor is a held commit (a server
+            # The user message's cells alone are written mid-reply (a long reply): not fsynced there, between
+            # two tokens. A killed process still finds them; only an OS crash before the reply's own append
+            # (whose fsync covers them) can lose them, and then the transcript, which holds the message, has
+            # them evaluated again. Nor is a held commit (a server
             # after a reply's end): the conversation's next request waits for it, and its fsync was 3 ms
             # of the 9 it took; an OS crash before the kernel writes the records back (within ~30 s) costs
             # their evaluation again, as it would for the user message's.
