@@ -91,8 +91,9 @@ class StateLog(Protocol):
                        closing: int = 0) -> None:
         """A user message is in the backend. ``defer``: its reply follows at once, so its cells are written with
         the reply's (``reply_done``), or by ``flush`` if the reply runs long (off the time to first token and
-        the stream); any other operation writes them first. ``closing``: the previous reply's last ``closing`` tokens were evaluated with it
-        (the conversation decodes a reply's closing with the next prompt): their cells are saved with it."""
+        the stream); any other operation writes them first. ``closing``: the previous reply's last ``closing``
+        tokens were evaluated with it (the conversation decodes a reply's closing with the next prompt): their
+        cells are saved with it."""
         ...
 
     def cells_evaluated(self, p0: int, p1: int) -> None:
