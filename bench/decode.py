@@ -537,6 +537,35 @@ def spread(xs: list[float]) -> str:
     return f(med(xs), 2) + (f" ({min(xs):.2f}–{max(xs):.2f})" if len(xs) > 1 else "")
 
 
+def geo_se(xs: list[float]) -> str:
+    """Ratios taken pair by pair as their geometric mean ± its standard error, in percent ("0.967 ± 0.6 %"):
+    how far two rows must lie apart to differ (a median's own uncertainty is ~1.25 times this). Ratios that
+    are not finite and positive (a cut run's) are left out; "–" for fewer than two."""
+    logs = [math.log(x) for x in xs if math.isfinite(x) and x > 0]
+    if len(logs) < 2:
+        return "–"
+    se = statistics.stdev(logs) / math.sqrt(len(logs))
+    return f"{math.exp(statistics.fmean(logs)):.3f} ± {100 * se:.1f} %"
+
+
+def round_ratios(rows: list[dict[str, Any]], m: str, ref: str, key: str) -> list[float]:
+    """Method ``m``'s ``key`` over ``ref``'s, round by round (section 1)."""
+    by_round = {r["round"]: r for r in rows if r["method"] == ref and r.get(key)}
+    return [r[key] / by_round[r["round"]][key] for r in rows
+            if r["method"] == m and r.get(key) and r["round"] in by_round]
+
+
+def single_certainty(rows: list[dict[str, Any]]) -> list[str]:
+    """Section 1's per-round ratios as geometric means ± standard error (``geo_se``), one row per method."""
+    out = ["| method | decode ÷ llama-server | decode ÷ llama-bench | prompt ÷ llama-bench |",
+           "|---|---:|---:|---:|"]
+    for m in dict.fromkeys(r["method"] for r in rows):
+        cells = [geo_se(round_ratios(rows, m, ref, key)) if m != ref else "1"
+                 for ref, key in ((REF, "decode_tps"), ("llama-bench", "decode_tps"), ("llama-bench", "prompt_tps"))]
+        out.append(f"| {m} | {' | '.join(cells)} |")
+    return out
+
+
 def single_table(rows: list[dict[str, Any]]) -> list[str]:
     """Median tokens/s per method, and each method's ratios to llama-server / llama-bench taken round by round:
     their median and, in brackets, the lowest and highest (how much the machine moved between two methods)."""
@@ -660,6 +689,22 @@ def conc_ratios(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def conc_certainty(rows: list[dict[str, Any]]) -> list[str]:
+    """Section 2's per-run ratios (chatcli ÷ llama-server, the same messages back to back) as geometric means ±
+    standard error (``geo_se``); a run cut at the cap counts for neither."""
+    out = ["| clients | total tok/s | p50 latency | p95 latency |", "|---:|---:|---:|---:|"]
+    for n in sorted({r["clients"] for r in rows}):
+        c = {r["rep"]: r for r in rows if r["clients"] == n and r["server"] == "chatcli serve"}
+        ls = {r["rep"]: r for r in rows if r["clients"] == n and r["server"] == "llama-server"}
+        pairs = [(c[k], ls[k]) for k in c if k in ls]
+        if not pairs:
+            continue
+        cells = [geo_se([a[k] / b[k] for a, b in pairs if a.get(k) is not None and b.get(k)])
+                 for k in ("tok_s", "p50", "p95")]
+        out.append(f"| {n} | {' | '.join(cells)} |")
+    return out
+
+
 def fa_table(rows: list[dict[str, Any]]) -> list[str]:
     out = ["| depth | fa | prompt tok/s (256) | decode tok/s (32) | load avg |", "|---:|---:|---:|---:|---:|"]
     for depth in sorted({r["depth"] for r in rows}):
@@ -669,6 +714,11 @@ def fa_table(rows: list[dict[str, Any]]) -> list[str]:
                        f"| {f(med([r['decode_tps'] for r in rs]))} "
                        f"| {f(min(r['load'] for r in rs))}–{f(max(r['load'] for r in rs))} |")
     return out
+
+
+def _certainty(caption: str, table: list[str]) -> list[str]:
+    """A ``geo_se`` table with its caption, or nothing when no ratio had two rounds or runs to go on."""
+    return [caption, "", *table, ""] if any("±" in line for line in table) else []
 
 
 def markdown(res: dict[str, Any], chart: str | None) -> str:
@@ -685,7 +735,9 @@ def markdown(res: dict[str, Any], chart: str | None) -> str:
              "loaded": "with one competing CPU-bound process"}
     for cond, rows in res["single"].items():
         lines += [f"## 1. Prompt and decode tokens/s — {names.get(cond, cond)}", "",
-                  work_line(res.get("work", {}).get(cond), rows, cfg), "", *single_table(rows), ""]
+                  work_line(res.get("work", {}).get(cond), rows, cfg), "", *single_table(rows), "",
+                  *_certainty("The same per-round ratios as geometric means ± their standard error (how far apart "
+                              "two rows must lie to differ):", single_certainty(rows))]
     for key, cond in (("concurrency", "idle"), ("concurrency_loaded", "loaded")):
         if not res.get(key):
             continue
@@ -699,7 +751,9 @@ def markdown(res: dict[str, Any], chart: str | None) -> str:
                      "that, its tokens as the chunks that came)" if cap else "") + ". Ratios: of the two servers' "
                   "medians, and per run (each run's messages to both, back to back). Latency ratios: chatcli ÷ "
                   "llama-server (below 1: chatcli answers sooner).", "", *conc_table(res[key]), "",
-                  *conc_ratios(res[key]), ""]
+                  *conc_ratios(res[key]), "",
+                  *_certainty("Per run, chatcli ÷ llama-server as geometric means ± their standard error (how far "
+                              "from 1 a ratio must lie to differ):", conc_certainty(res[key]))]
     if res.get("flash_attention"):
         lines += ["## 3. Flash attention on CPU, f16 KV (llama-bench)", "", *fa_table(res["flash_attention"]), ""]
     if chart:

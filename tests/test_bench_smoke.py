@@ -410,3 +410,30 @@ def test_omp_spin_measures_a_spin_and_runs_every_variant(tmp_path: Path) -> None
     assert res["worker_omp"]["20000"]["GOMP_SPINCOUNT"] == "20000"
     assert "| default (300,000) ≈ " in md
     assert re.search(r"\| 20,000 ≈ [\d,]+ µs \| [\d.]+ \([\d.]+\) \|", md), md
+
+
+def test_decode_report_gives_each_ratio_with_its_standard_error() -> None:
+    from bench.decode import conc_certainty, geo_se, single_certainty
+
+    # ln 2 and -ln 2: a geometric mean of 1, a standard deviation of ln 2 * sqrt 2, over sqrt 2 runs: ln 2.
+    assert geo_se([2.0, 0.5]) == "1.000 ± 69.3 %"
+    assert geo_se([2.0, 0.5, float("inf"), 0.0]) == "1.000 ± 69.3 %"  # a cut run's ratio counts for nothing
+    assert geo_se([1.1]) == "–"
+
+    def run(server: str, tok_s: float, p50: float, rep: int) -> dict[str, Any]:
+        return {"clients": 2, "server": server, "rep": rep, "tok_s": tok_s, "p50": p50, "p95": float("inf")}
+
+    rows = [run("chatcli serve", 40.0, 1.0, 0), run("llama-server", 20.0, 1.0, 0),
+            run("chatcli serve", 10.0, 3.0, 1), run("llama-server", 20.0, 3.0, 1)]
+    assert conc_certainty(rows)[2] == "| 2 | 1.000 ± 69.3 % | 1.000 ± 0.0 % | – |"
+
+    def meas(method: str, rnd: int, decode: float, prompt: float) -> dict[str, Any]:
+        return {"method": method, "round": rnd, "decode_tps": decode, "prompt_tps": prompt}
+
+    rows = [meas("llama-server streamed", 0, 10.0, 100.0), meas("llama-bench", 0, 10.0, 100.0),
+            meas("x", 0, 20.0, 100.0), meas("llama-server streamed", 1, 10.0, 100.0),
+            meas("llama-bench", 1, 20.0, 200.0), meas("x", 1, 5.0, 100.0)]
+    table = single_certainty(rows)
+    # Two rounds a and b: the geometric mean sqrt(a b), the standard error |ln a - ln b| / 2.
+    assert table[2] == "| llama-server streamed | 1 | 0.707 ± 34.7 % | 0.707 ± 34.7 % |"  # 1 and 1/2
+    assert table[4] == "| x | 1.000 ± 69.3 % | 0.707 ± 104.0 % | 0.707 ± 34.7 % |"  # 2, 1/2; 2, 1/4; 1, 1/2
