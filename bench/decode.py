@@ -573,16 +573,8 @@ def single_table(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         by.setdefault(r["method"], []).append(r)
 
-    def ratios(m: str, ref: str, key: str) -> list[float]:
-        pairs = []
-        for r in by.get(m, []):
-            ref_r = next((x for x in by.get(ref, []) if x["round"] == r["round"]), None)
-            if ref_r and r.get(key) and ref_r.get(key):
-                pairs.append(r[key] / ref_r[key])
-        return pairs
-
     def ratio(m: str, ref: str, key: str) -> str:
-        xs = ratios(m, ref, key)
+        xs = round_ratios(rows, m, ref, key)
         return spread(xs[:1] if m == ref else xs)  # a method against itself: 1.00, no range
 
     out = ["| method | decode tok/s (min–max) | prompt tok/s | decode ÷ llama-server | decode ÷ llama-bench "
@@ -665,11 +657,16 @@ def _latency_ratio(a: float | None, b: float | None, cap: float | None) -> str:
     return f(a / b if a is not None and b else None, 2)
 
 
+def run_ratios(c: list[dict[str, Any]], ls: list[dict[str, Any]], key: str) -> list[float]:
+    """chatcli's ``key`` over llama-server's, run by run (section 2: each run's messages to both)."""
+    by = {r["rep"]: r[key] for r in ls if r.get(key)}
+    return [r[key] / by[r["rep"]] for r in c if r.get("rep") in by and r.get(key) is not None]
+
+
 def _paired(c: list[dict[str, Any]], ls: list[dict[str, Any]]) -> str:
     """The median (lowest–highest) of the runs' own tok/s ratios: each run's messages went to both servers
     back to back, so a ratio within a run sees less of the machine's drift than one of two medians."""
-    by = {r["rep"]: r["tok_s"] for r in ls if r.get("tok_s")}
-    return spread([r["tok_s"] / by[r["rep"]] for r in c if r.get("rep") in by and r.get("tok_s") is not None])
+    return spread(run_ratios(c, ls, "tok_s"))
 
 
 def conc_ratios(rows: list[dict[str, Any]]) -> list[str]:
@@ -694,13 +691,11 @@ def conc_certainty(rows: list[dict[str, Any]]) -> list[str]:
     standard error (``geo_se``); a run cut at the cap counts for neither."""
     out = ["| clients | total tok/s | p50 latency | p95 latency |", "|---:|---:|---:|---:|"]
     for n in sorted({r["clients"] for r in rows}):
-        c = {r["rep"]: r for r in rows if r["clients"] == n and r["server"] == "chatcli serve"}
-        ls = {r["rep"]: r for r in rows if r["clients"] == n and r["server"] == "llama-server"}
-        pairs = [(c[k], ls[k]) for k in c if k in ls]
-        if not pairs:
+        c = [r for r in rows if r["clients"] == n and r["server"] == "chatcli serve"]
+        ls = [r for r in rows if r["clients"] == n and r["server"] == "llama-server"]
+        if not c or not ls:
             continue
-        cells = [geo_se([a[k] / b[k] for a, b in pairs if a.get(k) is not None and b.get(k)])
-                 for k in ("tok_s", "p50", "p95")]
+        cells = [geo_se(run_ratios(c, ls, k)) for k in ("tok_s", "p50", "p95")]
         out.append(f"| {n} | {' | '.join(cells)} |")
     return out
 

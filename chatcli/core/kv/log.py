@@ -515,10 +515,10 @@ class CellLog:
             # The user message's cells alone are written mid-reply (a long reply): not fsynced there, between
             # two tokens. A killed process still finds them; only an OS crash before the reply's own append
             # (whose fsync covers them) can lose them, and then the transcript, which holds the message, has
-            # them evaluated again. Nor is a held commit (a server
-            # after a reply's end): the conversation's next request waits for it, and its fsync was 3 ms
-            # of the 9 it took; an OS crash before the kernel writes the records back (within ~30 s) costs
-            # their evaluation again, as it would for the user message's.
+            # them evaluated again. Nor is a held commit (a server after a reply's end): the conversation's
+            # next request waits for it, and its fsync was 3 ms of the 9 it took; an OS crash before the
+            # kernel writes the records back (within ~30 s) costs their evaluation again, as it would for the
+            # user message's.
             stats.state_bytes += self._append(recs, stats, sync=reply is not None and not self.hold)
         if reply is not None:
             self.settle()
