@@ -104,7 +104,7 @@ def test_a_forked_child_starts_its_own_compute_thread() -> None:
     assert os.waitstatus_to_exitcode(status) == 0
 
 
-def test_rest_frees_the_workers_on_the_compute_thread_unless_a_call_is_queued(
+def test_rest_frees_the_workers_on_the_compute_thread_unless_a_call_runs_or_is_queued(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from chatcli.backends import omp
@@ -129,6 +129,11 @@ def test_rest_frees_the_workers_on_the_compute_thread_unless_a_call_is_queued(
     first = threading.Thread(target=c.run, args=(busy,))
     first.start()
     assert running.wait(10)
+    # A running call alone: another conversation's decode too, which a rest queued behind it would wait for
+    # (the reply whose end called it sent its end a decode late).
+    t0 = time.monotonic()
+    c.rest()
+    assert time.monotonic() - t0 < 5 and rested == [c._ident]
     second = threading.Thread(target=c.run, args=(lambda: None,))
     second.start()
     deadline = time.monotonic() + 10

@@ -60,6 +60,7 @@ class ComputeThread:
         self._start_lock = threading.Lock()
         self._ident: int | None = None
         self._borrower: int | None = None  # the thread decoding itself now (``borrowed``), if any
+        self._busy = False  # a call is running on the compute thread now
         # A forked child has no compute thread (only the forking thread survives a fork): it starts its own.
         os.register_at_fork(after_in_child=self._forget)
 
@@ -68,6 +69,7 @@ class ComputeThread:
         self._start_lock = threading.Lock()
         self._ident = None
         self._borrower = None
+        self._busy = False
 
     def _ensure(self) -> None:
         if self._ident is not None:
@@ -81,20 +83,23 @@ class ComputeThread:
     def _loop(self) -> None:
         while True:
             job = self._jobs.get()
+            self._busy = True
             try:
                 job.result = job.fn(*job.args)
             except BaseException as exc:  # the caller raises it
                 job.error = exc
+            self._busy = False
             job.finished = True
             job.done.release()
 
     def rest(self) -> None:
-        """Free the compute thread's OpenMP workers, unless calls are queued (another conversation's decode:
-        its workers are needed now). Waits for it: queued behind, the compute thread would need the GIL back
-        from a caller busy with the reply's aftermath while the workers spin on."""
+        """Free the compute thread's OpenMP workers, unless a call runs or is queued (another conversation's
+        decode: its workers are needed now, and waiting behind it held a reply's end back by that decode,
+        13-25 ms at ``serve --parallel 2``: bench/serve_timeline.py). Waits for it: queued behind, the compute
+        thread would need the GIL back from a caller busy with the reply's aftermath while the workers spin."""
         if self._ident is None:
             return  # nothing decoded yet: no workers
-        if self._jobs.empty():
+        if not self._busy and self._jobs.empty():
             self.run(omp.rest)
 
     @contextlib.contextmanager
