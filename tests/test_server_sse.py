@@ -77,7 +77,7 @@ def test_every_event_arrives_once_in_order_whatever_the_timing() -> None:
 
 def test_tokens_are_batched_so_the_loop_is_woken_far_less_than_once_a_token() -> None:
     """Tokens every 2 ms, read as a stream reads them (a window after the first): a wake-up per token would
-    be ~60; batched, a 20 ms window gathers ~10 tokens each."""
+    be ~60; batched, a 50 ms window gathers ~25 tokens each."""
     n = 60
 
     def script() -> Iterator[object]:

@@ -2,7 +2,7 @@
 
 Per token the event loop does little: the chunk's JSON around the text is encoded once per request
 (``ChunkEncoder``), so a token costs one ``json.dumps`` of its text; after the first token, text is
-gathered for ``bridge.WINDOW`` (20 ms) and everything waiting goes in one ``http.response.body`` message;
+gathered for ``bridge.WINDOW`` (50 ms) and everything waiting goes in one ``http.response.body`` message;
 no sse-starlette (its per-event ``ServerSentEvent`` encoding and its task group cost the event loop CPU
 per token, which competes with the decode threads for the cores). The bytes are those sse-starlette sent
 (``data: …`` lines, ``\r\n`` separators, the same headers and 15 s pings).
