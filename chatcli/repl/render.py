@@ -37,8 +37,8 @@ MAX_REPLY_WIDTH = 100
 SPINNER_DELAY = 0.3
 # A piped reply is flushed at most this often (the first token at once; text waits at most one token): each
 # flush wakes the reader, which then takes a core from one of ggml's decode threads. serve's stream waits
-# as long for more text (server/bridge.py WINDOW).
-PIPE_WINDOW = 0.02
+# as long for more text (server/bridge.py WINDOW: there 20 ms cost each decode ~2 %, 50 ms nothing measurable).
+PIPE_WINDOW = 0.05
 # Markdown is re-rendered at most this often while a reply streams...
 FRAME_SECONDS = 1 / 10
 # ...and rendering may take at most this share of the time: it runs between two decodes, so its time is the
