@@ -37,7 +37,7 @@ MAX_REPLY_WIDTH = 100
 SPINNER_DELAY = 0.3
 # A piped reply is flushed at most this often (the first token at once; text waits at most one token): each
 # flush wakes the reader, which then takes a core from one of ggml's decode threads. serve's stream waits
-# as long for more text (server/bridge.py WINDOW: there 20 ms cost each decode ~2 %, 50 ms nothing measurable).
+# as long for more text (server/bridge.py WINDOW: there 20 ms made each decode 2-3 % slower, 50 ms 0-1 %).
 PIPE_WINDOW = 0.05
 # Markdown is re-rendered at most this often while a reply streams...
 FRAME_SECONDS = 1 / 10

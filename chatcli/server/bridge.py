@@ -11,9 +11,9 @@ from the decode threads at a moment of nobody's choosing. So:
   tokens unless something other than text arrives (the end, an error), which wakes it at once. The first
   token goes out as soon as it is sampled; at 75 tokens/s a wake-up carries ~4 tokens instead of one.
   Measured (the section-1 work of bench/decode.py, the decodes timed inside the server, alternating with
-  the Engine in its own process): with 20 ms each ``llama_decode`` of a streamed reply took 1.8-2.5 %
-  longer than the Engine's (12.96 vs 12.74 ms, 13.30 vs 12.98), with 50 or 100 ms as long as the Engine's;
-  the client's decode rate went from 0.970 to 0.992 (50 ms) and 0.985 (100 ms) of the Engine's.
+  the Engine in its own process, three runs): with 20 ms each ``llama_decode`` of a streamed reply took
+  1.8-3.3 % longer than the Engine's (12.91 vs 12.51 ms), with 50 ms 0-1.1 % (12.64); the client's decode
+  rate was 0.963-0.979 of the Engine's with 20 ms, 0.974-0.992 with 50 ms (100 ms: no better than 50).
 
 Ordering argument (no lock; every step below is one bytecode-level operation under the GIL): the worker
 appends, *then* reads ``_waiter``; the consumer sets ``_waiter``, *then* looks at the deque. Either the
