@@ -134,17 +134,23 @@ def test_rest_frees_the_workers_on_the_compute_thread_unless_a_call_runs_or_is_q
     t0 = time.monotonic()
     c.rest()
     assert time.monotonic() - t0 < 5 and rested == [c._ident]
+    # A borrower about to decode with its own pool waits for it, then frees the compute thread's workers.
+    borrower = threading.Thread(target=lambda: c.rest(behind=True))
+    borrower.start()
+    borrower.join(0.2)
+    assert borrower.is_alive() and rested == [c._ident]  # behind the running call
     second = threading.Thread(target=c.run, args=(lambda: None,))
     second.start()
     deadline = time.monotonic() + 10
-    while c._jobs.empty() and time.monotonic() < deadline:
+    while c._jobs.qsize() < 2 and time.monotonic() < deadline:  # the borrower's rest, then this call
         time.sleep(0.001)
-    assert not c._jobs.empty()
+    assert c._jobs.qsize() == 2
     c.rest()  # returns at once: it does not wait behind the queue
     release.set()
     first.join()
     second.join()
-    assert rested == [c._ident]
+    borrower.join(10)
+    assert not borrower.is_alive() and rested == [c._ident] * 2  # the borrower's rest, once the call ended
 
 
 def test_a_borrowing_thread_runs_its_own_calls_and_one_pool_lives_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -92,14 +92,15 @@ class ComputeThread:
             job.finished = True
             job.done.release()
 
-    def rest(self) -> None:
+    def rest(self, *, behind: bool = False) -> None:
         """Free the compute thread's OpenMP workers, unless a call runs or is queued (another conversation's
         decode: its workers are needed now, and waiting behind it held a reply's end back by that decode,
         13-25 ms at ``serve --parallel 2``: bench/serve_timeline.py). Waits for it: queued behind, the compute
-        thread would need the GIL back from a caller busy with the reply's aftermath while the workers spin."""
+        thread would need the GIL back from a caller busy with the reply's aftermath while the workers spin.
+        ``behind``: a running call is waited for, then the workers freed (``borrowed``: one pool at a time)."""
         if self._ident is None:
             return  # nothing decoded yet: no workers
-        if not self._busy and self._jobs.empty():
+        if (behind or not self._busy) and self._jobs.empty():
             self.run(omp.rest)
 
     @contextlib.contextmanager
@@ -114,7 +115,7 @@ class ComputeThread:
         if me in (self._ident, self._borrower):
             yield
             return
-        self.rest()
+        self.rest(behind=True)
         before, self._borrower = self._borrower, me
         try:
             yield
