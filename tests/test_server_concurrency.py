@@ -7,14 +7,16 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("starlette")
 
+from chatcli.core.conversation import Conversation
 from chatcli.core.kv import budget
 from chatcli.core.template import Message
-from chatcli.server.service import ChatRequest, ChatService, Finished, Started
+from chatcli.server.service import ChatRequest, ChatService, Finished, ServiceEvent, Started
 from chatcli.session import Session
 from tests.drive import isolated_session
 
@@ -132,4 +134,64 @@ def test_the_batch_context_is_made_when_the_service_starts(tmp_path: Path, monke
         finally:
             svc.close()
     finally:
+        s.close()
+
+
+def test_the_next_turn_is_matched_while_the_last_one_commits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One context: a client's next turn, sent right after [DONE], used to wait for the context before it was
+    # even parsed and matched, i.e. for the previous turn's whole commit (its cells read out and written, the
+    # metadata): now it finds its conversation meanwhile and waits only to take the context. It still
+    # continues the conversation as recorded, from memory.
+    s = isolated_session(tmp_path / "home", max_tokens=8, n_ctx=1024)
+    svc = ChatService(s, parallel=1, index_path=tmp_path / "index.json")
+    threads: list[threading.Thread] = []
+    try:
+        hold, committing, release = threading.Event(), threading.Event(), threading.Event()
+        real_release = svc._release
+
+        def held_release(conv: Conversation, rq: Any, **kw: Any) -> None:
+            if hold.is_set():  # the reply's end is out (Finished): its commit is held here
+                hold.clear()
+                committing.set()
+                assert release.wait(60)
+            real_release(conv, rq, **kw)
+
+        monkeypatch.setattr(svc, "_release", held_release)
+        matched: list[int] = []
+        real_lookup = svc.index.lookup
+        monkeypatch.setattr(svc.index, "lookup", lambda *a, **k: (matched.append(1), real_lookup(*a, **k))[1])
+        h = [Message("user", "Name a colour.")]
+        done = [ev for ev in svc.complete(ChatRequest(h, temperature=0.0)) if isinstance(ev, Finished)]  # all of it
+        first = done[0]
+        h += [Message("assistant", first.text), Message("user", "And another?")]
+        hold.set()
+        second: list[Finished] = []
+        t1 = threading.Thread(target=lambda: second.extend(
+            ev for ev in svc.complete(ChatRequest(list(h), temperature=0.0)) if isinstance(ev, Finished)))
+        t1.start()
+        threads.append(t1)
+        assert committing.wait(60)  # the second turn answered, its commit held
+        assert second  # Finished came before the commit
+        h += [Message("assistant", second[0].text), Message("user", "One more.")]
+        n = len(matched)
+        third: list[ServiceEvent] = []
+        t2 = threading.Thread(target=lambda: third.extend(svc.complete(ChatRequest(list(h), temperature=0.0))))
+        t2.start()
+        threads.append(t2)
+        deadline = time.monotonic() + 30
+        while len(matched) == n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(matched) > n  # matched while the turn before still held the context
+        assert not third  # nothing ran on the context meanwhile
+        release.set()
+        for t in threads:
+            t.join(60)
+        started = [ev for ev in third if isinstance(ev, Started)]
+        assert started and started[0].conversation == first.conversation and started[0].state == "memory"
+        assert any(isinstance(ev, Finished) for ev in third)
+    finally:
+        release.set()
+        for t in threads:
+            t.join(120)  # before the model goes
+        svc.close()
         s.close()

@@ -228,7 +228,11 @@ class ChatService:
         rq = _Req()
         try:
             with self._cond:
-                while all(s.busy for s in self._slots):
+                # A context whose request is finishing (its end sent, its state being written) is free in a few
+                # milliseconds: this request finds its conversation meanwhile and waits where it takes a
+                # context (``_await_free``), so a client's next turn is not parsed and matched after the
+                # previous turn's commit but during it (serve_timeline at --parallel 1: the commit is ~7 ms).
+                while all(s.busy and not s.finishing for s in self._slots):
                     self._cond.wait()
                 prep = self._prepare(req, rq, cancelled)
             yield from self._run(req, rq, prep, cancelled)
@@ -588,6 +592,7 @@ class ChatService:
               cancelled: Callable[[], bool] = lambda: False) -> Conversation:
         """Restore ``cid`` into a context this request takes (its own context when it is resident there)."""
         self._await_finishing(cid)
+        self._await_free()
         for slot in self._slots:
             if slot.conv is not None and slot.conv.id == cid:
                 if slot.busy:
@@ -633,10 +638,16 @@ class ChatService:
         self._cond.wait_for(lambda: not any(s.finishing and s.conv is not None and s.conv.id == cid
                                             for s in self._slots))
 
+    def _await_free(self) -> None:
+        """Wait (the service's lock let go meanwhile) until a context is free: ``complete`` lets a request
+        in while the only free ones are still finishing."""
+        self._cond.wait_for(lambda: not all(s.busy for s in self._slots))
+
     def _free_slot(self) -> tuple[_Slot, bool]:
-        """A free context: an empty one, else the least recently used (its conversation is on disk already);
-        and whether a new conversation may take up its cells (``Backend.forget``): they are those of the
-        conversation it held, none of them moved by a context shift."""
+        """A free context (waited for): an empty one, else the least recently used (its conversation is on
+        disk already); and whether a new conversation may take up its cells (``Backend.forget``): they are
+        those of the conversation it held, none of them moved by a context shift."""
+        self._await_free()
         slot = min((s for s in self._slots if not s.busy), key=lambda s: (s.conv is not None, s.used))
         keep = slot.conv is not None and not slot.conv.out_of_context
         slot.conv = None
