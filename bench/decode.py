@@ -368,10 +368,14 @@ class Bench:
         p.wait_ready(port)
         return p, port
 
-    def start_llama_server(self, parallel: int, tag: str) -> tuple[Proc, int]:
+    def start_llama_server(self, parallel: int, tag: str, *, unified: bool = True) -> tuple[Proc, int]:
+        """llama-server with ``parallel`` slots: one unified KV cache of n_ctx (``unified``), or its default
+        for an explicit ``-np``, a stream per slot, each of n_ctx (``-c`` is split among the slots)."""
         port = free_port()
+        kv = (["-c", str(self.o.n_ctx), "--kv-unified"] if unified
+              else ["-c", str(parallel * self.o.n_ctx), "--no-kv-unified"])
         argv = [self.llama_server, "-m", self.model, "--host", "127.0.0.1", "--port", str(port),
-                "-c", str(self.o.n_ctx), "-np", str(parallel), "--kv-unified", "-t", str(self.o.threads),
+                *kv, "-np", str(parallel), "-t", str(self.o.threads),
                 "-tb", str(self.o.threads), "-b", "512", "-ub", "512", "-fa", "off", "-ctk", "f16", "-ctv", "f16",
                 "--seed", str(SEED)]
         p = Proc(argv, self.env, self.work, self.work / "logs" / f"llama-server-{tag}.log")
@@ -442,6 +446,8 @@ class Bench:
         for n in self.cfg["clients"]:
             servers = {"chatcli serve": self.start_chatcli(n, f"np{n}-{cond}"),
                        "llama-server": self.start_llama_server(n, f"np{n}-{cond}")}
+            if n > 1:  # one slot: the same cache either way
+                servers[STREAMS] = self.start_llama_server(n, f"np{n}-streams-{cond}", unified=False)
             # chatcli picks its threads from the cores other processes left free since it started: started
             # right after it, llama-server's model load and warm-up are such a process, which a client a
             # moment later would find gone. The first run waits until that is a second in the past.
@@ -451,7 +457,8 @@ class Bench:
                 # Run ``rep``'s messages go to both servers (which goes first alternates): the same work on
                 # each, which the latencies compare.
                 for rep in range(reps):
-                    for name in (names if (rep + n) % 2 == 0 else names[::-1]):
+                    k = (rep + n) % len(names)
+                    for name in names[k:] + names[:k]:
                         la = load()
                         r = self.clients(servers[name][1], n, rep, loaded["conc_cap"] if loaded else None)
                         rows.append({"clients": n, "server": name, "rep": rep, "load": la, **r})
@@ -523,6 +530,8 @@ class Bench:
 # -- report -----------------------------------------------------------------------------------------------------
 
 REF = "llama-server streamed"
+# Section 2's second reference: llama-server's own default for an explicit -np, a KV stream per slot.
+STREAMS = "llama-server streams"
 
 
 def f(x: float | None, nd: int = 1) -> str:
@@ -630,7 +639,7 @@ def latency(x: float | None, cap: float | None) -> str:
 def conc_table(rows: list[dict[str, Any]]) -> list[str]:
     out = ["| clients | server | total tok/s | p50 latency s | p95 latency s | wall s | requests | load avg |",
            "|---:|---|---:|---:|---:|---:|---:|---:|"]
-    keys = sorted({(r["clients"], r["server"]) for r in rows}, key=lambda k: (k[0], k[1] != "chatcli serve"))
+    keys = sorted({(r["clients"], r["server"]) for r in rows}, key=lambda k: (k[0], k[1] != "chatcli serve", k[1]))
     for n, s in keys:
         rs = [r for r in rows if r["clients"] == n and r["server"] == s]
         errs = sum(len(r["errors"]) for r in rs)
@@ -669,13 +678,13 @@ def _paired(c: list[dict[str, Any]], ls: list[dict[str, Any]]) -> str:
     return spread(run_ratios(c, ls, "tok_s"))
 
 
-def conc_ratios(rows: list[dict[str, Any]]) -> list[str]:
-    out = ["| clients | chatcli ÷ llama-server total tok/s | per run: median (lowest–highest) | p50 latency ratio "
+def conc_ratios(rows: list[dict[str, Any]], ref: str = "llama-server") -> list[str]:
+    out = [f"| clients | chatcli ÷ {ref} total tok/s | per run: median (lowest–highest) | p50 latency ratio "
            "| p95 latency ratio |",
            "|---:|---:|---:|---:|---:|"]
     for n in sorted({r["clients"] for r in rows}):
         c = [r for r in rows if r["clients"] == n and r["server"] == "chatcli serve"]
-        ls = [r for r in rows if r["clients"] == n and r["server"] == "llama-server"]
+        ls = [r for r in rows if r["clients"] == n and r["server"] == ref]
         if not c or not ls:
             continue
         cap = next((r.get("cap") for r in ls if r.get("cap")), None)
@@ -686,13 +695,13 @@ def conc_ratios(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def conc_certainty(rows: list[dict[str, Any]]) -> list[str]:
-    """Section 2's per-run ratios (chatcli ÷ llama-server, the same messages back to back) as geometric means ±
+def conc_certainty(rows: list[dict[str, Any]], ref: str = "llama-server") -> list[str]:
+    """Section 2's per-run ratios (chatcli ÷ ``ref``, the same messages back to back) as geometric means ±
     standard error (``geo_se``); a run cut at the cap counts for neither."""
     out = ["| clients | total tok/s | p50 latency | p95 latency |", "|---:|---:|---:|---:|"]
     for n in sorted({r["clients"] for r in rows}):
         c = [r for r in rows if r["clients"] == n and r["server"] == "chatcli serve"]
-        ls = [r for r in rows if r["clients"] == n and r["server"] == "llama-server"]
+        ls = [r for r in rows if r["clients"] == n and r["server"] == ref]
         if not c or not ls:
             continue
         cells = [geo_se(run_ratios(c, ls, k)) for k in ("tok_s", "p50", "p95")]
@@ -740,7 +749,9 @@ def markdown(res: dict[str, Any], chart: str | None) -> str:
         lines += [f"## 2. serve with N concurrent clients — {names[cond]}", "",
                   f"Each client its own conversation of {cfg['turns']} turns, replies of {cfg['reply']} tokens (greedy, "
                   "no repeat penalty, the end of turn banned), all clients starting together; `chatcli serve "
-                  "--parallel N` vs `llama-server -np N --kv-unified`, each given the same messages run by run. "
+                  "--parallel N` vs `llama-server -np N --kv-unified` (one KV cache of n_ctx shared by the slots) "
+                  "and, for N > 1, `llama-server -np N -c N×n_ctx` (its default for an explicit -np: a KV stream "
+                  "per slot, as chatcli's batch context), each given the same messages run by run. "
                   "Latency = the whole streamed request"
                   + (f"; each run is cut {cap:.0f} s after its start (a cut request's latency counts as more than "
                      "that, its tokens as the chunks that came)" if cap else "") + ". Ratios: of the two servers' "
@@ -749,6 +760,10 @@ def markdown(res: dict[str, Any], chart: str | None) -> str:
                   *conc_ratios(res[key]), "",
                   *_certainty("Per run, chatcli ÷ llama-server as geometric means ± their standard error (how far "
                               "from 1 a ratio must lie to differ):", conc_certainty(res[key]))]
+        if any(r["server"] == STREAMS for r in res[key]):
+            lines += [f"Against `{STREAMS}` (a KV stream per slot):", "", *conc_ratios(res[key], STREAMS), "",
+                      *_certainty("Per run, as geometric means ± their standard error:",
+                                  conc_certainty(res[key], STREAMS))]
     if res.get("flash_attention"):
         lines += ["## 3. Flash attention on CPU, f16 KV (llama-bench)", "", *fa_table(res["flash_attention"]), ""]
     if chart:

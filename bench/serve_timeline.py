@@ -97,6 +97,19 @@ def install() -> None:
     from chatcli.server import service
 
     compute = llamacpp.COMPUTE
+    # The batch contexts (``_SharedBatch``), by address: told apart from a conversation's own context by
+    # that, not by their sequence count (a batch context of two streams has as many as an own context).
+    batch_ctx: set[int] = set()
+    make0 = llamacpp._SharedBatch._make
+
+    def make(self: Any) -> None:
+        make0(self)
+        batch_ctx.add(ctypes.cast(self._ctx, ctypes.c_void_p).value or 0)
+
+    llamacpp._SharedBatch._make = make  # type: ignore[method-assign]
+
+    def is_batch(ctx: Any) -> bool:
+        return (ctypes.cast(ctx, ctypes.c_void_p).value or 0) in batch_ctx
     run0 = compute.run
     mem_of: dict[int, Any] = {}
 
@@ -131,7 +144,7 @@ def install() -> None:
         try:
             return run0(timed, *args)
         finally:
-            EVENTS["decode"].append({"t0": t0, "t1": _now(), "batch": n_seq > 2, "ctx": addr, "n_tokens": int(b.n_tokens),
+            EVENTS["decode"].append({"t0": t0, "t1": _now(), "batch": addr in batch_ctx, "ctx": addr, "n_tokens": int(b.n_tokens),
                                      "seqs": seqs, "cells": cells, "thread": threading.current_thread().name,
                                      "inner": inner[0] if inner else 0.0})
 
@@ -228,14 +241,14 @@ def install() -> None:
         try:
             return seq_data0(ctx, seq, what)
         finally:
-            EVENTS["copy_work"].append({"t0": t0, "t1": _now(), "what": "get", "batch": llama_cpp.llama_n_seq_max(ctx) > 2})
+            EVENTS["copy_work"].append({"t0": t0, "t1": _now(), "what": "get", "batch": is_batch(ctx)})
 
     def set_data(ctx: Any, src: Any, size: int, seq: int) -> Any:
         t0 = _now()
         try:
             return set_data0(ctx, src, size, seq)
         finally:
-            EVENTS["copy_work"].append({"t0": t0, "t1": _now(), "what": "set", "batch": llama_cpp.llama_n_seq_max(ctx) > 2,
+            EVENTS["copy_work"].append({"t0": t0, "t1": _now(), "what": "set", "batch": is_batch(ctx),
                                         "bytes": size})
 
     llamacpp._seq_data = seq_data

@@ -37,6 +37,7 @@ import llama_cpp  # the only import of llama_cpp in chatcli
 import numpy as np
 import numpy.ctypeslib  # loaded on first use: the first reply's first logits would import it between decodes
 
+from chatcli.backends import seqstate
 from chatcli.backends.batching import BatchScheduler
 from chatcli.backends.compute import COMPUTE
 from chatcli.backends.cpuload import FreeCores, usable_cpus
@@ -129,6 +130,14 @@ class _Done:
     cells: np.ndarray | None = None
 
 
+def _cut(data: np.ndarray, p0: int, p1: int) -> np.ndarray:
+    """``seqstate.cut``, its refusal an engine error (the batched cells cannot be taken back)."""
+    try:
+        return seqstate.cut(data, p0, p1)
+    except seqstate.SeqStateError as exc:
+        raise BackendError(f"could not read the batched cells back: {exc}") from None
+
+
 def _seq_data(ctx: Any, seq: int, what: str = "read out the cells") -> np.ndarray:
     """Sequence ``seq``'s state as a byte array, for another context's ``llama_state_seq_set_data``.
 
@@ -164,13 +173,15 @@ class _Family:
 class _SharedBatch:
     """The context in which the siblings of one model decode together while several of them generate.
 
-    One unified KV cache with a sequence per sibling and one scratch sequence, sized for every sibling's
-    whole context. A sibling's cells come here only for the generation in progress: on its first batched
-    token its sequence is copied in whole (``enter_batch``); when it is alone again or its reply ends, the
-    cells decoded here are copied back into its own context and dropped from this one (``leave_batch``).
-    So the batch context holds only conversations generating now (attention spans no idle ones) and each
-    sibling's own context always ends up with exactly the cells that were computed. The copies and the
-    decodes run under the model's decode lock: one decode at a time on the model, whatever context.
+    A KV cache with a stream per sibling (``kv_unified`` off), each sized for the sibling's whole context:
+    a sequence's cells lie together, not interleaved with the others', and a batched decode attends each
+    sequence over its own cells only (seqstate.py has the measurements). A sibling's cells come here only
+    for the generation in progress: on its first batched token its sequence is copied in whole
+    (``enter_batch``); when it is alone again or its reply ends, the cells decoded here are copied back into
+    its own context and dropped from this one (``leave_batch``). So the batch context holds only
+    conversations generating now and each sibling's own context always ends up with exactly the cells that
+    were computed. The copies and the decodes run under the model's decode lock: one decode at a time on the
+    model, whatever context.
     """
 
     def __init__(self, owner: Engine) -> None:
@@ -183,8 +194,6 @@ class _SharedBatch:
         self._mem: Any = None
         self._batch: Any = None
         self._applied_threads = owner.n_threads
-        # Whether the next batched decode lays its steps out last member first (see ``_run``).
-        self._reversed = False
         # The scheduler holds the model's decode lock around ``_run`` (taken before the batch is: steps that
         # come while a sibling evaluates its prompt join the same decode).
         self.scheduler: BatchScheduler[_Step, _Done] = BatchScheduler(
@@ -202,14 +211,16 @@ class _SharedBatch:
         o = self.owner
         cap = len(self.members)
         cp = type(o._cparams).from_buffer_copy(o._cparams)  # a ctypes struct: copied bytewise
-        cp.n_ctx = cap * o.n_ctx  # every sibling may bring its whole context
-        cp.n_seq_max = cap + 1  # one sequence each, and the scratch (the last)
+        cp.n_seq_max = cap  # one sequence each, in a stream of its own ...
+        cp.n_ctx = cap * o.n_ctx  # ... of its whole context (llama.cpp gives each stream n_ctx / n_seq_max)
+        cp.kv_unified = False
         # A prompt's chunk (up to n_batch tokens) and every other sibling's next token fit in one decode;
-        # llama.cpp reserves an output row per sequence (the scratch too). The micro-batch is smaller: its
-        # compute buffer grows with it times the whole cache (659 MiB at 8 siblings of 4,096 tokens for 521,
-        # 11 MiB for 9), and a chat message is a few dozen tokens; longer ones are split by llama.cpp.
-        cp.n_batch = o.n_batch + cap + 1
-        cp.n_ubatch = min(o.n_batch, 128) + cap + 1
+        # llama.cpp reserves an output row per sequence. The micro-batch is smaller: its compute buffer grows
+        # with it times the cache, and a chat message is a few dozen tokens; longer ones are split by
+        # llama.cpp (measured with one unified cache: 659 MiB at 8 siblings of 4,096 tokens for 521, 11 MiB
+        # for 9).
+        cp.n_batch = o.n_batch + cap
+        cp.n_ubatch = min(o.n_batch, 128) + cap
         cp.n_outputs_max = 0  # = n_batch
         with _loading():
             ctx = llama_cpp.llama_init_from_model(o._model, cp)
@@ -221,10 +232,6 @@ class _SharedBatch:
         self.capacity = cap
         self.scheduler.limit = cp.n_batch
 
-    @property
-    def _scratch(self) -> int:
-        return self.capacity
-
     def enter_batch(self, m: Engine) -> None:
         """Copy ``m``'s whole sequence into its sequence of the batch context."""
         m._drop_kept()  # only what it holds, not cells ``forget`` left past its end
@@ -232,7 +239,7 @@ class _SharedBatch:
             if self._ctx is None:
                 self._make()
             self.stale.discard(m._member)  # its sequence is replaced below
-            data = _seq_data(m._ctx, SEQ) if m.n_past else None
+            data = seqstate.restream(_seq_data(m._ctx, SEQ), self.capacity) if m.n_past else None
             llama_cpp.llama_memory_seq_rm(self._mem, m._member, -1, -1)
             if data is not None:
                 src = data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
@@ -276,19 +283,16 @@ class _SharedBatch:
         with m._decode_lock:
             try:
                 if p1 > p0:
-                    s = self._scratch
-                    llama_cpp.llama_memory_seq_rm(self._mem, s, -1, -1)
-                    llama_cpp.llama_memory_seq_cp(self._mem, m._member, s, p0, p1)
-                    try:
-                        data = _seq_data(self._ctx, s, "save the batched cells").data  # a memoryview: no copy
-                    finally:
-                        llama_cpp.llama_memory_seq_rm(self._mem, s, -1, -1)
+                    # The whole sequence (llama.cpp reads no range of one stream), cut to the range once the
+                    # lock is let go: its cells lie together in its stream, so a few contiguous copies of about
+                    # what its entry copied in (a unified cache read a reply's 47 interleaved cells in 10-16 ms).
+                    whole = _seq_data(self._ctx, m._member, "save the batched cells")
             finally:
                 if not keep:
                     llama_cpp.llama_memory_seq_rm(self._mem, m._member, -1, -1)
         if p1 > p0:
             try:
-                m._put_cells(p0, p1, data)
+                m._put_cells(p0, p1, _cut(whole, p0, p1).data)
             except BaseException:
                 # The context must hold what the token list says: without the cells, forget the tokens.
                 del m.tokens[p0:]
@@ -305,13 +309,9 @@ class _SharedBatch:
         o = self.owner
         b = self._batch
         self._drop_stale()
-        # llama.cpp puts a batch's tokens in the free cells in batch order, so members decoding together
-        # interleave their cells (in the order their steps came: A B A B ... as often as not), and a reply's
-        # read-back (``_copy_back``) costs one copy per run of its cells per transposed V row. In member
-        # order, reversed every other decode (A B B A A B ...), the first and last members' cells come in
-        # runs of two: at most half the pieces to read back.
-        order = sorted(range(len(steps)), key=lambda j: steps[j].seq, reverse=self._reversed)
-        self._reversed = not self._reversed
+        # In sequence order: llama.cpp splits a batch over several streams into micro-batches of consecutive
+        # sequence ids, in the batch's order (llama_batch_allocr::split_equal, ``sequential``).
+        order = sorted(range(len(steps)), key=lambda j: steps[j].seq)
         rows = [0] * len(steps)  # each step's last token: its logits' row
         i = 0
         for j in order:
@@ -342,14 +342,8 @@ class _SharedBatch:
         return out
 
     def _read(self, seq: int, p0: int, p1: int) -> np.ndarray:
-        """Cells [p0, p1) of ``seq`` as a state buffer (through the scratch sequence; the lock is held)."""
-        sc = self._scratch
-        llama_cpp.llama_memory_seq_rm(self._mem, sc, -1, -1)
-        llama_cpp.llama_memory_seq_cp(self._mem, seq, sc, p0, p1)
-        try:
-            return _seq_data(self._ctx, sc, "save the batched cells")
-        finally:
-            llama_cpp.llama_memory_seq_rm(self._mem, sc, -1, -1)
+        """Cells [p0, p1) of ``seq`` as a one-stream state buffer (the lock is held)."""
+        return _cut(_seq_data(self._ctx, seq, "save the batched cells"), p0, p1)
 
     def _drop_stale(self) -> None:
         """Drop the sequences of siblings that left the batch context (the model's lock is held)."""

@@ -1,0 +1,56 @@
+"""The batch context's sequence-state surgery (seqstate.py) on llama.cpp's real bytes: a range cut out of a
+whole sequence is byte for byte what llama.cpp saves for that range, a state re-homed to another stream count
+and back is the same bytes, and anything else is refused before llama.cpp sees it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from chatcli.backends import seqstate
+from chatcli.backends.llamacpp import Engine
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: Path) -> Iterator[Engine]:
+    eng = Engine(model_path, n_ctx=512, n_threads=2)
+    eng.eval(eng.tokenize("The river runs past the old mill and under the stone bridge. " * 6))
+    yield eng
+    eng.close()
+
+
+def test_a_cut_is_what_llama_cpp_saves_for_the_range(engine: Engine) -> None:
+    n = engine.n_past
+    whole = bytes(engine.save_cells(0, n))
+    for p0, p1 in [(0, n), (7, 40), (n - 1, n), (40, n)]:
+        assert seqstate.cut(whole, p0, p1).tobytes() == bytes(engine.save_cells(p0, p1))
+
+
+def test_restreamed_state_comes_back_the_same(engine: Engine) -> None:
+    n = engine.n_past
+    whole = bytes(engine.save_cells(0, n))
+    four = seqstate.restream(whole, 4)
+    assert four.size == len(whole) + 12  # three empty streams: a zero count each
+    assert four[8:12].view("<u4")[0] == 4
+    assert seqstate.restream(four, 1).tobytes() == whole
+    assert seqstate.cut(four, 3, 9).tobytes() == bytes(engine.save_cells(3, 9))
+
+
+def test_what_does_not_parse_is_refused(engine: Engine) -> None:
+    n = engine.n_past
+    whole = np.frombuffer(bytes(engine.save_cells(0, n)), dtype=np.uint8)
+    with pytest.raises(seqstate.SeqStateError):
+        seqstate.cut(whole[:-1], 0, n)  # one byte short
+    with pytest.raises(seqstate.SeqStateError):
+        seqstate.cut(np.concatenate([whole, whole[:4]]), 0, n)  # trailing bytes
+    with pytest.raises(seqstate.SeqStateError):
+        seqstate.cut(whole, 0, n + 1)  # cells it does not hold
+    two = whole.copy()
+    two[8:12] = np.frombuffer(np.uint32(2).tobytes(), dtype=np.uint8)  # says two streams, one given
+    with pytest.raises(seqstate.SeqStateError):
+        seqstate.cut(np.concatenate([two, whole[12:]]), 0, n)  # both streams hold cells
+    with pytest.raises(seqstate.SeqStateError):
+        seqstate.restream(whole[:10], 2)
