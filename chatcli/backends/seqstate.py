@@ -26,12 +26,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from chatcli.errors import ChatcliError
+
 _HEAD = 12  # magic, seq id, n_stream
 _META_SIZES = (12, 16, 20, 24, 28, 32)  # a cell's metadata: 12 bytes, more with an extension (M-RoPE)
 
 
-class SeqStateError(ValueError):
-    """Sequence-state bytes that do not have the layout this module reads."""
+class SeqStateError(ChatcliError):
+    """Sequence-state bytes that do not have the layout this module reads (an engine failure: the bytes
+    came from llama.cpp)."""
 
 
 @dataclass
