@@ -195,3 +195,24 @@ def test_the_next_turn_is_matched_while_the_last_one_commits(tmp_path: Path, mon
             t.join(120)  # before the model goes
         svc.close()
         s.close()
+
+
+def test_a_conversation_without_a_system_message_is_restored_not_evaluated_again(tmp_path: Path) -> None:
+    # Its persona prefix is empty: saved as a record of no cells, which stopped every restore from disk (the
+    # whole history evaluated again each time another conversation had taken its context).
+    s = isolated_session(tmp_path / "home", max_tokens=12, n_ctx=1024)
+    svc = ChatService(s, parallel=1, index_path=tmp_path / "index.json")
+    try:
+        hist = {0: [Message("user", "Name three rivers.")], 1: [Message("user", "Name two cities.")]}
+        started: list[Started] = []
+        for i in (0, 1, 0):
+            evs = list(svc.complete(ChatRequest(hist[i], temperature=0.0)))
+            started += [e for e in evs if isinstance(e, Started)]
+            done = [e for e in evs if isinstance(e, Finished)]
+            hist[i] += [Message("assistant", done[0].text), Message("user", "More?")]
+        last = started[-1]
+        assert last.state == "disk" and last.conversation == started[0].conversation
+        assert last.evaluated < 20 and last.cached_tokens > 30  # the new message (and a closing), not the history
+    finally:
+        svc.close()
+        s.close()

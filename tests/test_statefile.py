@@ -163,3 +163,13 @@ def test_every_public_name_of_the_records_module_is_in_its_all() -> None:
     own = {name for name, v in vars(sf).items() if not name.startswith("_") and not isinstance(v, types.ModuleType)
            and (getattr(v, "__module__", None) == sf.__name__ or name.isupper() or isinstance(v, types.UnionType))}
     assert own == set(sf.__all__)
+
+
+def test_a_record_of_no_cells_does_not_end_the_live_state(tmp_path: Path) -> None:
+    # An empty persona prefix (an API conversation without a system message) was saved as CELLS [0, 0); the
+    # restore stopped at that chunk and evaluated the whole conversation again. Files holding one still load.
+    path = tmp_path / "state.kv"
+    _write(path, [(sf.CELLS, 0, 0, sf.cells_payload([], b"")), (sf.CELLS, 0, 3, sf.cells_payload([5, 6, 7], b"kv")),
+                  (sf.CELLS, 3, 4, sf.cells_payload([9], b"x"))])
+    chunks, _, n = sf.scan(path).live()
+    assert n == 4 and [(c.record.p0, c.end) for c in chunks] == [(0, 3), (3, 4)]

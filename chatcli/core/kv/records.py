@@ -309,7 +309,11 @@ class ScanResult:
                     # A chunk that does not continue the state means a writer bug or a foreign file:
                     # everything from here on is unusable.
                     break
-                chunks.append(LiveChunk(rec, rec.p1))
+                if rec.p1 > rec.p0:
+                    # Not an empty one: an empty persona prefix (an API conversation without a system
+                    # message) was saved as a record of no cells, and a restore stopped at it, evaluating
+                    # the whole conversation again (such files exist).
+                    chunks.append(LiveChunk(rec, rec.p1))
                 n = rec.p1
             elif rec.kind == TRUNCATE:
                 to = rec.p0
