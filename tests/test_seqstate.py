@@ -1,6 +1,6 @@
 """The batch context's sequence-state surgery (seqstate.py) on llama.cpp's real bytes: a range cut out of a
-whole sequence is byte for byte what llama.cpp saves for that range, a state re-homed to another stream count
-and back is the same bytes, and anything else is refused before llama.cpp sees it."""
+whole sequence is byte for byte what llama.cpp saves for that range, a state widened to another stream count
+differs only in that count, and anything else is refused before llama.cpp sees it."""
 
 from __future__ import annotations
 
@@ -29,13 +29,14 @@ def test_a_cut_is_what_llama_cpp_saves_for_the_range(engine: Engine) -> None:
         assert seqstate.cut(whole, p0, p1).tobytes() == bytes(engine.save_cells(p0, p1))
 
 
-def test_restreamed_state_comes_back_the_same(engine: Engine) -> None:
+def test_a_widened_state_differs_only_in_its_stream_count(engine: Engine) -> None:
     n = engine.n_past
     whole = bytes(engine.save_cells(0, n))
-    four = seqstate.restream(whole, 4)
-    assert four.size == len(whole) + 12  # three empty streams: a zero count each
-    assert four[8:12].view("<u4")[0] == 4
-    assert seqstate.restream(four, 1).tobytes() == whole
+    buf = np.concatenate([np.frombuffer(whole, dtype=np.uint8), np.full(12, 0xFF, dtype=np.uint8)])
+    four = seqstate.widen(buf, 4)
+    assert four is buf and four.size == len(whole) + 12  # in place; three empty streams: a zero count each
+    assert four[8:12].view("<u4")[0] == 4 and not four[len(whole):].any()
+    assert four[:8].tobytes() == whole[:8] and four[12:len(whole)].tobytes() == whole[12:]
     assert seqstate.cut(four, 3, 9).tobytes() == bytes(engine.save_cells(3, 9))
 
 
@@ -53,4 +54,6 @@ def test_what_does_not_parse_is_refused(engine: Engine) -> None:
     with pytest.raises(seqstate.SeqStateError):
         seqstate.cut(np.concatenate([two, whole[12:]]), 0, n)  # both streams hold cells
     with pytest.raises(seqstate.SeqStateError):
-        seqstate.restream(whole[:10], 2)
+        seqstate.widen(whole[:10].copy(), 2)  # too short
+    with pytest.raises(seqstate.SeqStateError):
+        seqstate.widen(np.concatenate([two, whole[12:], np.zeros(4, dtype=np.uint8)]), 2)  # not one stream

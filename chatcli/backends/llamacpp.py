@@ -124,7 +124,8 @@ class _Step:
 @dataclass
 class _Done:
     """What ``_SharedBatch._run`` gives each step: its logits row (a copy; None when not asked for) and, for a
-    ``read_back`` step, its cells as the bytes ``_put_cells`` takes."""
+    ``read_back`` step, its sequence's state read right after the decode (``sync`` cuts the step's cells out
+    of it once the lock is let go)."""
 
     logits: np.ndarray | None
     cells: np.ndarray | None = None
@@ -138,8 +139,9 @@ def _cut(data: np.ndarray, p0: int, p1: int) -> np.ndarray:
         raise BackendError(f"could not read the batched cells back: {exc}") from None
 
 
-def _seq_data(ctx: Any, seq: int, what: str = "read out the cells") -> np.ndarray:
-    """Sequence ``seq``'s state as a byte array, for another context's ``llama_state_seq_set_data``.
+def _seq_data(ctx: Any, seq: int, what: str = "read out the cells", *, room: int = 0) -> np.ndarray:
+    """Sequence ``seq``'s state as a byte array, for another context's ``llama_state_seq_set_data``; with
+    ``room`` spare bytes after it (``seqstate.widen`` fills them).
 
     No bytes object and no zero-filled ctypes buffer: a sequence is tens of MB (1,500 tokens of the bundled
     135M model: 23 MB) and each of those copies cost as much as llama.cpp's own (measured: get_data 7.5 ms,
@@ -147,11 +149,11 @@ def _seq_data(ctx: Any, seq: int, what: str = "read out the cells") -> np.ndarra
     conversations wait for their next token.
     """
     size = llama_cpp.llama_state_seq_get_size(ctx, seq)
-    buf = np.empty(size, dtype=np.uint8)
+    buf = np.empty(size + room, dtype=np.uint8)
     n = llama_cpp.llama_state_seq_get_data(ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, seq)
     if n == 0:
         raise BackendError(f"llama.cpp could not {what}")
-    return buf[:n]
+    return buf[:n + room]
 
 
 class _Family:
@@ -239,7 +241,9 @@ class _SharedBatch:
             if self._ctx is None:
                 self._make()
             self.stale.discard(m._member)  # its sequence is replaced below
-            data = seqstate.restream(_seq_data(m._ctx, SEQ), self.capacity) if m.n_past else None
+            # Read with room for the batch context's empty streams: made its layout in place, not copied.
+            room = 4 * (self.capacity - 1)
+            data = seqstate.widen(_seq_data(m._ctx, SEQ, room=room), self.capacity) if m.n_past else None
             llama_cpp.llama_memory_seq_rm(self._mem, m._member, -1, -1)
             if data is not None:
                 src = data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
@@ -257,8 +261,9 @@ class _SharedBatch:
     def sync(self, m: Engine, cells: np.ndarray | None = None, start: int = -1) -> None:
         """Put the cells ``m`` decoded here into its own context and keep its sequence here (a prompt evaluated
         here: its reply continues here while siblings generate, and its own context must hold the message's
-        cells for the state log, which saves them before the reply's first token is decoded). ``cells``: those
-        from ``start`` on, read out by the decode's leader (``_run``) in the same hold of the model's lock."""
+        cells for the state log, which saves them before the reply's first token is decoded). ``cells``: the
+        sequence as the decode's leader (``_run``) read it in the same hold of the model's lock, its step
+        having begun at ``start``; the step's cells are cut out of it here, without the lock."""
         p0, p1 = m._batch_from, m.n_past
         try:
             if cells is None or start != p0:  # not all of them: read them here
@@ -266,7 +271,7 @@ class _SharedBatch:
                 return
             m._batch_from = p1
             if p1 > p0:
-                m._put_cells(p0, p1, cells.data)
+                m._put_cells(p0, p1, _cut(cells, p0, p1).data)
         except BaseException:
             if cells is not None and p1 > p0:
                 del m.tokens[p0:]  # the context must hold what the token list says
@@ -338,12 +343,8 @@ class _SharedBatch:
             if s.logits:
                 ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
                 row = np.ctypeslib.as_array(ptr, shape=(o.n_vocab,)).copy()
-            out.append(_Done(row, self._read(s.seq, s.pos, s.pos + len(s.tokens)) if s.read_back else None))
+            out.append(_Done(row, _seq_data(self._ctx, s.seq, "save the batched cells") if s.read_back else None))
         return out
-
-    def _read(self, seq: int, p0: int, p1: int) -> np.ndarray:
-        """Cells [p0, p1) of ``seq`` as a one-stream state buffer (the lock is held)."""
-        return _cut(_seq_data(self._ctx, seq, "save the batched cells"), p0, p1)
 
     def _drop_stale(self) -> None:
         """Drop the sequences of siblings that left the batch context (the model's lock is held)."""

@@ -71,15 +71,18 @@ def _block(buf: np.ndarray) -> tuple[int, _Block | None]:
     return n_stream, None
 
 
-def restream(data: bytes | bytearray | memoryview | np.ndarray, n_stream: int) -> np.ndarray:
-    """The same sequence state for a context of ``n_stream`` streams (its one block of cells first, the
-    other streams empty): what ``llama_state_seq_set_data`` of such a context reads into any sequence."""
-    buf = np.frombuffer(data, dtype=np.uint8)
-    _, block = _block(buf)
-    head = buf[:_HEAD].copy()
-    head[8:12] = np.frombuffer(np.uint32(n_stream).tobytes(), dtype=np.uint8)
-    body = buf[block.start:block.end] if block is not None else np.zeros(4, dtype=np.uint8)
-    return np.concatenate([head, body, np.zeros(4 * (n_stream - 1), dtype=np.uint8)])
+def widen(buf: np.ndarray, n_stream: int) -> np.ndarray:
+    """A one-stream context's sequence state followed by ``4 * (n_stream - 1)`` spare bytes, made in place
+    into the same state for a context of ``n_stream`` streams (its block of cells first, the other streams
+    empty): what ``llama_state_seq_set_data`` of such a context reads into any sequence. No copy: the batch
+    context's entry copies a whole conversation under the model's lock already."""
+    spare = 4 * (n_stream - 1)
+    if buf.size < _HEAD + spare or _u32(buf, 8) != 1:
+        raise SeqStateError("not a one-stream sequence state with room for the other streams")
+    buf[8:12] = np.frombuffer(np.uint32(n_stream).tobytes(), dtype=np.uint8)
+    buf[buf.size - spare:] = 0
+    _block(buf)  # the layout it now claims, checked
+    return buf
 
 
 class _Layout:
@@ -152,7 +155,7 @@ def cut(data: bytes | bytearray | memoryview | np.ndarray, p0: int, p1: int) -> 
         raise SeqStateError(f"the sequence holds {idx.size} of the cells {p0}..{p1}")
     n = idx.size
     head = buf[:_HEAD].copy()
-    head[8:12] = np.frombuffer(np.uint32(1).tobytes(), dtype=np.uint8)
+    head[8:12] = np.frombuffer(np.uint32(1).tobytes(), dtype=np.uint8)  # one stream
     parts = [head, np.frombuffer(np.uint32(n).tobytes(), dtype=np.uint8),
              buf[lay.meta_at:lay.meta_at + c * lay.meta].reshape(c, lay.meta)[idx].reshape(-1)]
     data_at = lay.meta_at + c * lay.meta
@@ -161,10 +164,9 @@ def cut(data: bytes | bytearray | memoryview | np.ndarray, p0: int, p1: int) -> 
         parts.append(buf[at:at + 12])
         parts.append(buf[at + 12:at + 12 + c * row].reshape(c, row)[idx].reshape(-1))
     for at, size, n_embd in lay.v:
+        parts.append(buf[at:at + 12])
         if lay.v_trans:
-            parts.append(buf[at:at + 12])
             parts.append(buf[at + 12:at + 12 + n_embd * c * size].reshape(n_embd, c, size)[:, idx].reshape(-1))
         else:
-            parts.append(buf[at:at + 12])
             parts.append(buf[at + 12:at + 12 + c * size].reshape(c, size)[idx].reshape(-1))
     return np.concatenate(parts)

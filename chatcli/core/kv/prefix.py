@@ -112,10 +112,9 @@ def load_or_build(
             return [header, record], True
         if problem:
             yield Notice(f"persona cache entry unusable ({problem}); evaluating the prefix", "warn")
-    if n:
-        yield from evaluate(engine, prefix_tokens, "evaluating persona prefix")
     if not n:
         return [header], False  # no cells: no record (one of no cells stopped restores: ScanResult.live)
+    yield from evaluate(engine, prefix_tokens, "evaluating persona prefix")
     kv = engine.save_cells(0, n)
     records = [header, sf.encode_record(sf.CELLS, 0, n, sf.cells_payload(prefix_tokens, kv))]
     if cache_file is not None:
