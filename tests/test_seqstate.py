@@ -57,3 +57,18 @@ def test_what_does_not_parse_is_refused(engine: Engine) -> None:
         seqstate.widen(whole[:10].copy(), 2)  # too short
     with pytest.raises(seqstate.SeqStateError):
         seqstate.widen(np.concatenate([two, whole[12:], np.zeros(4, dtype=np.uint8)]), 2)  # not one stream
+
+
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+def test_a_cut_of_an_untransposed_v_cache_is_what_llama_cpp_saves(model_path: Path, kv_type: str) -> None:
+    # A quantized KV cache runs with flash attention, which stores V untransposed: the other V layout.
+    eng = Engine(model_path, n_ctx=512, n_threads=2, kv_type=kv_type)
+    try:
+        eng.eval(eng.tokenize("The river runs past the old mill and under the stone bridge. " * 4))
+        n = eng.n_past
+        whole = bytes(eng.save_cells(0, n))
+        assert whole[16 + 12 * n:20 + 12 * n] == b"\0\0\0\0"  # v_trans 0
+        for p0, p1 in [(0, n), (5, 20), (n - 1, n)]:
+            assert seqstate.cut(whole, p0, p1).tobytes() == bytes(eng.save_cells(p0, p1))
+    finally:
+        eng.close()
